@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Create the project's virtualenv and install everything laneflow needs, on a fresh machine too.
+#
+# Order matters: torch first (the pinned CPU build; anything else pulls GBs of CUDA wheels), then
+# Horovod (built from source once, wheel cached; see scripts/install_horovod.sh), then this project
+# with its pinned constraints. Idempotent: re-running only fills in what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+die() { echo "bootstrap: error: $*" >&2; exit 1; }
+
+find_python() {
+    for candidate in "${PYTHON:-}" python3.11 python3; do
+        [ -n "$candidate" ] || continue
+        if command -v "$candidate" >/dev/null 2>&1 &&
+            "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+            echo "$candidate"; return 0
+        fi
+    done
+    return 1
+}
+
+# pip on this kind of machine warns about every empty local index folder; keep real errors visible.
+quiet_pip() {
+    "$VENV/bin/python" -m pip "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    PY=$(find_python) || die "Python 3.11 is required (set PYTHON=/path/to/python3.11)"
+    echo "bootstrap: creating $VENV with $PY"
+    "$PY" -m venv "$VENV" || die "could not create a virtualenv (Debian: apt-get install -y python3-venv)"
+fi
+
+echo "bootstrap: installing $TORCH_SPEC"
+quiet_pip install -q "$TORCH_SPEC" || die "could not install $TORCH_SPEC"
+
+echo "bootstrap: installing horovod"
+scripts/install_horovod.sh "$VENV/bin/python"
+
+echo "bootstrap: installing laneflow and its dependencies"
+quiet_pip install -q -c scripts/constraints.txt -e '.[dev]' || die "could not install laneflow's dependencies"
+
+"$VENV/bin/python" - <<'PY' || die "the environment does not import (see above)"
+import cv2, horovod.torch, kubernetes, prefect, torch  # noqa: F401
+from azure.mgmt.netapp import NetAppManagementClient  # noqa: F401
+print(f"bootstrap: ready (torch {torch.__version__}, prefect {prefect.__version__}, opencv {cv2.__version__})")
+PY

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Install Horovod 0.28.1 (PyTorch + Gloo, CPU) into the active Python environment.
+#
+# Why a script: Horovod's last release does not build against current torch out of the box
+# (C++17 is required by torch headers, CMake >= 4 rejects its old policy). Building takes
+# ~12 minutes on 2 cores, so the wheel is built once into a cache outside the checkout and
+# reused by every later install (fresh clones and CI on the same machine included).
+#
+# Usage: scripts/install_horovod.sh [PYTHON]      (default: python from PATH)
+# Env:   LANEFLOW_WHEEL_CACHE  wheel cache dir     (default: ~/.cache/laneflow/wheels)
+#        HOROVOD_GPU_OPERATIONS=NCCL               (GPU images; default CPU/Gloo only)
+set -euo pipefail
+
+PY=${1:-python}
+HOROVOD_VERSION=0.28.1
+CACHE=${LANEFLOW_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/laneflow/wheels}
+# A GPU build must never be mistaken for the CPU one: keep them in separate cache folders.
+FLAVOUR=${HOROVOD_GPU_OPERATIONS:+gpu-${HOROVOD_GPU_OPERATIONS,,}}
+FLAVOUR=${FLAVOUR:-cpu}
+CACHE="$CACHE/horovod-$FLAVOUR"
+
+die() { echo "install_horovod: error: $*" >&2; exit 1; }
+log() { echo "install_horovod: $*"; }
+
+command -v "$PY" >/dev/null 2>&1 || die "python interpreter '$PY' not found; pass the venv's python as the first argument"
+
+check_build() {
+    local out
+    out=$("$PY" -m horovod.runner.launch --check-build 2>&1) || return 1
+    grep -q '\[X\] PyTorch' <<<"$out" && grep -q '\[X\] Gloo' <<<"$out"
+}
+
+if "$PY" -c "import horovod, sys; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" 2>/dev/null && check_build; then
+    log "horovod $HOROVOD_VERSION with PyTorch and Gloo already installed"
+    exit 0
+fi
+
+"$PY" -c "import torch" 2>/dev/null || die "torch is not installed in '$PY'; install it first (pip install torch==2.13.0)"
+
+mkdir -p "$CACHE"
+wheel=$(ls "$CACHE"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -1 || true)
+
+if [ -z "$wheel" ]; then
+    log "no cached wheel in $CACHE; building horovod $HOROVOD_VERSION from source (~12 min on 2 cores)"
+    for tool in g++ make; do
+        command -v "$tool" >/dev/null 2>&1 || die "'$tool' is required to build horovod; install it (Debian: apt-get install -y build-essential)"
+    done
+    # Build-time Python packages (no build isolation: horovod must see the installed torch).
+    "$PY" -m pip install -q numpy cloudpickle psutil pyyaml packaging cffi wheel setuptools \
+        || die "could not install horovod's build requirements (numpy cloudpickle psutil pyyaml packaging cffi)"
+    if ! command -v cmake >/dev/null 2>&1; then
+        "$PY" -m pip install -q 'cmake<4' || die "cmake not found and 'pip install cmake<4' failed"
+        PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"
+    fi
+    export CMAKE_POLICY_VERSION_MINIMUM=3.5
+
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    "$PY" -m pip download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION" \
+        || die "could not download the horovod $HOROVOD_VERSION sdist from the package index"
+    tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
+    src="$work/horovod-$HOROVOD_VERSION"
+    # torch >= 2.1 headers need C++17; horovod 0.28.1 pins C++14.
+    for f in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
+        [ -f "$f" ] || die "expected $f in the sdist; has the horovod sdist layout changed?"
+        sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
+        grep -q 'set(CMAKE_CXX_STANDARD 17)' "$f" || die "could not switch $f to C++17"
+    done
+
+    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+        HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+    export HOROVOD_CPU_OPERATIONS=${HOROVOD_CPU_OPERATIONS:-GLOO}
+    export MAKEFLAGS="-j$(nproc)"
+    "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$src" \
+        || die "horovod build failed (see the compiler output above)"
+    wheel_built=$(ls "$work"/dist/horovod-*.whl | head -1)
+    # Copy then rename so a half-written wheel is never taken from the cache.
+    cp "$wheel_built" "$CACHE/.partial.whl"
+    wheel="$CACHE/$(basename "$wheel_built")"
+    mv "$CACHE/.partial.whl" "$wheel"
+    log "cached $wheel"
+else
+    log "using cached wheel $wheel"
+fi
+
+"$PY" -m pip install -q cloudpickle psutil pyyaml packaging cffi || die "could not install horovod's runtime requirements"
+"$PY" -m pip install -q --no-deps --force-reinstall "$wheel" || die "could not install $wheel"
+check_build || die "horovod installed but 'horovodrun --check-build' does not list PyTorch and Gloo; delete $wheel and rerun to rebuild"
+log "horovod $HOROVOD_VERSION ready (PyTorch + Gloo)"
