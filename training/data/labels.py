@@ -1,0 +1,221 @@
+"""TuSimple label records: parsing, validation, lane-slot assignment and mask rasterizing.
+
+Everything here is pure (no file access) so the rules of DESIGN §4 can be tested on hand-made
+lanes and reused unchanged by the preprocessing workers, the trainer and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+import cv2
+import numpy as np
+
+#: TuSimple's reference frame; masks are drawn with ``LINE_WIDTH_AT_REFERENCE`` px lines at this width.
+REFERENCE_WIDTH = 1280
+REFERENCE_HEIGHT = 720
+LINE_WIDTH_AT_REFERENCE = 15
+#: Lane slots in the mask: 1..4 from left to right (0 is background).
+NUM_SLOTS = 4
+#: A lane needs this many labelled points for its slot to count as existing.
+MIN_POINTS_FOR_EXISTENCE = 4
+#: TuSimple marks an absent point with a negative x (-2 in the public labels).
+ABSENT = -2
+
+#: Label file -> split, as published with the TuSimple benchmark.
+LABEL_FILES: dict[str, str] = {
+    "label_data_0313.json": "train",
+    "label_data_0601.json": "train",
+    "label_data_0531.json": "val",
+    "test_label.json": "test",
+}
+SPLITS = ("train", "val", "test")
+
+
+class QuarantineReason:
+    """Why a label record was set aside; stable strings that end up in manifest.json."""
+
+    INVALID_JSON = "invalid_json"
+    INVALID_RECORD = "invalid_record"
+    LENGTH_MISMATCH = "length_mismatch"
+    X_OUT_OF_RANGE = "x_out_of_range"
+    Y_OUT_OF_RANGE = "y_out_of_range"
+    UNSAFE_PATH = "unsafe_path"
+    DUPLICATE = "duplicate_raw_file"
+    MISSING_IMAGE = "missing_image"
+    UNREADABLE_IMAGE = "unreadable_image"
+
+
+class LabelError(ValueError):
+    """A label record that cannot be used; ``reason`` is a :class:`QuarantineReason` value."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class LabelRecord:
+    """One validated line of a TuSimple label file."""
+
+    raw_file: str
+    h_samples: tuple[int, ...]
+    lanes: tuple[tuple[float, ...], ...]
+
+
+Point = tuple[float, float]
+
+
+def parse_label_line(line: str) -> LabelRecord:
+    """Parse one JSON line of a label file, checking its shape (not yet against the image).
+
+    Raises :class:`LabelError` naming what is wrong.
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise LabelError(QuarantineReason.INVALID_JSON, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise LabelError(QuarantineReason.INVALID_RECORD, "a label line must be a JSON object")
+    for key in ("raw_file", "h_samples", "lanes"):
+        if key not in obj:
+            raise LabelError(QuarantineReason.INVALID_RECORD, f"missing field '{key}'")
+    raw_file, h_samples, lanes = obj["raw_file"], obj["h_samples"], obj["lanes"]
+    if not isinstance(raw_file, str) or not raw_file:
+        raise LabelError(QuarantineReason.INVALID_RECORD, "'raw_file' must be a non-empty string")
+    if not _is_number_list(h_samples) or not h_samples:
+        raise LabelError(QuarantineReason.INVALID_RECORD, "'h_samples' must be a non-empty list of numbers")
+    if not isinstance(lanes, list) or not all(_is_number_list(lane) for lane in lanes):
+        raise LabelError(QuarantineReason.INVALID_RECORD, "'lanes' must be a list of lists of numbers")
+    if not is_safe_relative_path(raw_file):
+        raise LabelError(QuarantineReason.UNSAFE_PATH,
+                         f"raw_file '{raw_file}' must be a relative path inside the dataset")
+    for index, lane in enumerate(lanes):
+        if len(lane) != len(h_samples):
+            raise LabelError(
+                QuarantineReason.LENGTH_MISMATCH,
+                f"lane {index} has {len(lane)} x values but there are {len(h_samples)} h_samples",
+            )
+    return LabelRecord(
+        raw_file=raw_file,
+        h_samples=tuple(round(y) for y in h_samples),
+        lanes=tuple(tuple(float(x) for x in lane) for lane in lanes),
+    )
+
+
+def _is_number_list(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in value
+    )
+
+
+def is_safe_relative_path(path: str) -> bool:
+    """True for a relative POSIX path that stays inside its root (no absolute, no '..', no backslash)."""
+    if "\\" in path or "\x00" in path:
+        return False
+    pure = PurePosixPath(path)
+    return not pure.is_absolute() and ".." not in pure.parts and len(pure.parts) > 0
+
+
+def check_against_image(record: LabelRecord, width: int, height: int) -> None:
+    """Check that every labelled point lies inside a ``width`` x ``height`` image."""
+    for y in record.h_samples:
+        if not 0 <= y < height:
+            raise LabelError(QuarantineReason.Y_OUT_OF_RANGE, f"h_sample {y} is outside the image height {height}")
+    for index, lane in enumerate(record.lanes):
+        for x, y in zip(lane, record.h_samples, strict=True):
+            if x >= 0 and x >= width:
+                raise LabelError(
+                    QuarantineReason.X_OUT_OF_RANGE,
+                    f"lane {index} has x={x:g} at y={y}, outside the image width {width}",
+                )
+            if x < 0 and x != ABSENT:
+                raise LabelError(
+                    QuarantineReason.X_OUT_OF_RANGE,
+                    f"lane {index} has x={x:g} at y={y}; absent points must be {ABSENT}",
+                )
+
+
+def lane_points(lane: tuple[float, ...], h_samples: tuple[int, ...]) -> list[Point]:
+    """The labelled (x, y) points of a lane, top to bottom as in the label."""
+    return [(x, float(y)) for x, y in zip(lane, h_samples, strict=True) if x >= 0]
+
+
+def lane_angle_degrees(points: list[Point]) -> float:
+    """Direction from the lane's bottom point to its top point, in degrees in (0, 180).
+
+    Lanes left of the ego car lean right as they rise (< 90°), lanes on the right lean left (> 90°),
+    and the further a lane is from the car the further its angle is from 90°. Image y grows downward.
+    """
+    (x_top, y_top), (x_bottom, y_bottom) = points[0], points[-1]
+    return math.degrees(math.atan2(y_bottom - y_top, x_top - x_bottom))
+
+
+def assign_slots(lanes: tuple[tuple[float, ...], ...], h_samples: tuple[int, ...]) -> list[list[Point]]:
+    """Pick the lanes for slots 1..4 (left-outer, left-ego, right-ego, right-outer).
+
+    Lanes with at least two points are ordered by angle; the two nearest the car on each side
+    fill the slots. An empty list means the slot has no lane.
+    """
+    candidates = [pts for pts in (lane_points(lane, h_samples) for lane in lanes) if len(pts) >= 2]
+    ordered = sorted(candidates, key=lane_angle_degrees)
+    left = [pts for pts in ordered if lane_angle_degrees(pts) <= 90.0]
+    right = [pts for pts in ordered if lane_angle_degrees(pts) > 90.0]
+    slots: list[list[Point]] = [[], [], [], []]
+    if left:
+        slots[1] = left[-1]
+    if len(left) >= 2:
+        slots[0] = left[-2]
+    if right:
+        slots[2] = right[0]
+    if len(right) >= 2:
+        slots[3] = right[1]
+    return slots
+
+
+def existence_flags(slots: list[list[Point]]) -> tuple[int, ...]:
+    """1 for a slot whose lane has enough points to be learned, else 0."""
+    return tuple(int(len(points) >= MIN_POINTS_FOR_EXISTENCE) for points in slots)
+
+
+def line_width_for(width: int) -> int:
+    """Mask line width in px for an image ``width`` px wide: 15 at 1280, scaled, odd, at least 1.
+
+    Odd, because a line centred on the lane covers the centre column plus equal margins.
+    """
+    scaled = LINE_WIDTH_AT_REFERENCE * width / REFERENCE_WIDTH
+    return max(1, 2 * round((scaled - 1) / 2) + 1)
+
+
+def _opencv_thickness(line_width: int) -> int:
+    """OpenCV paints an even ``thickness`` t as t+1 px across (odd t as t+2): ask for one less."""
+    return max(1, line_width - 1)
+
+
+def rasterize_mask(slots: list[list[Point]], width: int, height: int) -> np.ndarray:
+    """Draw each existing slot's lane as a polyline of value slot+1 into a uint8 ``height`` x ``width`` mask."""
+    mask = np.zeros((height, width), dtype=np.uint8)
+    thickness = _opencv_thickness(line_width_for(width))
+    for slot, (points, exists) in enumerate(zip(slots, existence_flags(slots), strict=True)):
+        if not exists:
+            continue
+        polyline = np.round(np.asarray(points, dtype=np.float64)).astype(np.int32).reshape(-1, 1, 2)
+        cv2.polylines(mask, [polyline], isClosed=False, color=slot + 1, thickness=thickness)
+    return mask
+
+
+def mask_path_for(raw_file: str) -> str:
+    """Where the mask of ``clips/<date>/<id>/20.jpg`` lives: ``seg_label/<date>/<id>/20.png``."""
+    parts = PurePosixPath(raw_file).parts
+    if parts and parts[0] == "clips":
+        parts = parts[1:]
+    return str(PurePosixPath("seg_label", *parts).with_suffix(".png"))
+
+
+def list_line(raw_file: str, mask_file: str, existence: tuple[int, ...]) -> str:
+    """A list-file line: ``/<img> /<mask> e1 e2 e3 e4`` (paths relative to the dataset root)."""
+    return f"/{raw_file} /{mask_file} {' '.join(str(e) for e in existence)}"
