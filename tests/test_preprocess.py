@@ -151,3 +151,15 @@ def test_dataset_root_is_found_one_level_down(dataset_copy: Path, tmp_path: Path
         find_dataset_root(dataset_copy / "clips")
     with pytest.raises(DatasetLayoutError, match="does not exist"):
         find_dataset_root(tmp_path / "absent")
+
+
+def test_a_malformed_line_does_not_claim_its_image(dataset_copy: Path):
+    """When the first line naming an image is malformed, a later well-formed one is kept."""
+    lines = read_lines(dataset_copy / "label_data_0531.json")
+    good = json.loads(lines[0])
+    broken = json.dumps({**good, "lanes": [good["lanes"][0][:-3]]})
+    (dataset_copy / "label_data_0531.json").write_text("\n".join([broken, *lines[1:]]) + "\n")
+    append_label(dataset_copy, "label_data_0531.json", lines[0])
+    report = preprocess(dataset_copy, workers=2)
+    assert [(q["line"], q["reason"]) for q in report.manifest["quarantine"]] == [(1, "length_mismatch")]
+    assert good["raw_file"] in (dataset_copy / "seg_label/list/val_gt.txt").read_text()

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import cv2
 from training.data import labels
 from training.data.images import UnreadableImage, image_size
 from training.data.labels import LABEL_FILES, SPLITS, LabelError, QuarantineReason
+from training.data.png import encode_gray_png_scanlines
 
 log = logging.getLogger("laneflow.data.preprocess")
 
@@ -39,7 +41,6 @@ PARAMS = {
     "slots": labels.NUM_SLOTS,
     "slot_rule": "angle-nearest-two-per-side",
 }
-PNG_FAST = [cv2.IMWRITE_PNG_COMPRESSION, 1]
 
 
 class DatasetLayoutError(ValueError):
@@ -123,16 +124,21 @@ def read_label_lines(root: Path) -> tuple[list[Located], dict[str, dict]]:
     return located, sources
 
 
-def check_record(item: Located) -> tuple[labels.LabelRecord | None, Quarantined | None]:
-    """Parse a label line; quarantine it when it is malformed."""
+def peek_raw_file(text: str) -> str | None:
+    """The line's ``raw_file`` if it has a usable one; full validation happens in the workers."""
     try:
-        return labels.parse_label_line(item.text), None
+        raw_file = json.loads(text).get("raw_file")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return raw_file if isinstance(raw_file, str) and labels.is_safe_relative_path(raw_file) else None
+
+
+def process_line(item: Located, root: Path) -> Kept | Quarantined:
+    """Parse and check one label line, then write its mask. Runs in a worker process."""
+    try:
+        record = labels.parse_label_line(item.text)
     except LabelError as exc:
-        return None, Quarantined(item.label_file, item.line, exc.reason, exc.detail)
-
-
-def process_record(item: Located, record: labels.LabelRecord, root: Path) -> Kept | Quarantined:
-    """Check a parsed record against its image, then write its mask. Runs in a worker process."""
+        return Quarantined(item.label_file, item.line, exc.reason, exc.detail)
 
     def quarantine(reason: str, detail: str) -> Quarantined:
         return Quarantined(item.label_file, item.line, reason, detail, record.raw_file)
@@ -153,14 +159,11 @@ def process_record(item: Located, record: labels.LabelRecord, root: Path) -> Kep
     except LabelError as exc:
         return quarantine(exc.reason, exc.detail)
     slots = labels.assign_slots(record.lanes, record.h_samples)
-    mask = labels.rasterize_mask(slots, width, height)
+    top, scanlines = labels.rasterize_band(slots, width, height, pad_left=1)
     mask_file = labels.mask_path_for(record.raw_file)
     mask_path = root / mask_file
     mask_path.parent.mkdir(parents=True, exist_ok=True)
-    ok, encoded = cv2.imencode(".png", mask, PNG_FAST)
-    if not ok:
-        raise RuntimeError(f"could not encode the mask for {record.raw_file}")
-    mask_path.write_bytes(encoded.tobytes())
+    mask_path.write_bytes(encode_gray_png_scanlines(scanlines, top, height))
     return Kept(item.label_file, item.line, item.split, record.raw_file, mask_file,
                 labels.existence_flags(slots), hashlib.sha256(data).hexdigest())
 
@@ -175,21 +178,17 @@ def _init_worker(root: str) -> None:
     cv2.setNumThreads(1)
 
 
-def _process_in_worker(job: tuple[Located, labels.LabelRecord]) -> Kept | Quarantined:
+def _process_in_worker(item: Located) -> Kept | Quarantined:
     assert _worker_root is not None
-    return process_record(job[0], job[1], _worker_root)
+    return process_line(item, _worker_root)
 
 
-def inputs_fingerprint(root: Path, sources: dict[str, dict], located: list[Located]) -> str:
+def inputs_fingerprint(root: Path, sources: dict[str, dict], raw_files: list[str | None]) -> str:
     """Cheap identity of the inputs: label checksums, params, and size+mtime of every named image."""
     digest = hashlib.sha256()
     digest.update(json.dumps({"schema": SCHEMA, "params": PARAMS, "sources": sources}, sort_keys=True).encode())
-    for item in located:
-        try:
-            raw_file = json.loads(item.text).get("raw_file")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if not isinstance(raw_file, str) or not labels.is_safe_relative_path(raw_file):
+    for raw_file in raw_files:
+        if raw_file is None:
             continue
         try:
             st = (root / raw_file).stat()
@@ -230,7 +229,8 @@ def preprocess(
     """Prepare masks, list files and manifest under the dataset root; a no-op when inputs are unchanged."""
     root = find_dataset_root(dataset_dir)
     located, sources = read_label_lines(root)
-    fingerprint = inputs_fingerprint(root, sources, located)
+    raw_files = [peek_raw_file(item.text) for item in located]
+    fingerprint = inputs_fingerprint(root, sources, raw_files)
     previous = load_manifest(root)
     if (not force and previous and previous.get("inputs_fingerprint") == fingerprint
             and _outputs_present(root, previous)):
@@ -238,21 +238,28 @@ def preprocess(
         return PrepareReport(root, previous["dataset_version"], previous["counts"], True, previous)
 
     outcomes: list[Kept | Quarantined] = []
-    jobs: list[tuple[Located, labels.LabelRecord]] = []
-    seen_raw_files: dict[str, Located] = {}
-    for item in located:
-        record, problem = check_record(item)
-        if problem is not None:
-            outcomes.append(problem)
+    jobs: list[Located] = []
+    # Lines naming the same image would write the same mask: settle them here, before any worker
+    # runs. The first well-formed line wins; the others keep their own reason or become duplicates.
+    # Only these rare lines are parsed in this process; the rest are parsed in parallel by the workers.
+    occurrences = Counter(raw_file for raw_file in raw_files if raw_file is not None)
+    claimed: dict[str, Located] = {}
+    for item, raw_file in zip(located, raw_files, strict=True):
+        if raw_file is None or occurrences[raw_file] == 1:
+            jobs.append(item)
             continue
-        assert record is not None
-        first = seen_raw_files.setdefault(record.raw_file, item)
+        try:
+            labels.parse_label_line(item.text)
+        except LabelError as exc:
+            outcomes.append(Quarantined(item.label_file, item.line, exc.reason, exc.detail, raw_file))
+            continue
+        first = claimed.setdefault(raw_file, item)
         if first is not item:
             outcomes.append(Quarantined(item.label_file, item.line, QuarantineReason.DUPLICATE,
-                                        f"{record.raw_file} is already labelled at {first.label_file}:{first.line}",
-                                        record.raw_file))
+                                        f"{raw_file} is already labelled at {first.label_file}:{first.line}",
+                                        raw_file))
             continue
-        jobs.append((item, record))
+        jobs.append(item)
 
     outcomes.extend(_run_jobs(jobs, root, workers))
     outcomes.sort(key=lambda o: (list(LABEL_FILES).index(o.label_file), o.line))
@@ -307,20 +314,21 @@ def summarize_counts(located: list[Located], kept: list[Kept], quarantined: list
     }
 
 
-def _run_jobs(jobs: list[tuple[Located, labels.LabelRecord]], root: Path, workers: int | None
-              ) -> list[Kept | Quarantined]:
+def _run_jobs(jobs: list[Located], root: Path, workers: int | None) -> list[Kept | Quarantined]:
+    """Process label lines in worker processes (callers' scripts need the usual __main__ guard)."""
     workers = max(1, workers or os.cpu_count() or 1)
     if workers == 1 or len(jobs) < 2:
-        return [process_record(item, record, root) for item, record in jobs]
-    chunksize = max(1, min(64, len(jobs) // (workers * 4)))
+        return [process_line(item, root) for item in jobs]
+    chunksize = max(1, min(32, len(jobs) // (workers * 8)))
     # Never fork: the parent may hold OpenCV's thread pool or Prefect's threads, and a forked child
     # inherits their locks mid-use. A fork server starts clean once and forks cheaply afterwards.
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload([__name__])
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(root),)) as pool:
-        return list(pool.imap_unordered(_process_in_worker, jobs, chunksize=chunksize))
+    # An executor (unlike multiprocessing.Pool) fails loudly when a worker dies instead of hanging.
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(str(root),)) as pool:
+        return list(pool.map(_process_in_worker, jobs, chunksize=chunksize))
 
 
 def _write_atomic(path: Path, text: str) -> None:
