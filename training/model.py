@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F  # noqa: N812 (the conventional name)
+import torch.nn.functional as F
 from torch import nn
 
 NUM_CLASSES = 5  # background + 4 lane slots
@@ -67,7 +67,7 @@ class _MessagePassingFn(torch.autograd.Function):
     """out[0] = x[0]; out[i] = x[i] + relu(conv1d(out[i-1], w)) along dim 0 of a (S, N, C, L) tensor."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         padding = weight.shape[-1] // 2
         out = x.clone()
         active = torch.empty_like(x, dtype=torch.bool)
@@ -80,7 +80,7 @@ class _MessagePassingFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, active, weight = ctx.saved_tensors
         padding = weight.shape[-1] // 2
         grad = grad_out.clone()  # becomes dL/dout[i] once everything downstream has been added

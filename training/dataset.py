@@ -1,0 +1,158 @@
+"""Input pipeline: prepared TuSimple list files -> batches of (uint8 image, mask, existence).
+
+Fast where it matters on CPUs: JPEGs are decoded at reduced scale by libjpeg when the network input
+is at most half the stored size (DCT scaling, several times cheaper than a full decode); samples stay
+uint8 until they reach the training step, which normalizes them on the device (4x less data through
+the DataLoader's shared memory); OpenCV runs single-threaded inside each loader worker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class DataError(ValueError):
+    """The prepared dataset is missing or unusable; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    image: str
+    mask: str
+    existence: tuple[int, int, int, int]
+
+
+def read_list(data_root: str | Path, split: str) -> list[Sample]:
+    """Entries of ``seg_label/list/<split>_gt.txt``; clear errors for a missing root or an empty split."""
+    root = Path(data_root)
+    if not root.is_dir():
+        raise DataError(f"data root {root} does not exist; prepare the dataset first "
+                        "(python -m training.data.prepare ...)")
+    path = root / "seg_label" / "list" / f"{split}_gt.txt"
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: {root} is not a prepared dataset root "
+                        "(it must hold seg_label/list/ and manifest.json)")
+    samples = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 6 or any(flag not in ("0", "1") for flag in parts[2:]):
+            raise DataError(f"{path}:{lineno}: expected '/<img> /<mask> e1 e2 e3 e4', got '{line}'")
+        samples.append(Sample(parts[0].lstrip("/"), parts[1].lstrip("/"), tuple(int(f) for f in parts[2:])))
+    if not samples:
+        raise DataError(f"split '{split}' of {root} is empty ({path} lists no images); "
+                        "check the preparation's quarantine report in manifest.json")
+    return samples
+
+
+def reduced_read_flag(stored_width: int, target_width: int) -> tuple[int, int]:
+    """The cheapest OpenCV colour read whose output is still at least ``target_width`` wide, and its factor."""
+    for factor, flag in ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4),
+                         (2, cv2.IMREAD_REDUCED_COLOR_2)):
+        if stored_width // factor >= target_width:
+            return flag, factor
+    return cv2.IMREAD_COLOR, 1
+
+
+class LaneDataset(Dataset):
+    """Images resized to the network input, masks resized with nearest neighbour, optional small rotation."""
+
+    def __init__(self, data_root: str | Path, split: str, input_size: tuple[int, int], *,
+                 augment: bool = False, max_rotation_deg: float = 2.0, stored_width: int | None = None):
+        self.root = Path(data_root)
+        self.samples = read_list(self.root, split)
+        self.width, self.height = input_size
+        self.augment = augment
+        self.max_rotation_deg = max_rotation_deg
+        if stored_width is None:
+            first = cv2.imread(str(self.root / self.samples[0].image))
+            if first is None:
+                raise DataError(f"cannot read {self.root / self.samples[0].image}")
+            stored_width = first.shape[1]
+        self.read_flag, _ = reduced_read_flag(stored_width, self.width)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load(self, index: int, rng: random.Random | None = None) -> tuple[np.ndarray, np.ndarray]:
+        sample = self.samples[index]
+        image = cv2.imread(str(self.root / sample.image), self.read_flag)
+        mask = cv2.imread(str(self.root / sample.mask), cv2.IMREAD_UNCHANGED)
+        if image is None or mask is None:
+            raise DataError(f"cannot read {sample.image} or its mask {sample.mask} under {self.root}")
+        image = cv2.resize(image, (self.width, self.height), interpolation=cv2.INTER_LINEAR)
+        mask = cv2.resize(mask, (self.width, self.height), interpolation=cv2.INTER_NEAREST)
+        if self.augment:
+            angle = (rng or random).uniform(-self.max_rotation_deg, self.max_rotation_deg)
+            rotation = cv2.getRotationMatrix2D((self.width / 2, self.height / 2), angle, 1.0)
+            image = cv2.warpAffine(image, rotation, (self.width, self.height), flags=cv2.INTER_LINEAR,
+                                   borderMode=cv2.BORDER_REFLECT_101)
+            mask = cv2.warpAffine(mask, rotation, (self.width, self.height), flags=cv2.INTER_NEAREST,
+                                  borderValue=0)
+        return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), mask
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        image, mask = self.load(index)
+        return (torch.from_numpy(image), torch.from_numpy(mask),
+                torch.tensor(self.samples[index].existence, dtype=torch.float32))
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 NHWC batch -> float NCHW normalized with ImageNet statistics (on the batch's device)."""
+    x = images.permute(0, 3, 1, 2).float().div_(255.0)
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
+    return x.sub_(mean).div_(std)
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way through an epoch (resume after preemption)."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, skip_batches: int = 0,
+                 batch_size: int = 1):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.skip = skip_batches * batch_size
+
+    def __iter__(self):
+        indices = list(super().__iter__())[self.skip:]
+        self.skip = 0  # only the first (resumed) epoch is partial
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.skip)
+
+
+def _worker_init(_: int) -> None:
+    cv2.setNumThreads(1)
+
+
+def make_loader(dataset: Dataset, batch_size: int, sampler: DistributedSampler | None, num_workers: int,
+                pin_memory: bool) -> DataLoader:
+    """Training loader: full batches only, so every rank takes the same number of steps."""
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=True,
+                      num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=_worker_init,
+                      persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None)
+
+
+def steps_per_epoch(num_samples: int, world_size: int, batch_size: int) -> int:
+    return (num_samples // world_size) // batch_size
+
+
+def poly_lr(step: int, total_steps: int, base_lr: float, warmup_steps: int, power: float = 0.9) -> float:
+    """Linear warm-up to ``base_lr``, then polynomial decay to 0 at ``total_steps``."""
+    if warmup_steps and step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return base_lr * math.pow(1.0 - progress, power)

@@ -1,0 +1,152 @@
+"""Score a model on a split with the TuSimple metric, and draw predictions for the UI.
+
+Probability maps + existence -> lane x positions at the h_samples (pure: ``lanes_from_probabilities``)
+-> prediction JSON lines -> ``training.metric`` -> ``eval.json``; plus ``overlay.png`` with predicted
+(coloured) and ground-truth (white) lanes on a few images.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from training.data.images import image_size
+from training.data.labels import LABEL_FILES
+from training.dataset import LaneDataset, normalize
+from training.metric import parse_ground_truth, score_predictions
+from training.model import SCNN, ModelConfig
+
+log = logging.getLogger("laneflow.evaluate")
+
+PROB_THRESHOLD = 0.3
+EXIST_THRESHOLD = 0.5
+SLOT_COLOURS = ((255, 80, 80), (80, 255, 80), (80, 160, 255), (255, 220, 60))  # BGR per slot
+
+
+def lanes_from_probabilities(probs: np.ndarray, existence: np.ndarray, h_samples: list[int],
+                             image_size: tuple[int, int], threshold: float = PROB_THRESHOLD,
+                             exist_threshold: float = EXIST_THRESHOLD) -> list[list[int]]:
+    """Lane x at each h_sample (-2 where absent) for slots whose existence > ``exist_threshold``.
+
+    ``probs`` is (5, H, W) softmax output at network resolution; ``image_size`` is the original
+    (width, height) the h_samples refer to. A row's x is the peak of the slot's (smoothed) map when
+    the peak exceeds ``threshold``; lanes with fewer than 2 points are dropped.
+    """
+    _, height, width = probs.shape
+    orig_w, orig_h = image_size
+    rows = np.clip(np.round(np.asarray(h_samples) * height / orig_h).astype(int), 0, height - 1)
+    lanes = []
+    for slot in range(4):
+        if existence[slot] <= exist_threshold:
+            continue
+        smooth = cv2.blur(probs[slot + 1].astype(np.float32), (3, 3))
+        values = smooth[rows]
+        peaks = values.argmax(axis=1)
+        present = values[np.arange(len(rows)), peaks] > threshold
+        xs = np.where(present, np.round((peaks + 0.5) * orig_w / width - 0.5), -2).astype(int)
+        xs = np.clip(xs, -2, orig_w - 1)
+        if (xs >= 0).sum() >= 2:
+            lanes.append(xs.tolist())
+    return lanes
+
+
+def ground_truth_for(data_root: Path, split: str, raw_files: set[str]) -> dict[str, dict]:
+    """Ground-truth label records of ``split`` restricted to the images preparation kept."""
+    records: dict[str, dict] = {}
+    for name, file_split in LABEL_FILES.items():
+        path = data_root / name
+        if file_split != split or not path.is_file():
+            continue
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line).get("raw_file") in raw_files:
+                    kept.append(line)
+            except (json.JSONDecodeError, AttributeError):
+                continue
+        records.update(parse_ground_truth(kept, source=str(path)))
+    return records
+
+
+@torch.no_grad()
+def predict(model: SCNN, config: ModelConfig, data_root: Path, split: str, device: torch.device,
+            batch_size: int = 8) -> tuple[list[dict], LaneDataset]:
+    """Prediction records (``raw_file``, ``lanes``, ``run_time`` in ms per image) for a split."""
+    dataset = LaneDataset(data_root, split, (config.input_width, config.input_height))
+    model.eval()
+    gt_lines = ground_truth_for(data_root, split, {s.image for s in dataset.samples})
+    predictions = []
+    for start in range(0, len(dataset), batch_size):
+        indices = list(range(start, min(start + batch_size, len(dataset))))
+        batch = torch.stack([torch.from_numpy(dataset.load(i)[0]) for i in indices])
+        began = time.perf_counter()
+        logits, existence = model(normalize(batch.to(device)))
+        probs = torch.softmax(logits, dim=1).cpu().numpy()
+        existence = existence.cpu().numpy()
+        per_image_ms = (time.perf_counter() - began) * 1000 / len(indices)
+        for offset, index in enumerate(indices):
+            raw_file = dataset.samples[index].image
+            gt = gt_lines.get(raw_file)
+            if gt is None:
+                continue
+            size = image_size((data_root / raw_file).read_bytes())
+            lanes = lanes_from_probabilities(probs[offset], existence[offset], gt["h_samples"], size)
+            predictions.append({"raw_file": raw_file, "lanes": lanes, "run_time": per_image_ms})
+    return predictions, dataset
+
+
+def draw_overlay(data_root: Path, predictions: list[dict], ground_truth: dict[str, dict], out: Path,
+                 count: int = 4, tile: tuple[int, int] = (640, 360)) -> Path:
+    """Tile ``count`` images with predicted lanes (colour per slot) over ground truth (white dots)."""
+    tiles = []
+    for record in predictions[:count]:
+        image = cv2.imread(str(data_root / record["raw_file"]))
+        gt = ground_truth[record["raw_file"]]
+        for lane in gt["lanes"]:
+            for x, y in zip(lane, gt["h_samples"], strict=True):
+                if x >= 0:
+                    cv2.circle(image, (int(x), int(y)), 5, (255, 255, 255), -1)
+        for slot, lane in enumerate(record["lanes"]):
+            points = [(int(x), int(y)) for x, y in zip(lane, gt["h_samples"], strict=True) if x >= 0]
+            cv2.polylines(image, [np.array(points, np.int32)], False, SLOT_COLOURS[slot % 4], 4)
+        tiles.append(cv2.resize(image, tile))
+    while len(tiles) % 2:
+        tiles.append(np.zeros_like(tiles[0]))
+    grid = np.vstack([np.hstack(tiles[i:i + 2]) for i in range(0, len(tiles), 2)]) if tiles else \
+        np.zeros((tile[1], tile[0], 3), np.uint8)
+    cv2.imwrite(str(out), grid)
+    return out
+
+
+def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Path, split: str,
+                 device: torch.device) -> dict:
+    """Predict, score and draw; writes predictions_<split>.json, eval.json and overlay.png into ``run_dir``."""
+    data_root, run_dir = Path(data_root), Path(run_dir)
+    predictions, dataset = predict(model, config, data_root, split, device)
+    ground_truth = ground_truth_for(data_root, split, {s.image for s in dataset.samples})
+    prediction_file = run_dir / f"predictions_{split}.json"
+    prediction_file.write_text("".join(json.dumps(p) + "\n" for p in predictions))
+    score = score_predictions(prediction_file.read_text().splitlines(), ground_truth, source=str(prediction_file))
+    result = {"split": split, "accuracy": score.accuracy, "fp": score.fp, "fn": score.fn, "images": score.images,
+              "run_time_ms": float(np.mean([p["run_time"] for p in predictions])) if predictions else 0.0}
+    (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    draw_overlay(data_root, predictions, ground_truth, run_dir / "overlay.png")
+    log.info("%s: accuracy %.4f, FP %.4f, FN %.4f on %d images", split, score.accuracy, score.fp, score.fn,
+             score.images)
+    return result
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[SCNN, ModelConfig]:
+    """A model saved by the trainer (``model.pt``)."""
+    state = torch.load(path, map_location=device, weights_only=False)
+    config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["model_config"].items()})
+    model = SCNN(config).to(device)
+    model.load_state_dict(state["model"])
+    return model, config

@@ -1,0 +1,341 @@
+"""Train SCNN with Horovod: ``python -m training.train`` (size 1) or under ``horovodrun -np N``.
+
+Safe to retry: rank 0 alone writes checkpoints (atomically, every N steps and at epoch end) and
+the run resumes from the newest valid one; a truncated checkpoint is skipped with a warning. SIGTERM
+makes every rank stop after the current step, rank 0 checkpoint, and the process exit with
+``EXIT_PREEMPTED`` (75), which the orchestrator treats as "retry me". Rank 0 prints one JSON object
+per line on stdout for the orchestrator (``step``, ``epoch``, ``checkpoint``, ``eval``, ``preempted``,
+``done``); readable logs go to stderr.
+
+    python -m training.train --data-root DIR --run-dir DIR --preset cpu-demo --set epochs=3 --set lr=0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import cv2
+import torch
+
+from training.dataset import (
+    DataError,
+    LaneDataset,
+    ResumableDistributedSampler,
+    make_loader,
+    normalize,
+    poly_lr,
+    steps_per_epoch,
+)
+from training.model import SCNN, ModelConfig, SCNNLoss, load_backbone_weights, model_config
+
+log = logging.getLogger("laneflow.train")
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request, resumable
+EXIT_CONFIG_ERROR = 2
+KEEP_CHECKPOINTS = 3
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that shapes a run; presets give defaults, ``--set key=value`` overrides them."""
+
+    preset: str = "cpu-demo"
+    epochs: int = 3
+    batch_size: int = 4
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    warmup_steps: int = 20
+    checkpoint_every: int = 50
+    num_workers: int = 2
+    seed: int = 0
+    eval_split: str = "val"
+    max_steps: int = 0  # 0 = no limit beyond epochs
+    log_every: int = 10
+    model_overrides: dict = field(default_factory=dict)
+
+
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    # The seed's recipe: SGD (nesterov) lr 0.15 scaled by workers, poly decay with warm-up, 512x288.
+    "tusimple": TrainConfig(preset="tusimple", epochs=30, batch_size=8, lr=0.15, warmup_steps=200,
+                            checkpoint_every=500, num_workers=4),
+    "cpu-demo": TrainConfig(),
+}
+
+
+def parse_overrides(preset: str, pairs: list[str]) -> TrainConfig:
+    """Apply ``key=value`` overrides to a preset, converting each value to the field's type."""
+    if preset not in TRAIN_PRESETS:
+        raise ValueError(f"unknown preset '{preset}'; choose one of {', '.join(TRAIN_PRESETS)}")
+    config = TRAIN_PRESETS[preset]
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    model_fields = {f.name: f.type for f in fields(ModelConfig)}
+    changes: dict = {}
+    model_changes: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"override '{pair}' must look like key=value")
+        if key.startswith("model."):
+            name = key[len("model."):]
+            if name not in model_fields or model_fields[name] not in ("int", "float"):
+                raise ValueError(f"unknown or non-numeric model setting '{name}'")
+            model_changes[name] = _convert(key, value, model_fields[name])
+        elif key in types and key not in ("preset", "model_overrides"):
+            changes[key] = _convert(key, value, types[key])
+        else:
+            raise ValueError(f"unknown setting '{key}'; known: {', '.join(sorted(set(types) - {'model_overrides'}))}")
+    config = replace(config, **changes, model_overrides={**config.model_overrides, **model_changes})
+    validate(config)
+    return config
+
+
+def _convert(key: str, value: str, kind: str) -> object:
+    try:
+        return int(value) if kind == "int" else float(value) if kind == "float" else value
+    except ValueError:
+        raise ValueError(f"setting '{key}' needs a {kind}, got '{value}'") from None
+
+
+def validate(config: TrainConfig) -> None:
+    for name in ("epochs", "batch_size", "checkpoint_every", "log_every"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"setting '{name}' must be >= 1, got {getattr(config, name)}")
+    if config.lr <= 0:
+        raise ValueError(f"setting 'lr' must be > 0, got {config.lr}")
+    if config.num_workers < 0 or config.max_steps < 0 or config.warmup_steps < 0:
+        raise ValueError("num_workers, max_steps and warmup_steps must be >= 0")
+    model_config(config.preset, **config.model_overrides)
+
+
+# --- distributed helpers -------------------------------------------------------------------------
+
+class Distributed:
+    """The little of Horovod the trainer needs; size 1 when run plainly."""
+
+    def __init__(self) -> None:
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+        hvd.init()
+        self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+
+    def average(self, value: float, name: str) -> float:
+        if self.size == 1:
+            return value
+        return float(self.hvd.allreduce(torch.tensor([value]), name=name, op=self.hvd.Average))
+
+    def any(self, flag: bool, name: str) -> bool:
+        if self.size == 1:
+            return flag
+        return bool(self.hvd.allreduce(torch.tensor([float(flag)]), name=name, op=self.hvd.Sum) > 0)
+
+
+def emit(event: str, **payload: object) -> None:
+    """One JSON line for the orchestrator (rank 0 only, by the callers)."""
+    print(json.dumps({"event": event, **payload}), flush=True)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step-{step:08d}.pt"
+
+
+def save_checkpoint(run_dir: Path, state: dict) -> Path:
+    """Write atomically (temp file + rename) and keep the newest few."""
+    path = checkpoint_path(run_dir, state["step"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    for old in sorted(path.parent.glob("step-*.pt"))[:-KEEP_CHECKPOINTS]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_latest_checkpoint(run_dir: Path) -> dict | None:
+    """The newest checkpoint that loads; unreadable (e.g. truncated) ones are skipped with a warning."""
+    for path in sorted((run_dir / "checkpoints").glob("step-*.pt"), reverse=True):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            if not isinstance(state, dict) or "model" not in state or "step" not in state:
+                raise ValueError("not a laneflow checkpoint")
+            return state | {"path": str(path)}
+        except Exception as exc:
+            log.warning("skipping unreadable checkpoint %s (%s)", path, exc)
+    return None
+
+
+def check_compatible(state: dict, model_cfg: ModelConfig, path: str) -> None:
+    saved = state.get("model_config")
+    if saved != asdict(model_cfg):
+        raise ValueError(f"checkpoint {path} was written for a different model ({saved}); this run uses "
+                         f"{asdict(model_cfg)}. Use a new run dir, or the preset and overrides it was trained with.")
+
+
+# --- training ------------------------------------------------------------------------------------
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT; checked between steps so a checkpoint is never written mid-step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        log.warning("received signal %d: checkpointing after this step", signum)
+        self.requested = True
+
+
+def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | None = None) -> int:
+    dist = Distributed()
+    is_main = dist.rank == 0
+    torch.manual_seed(config.seed)
+    device = torch.device(f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model_cfg = model_config(config.preset, **config.model_overrides)
+    dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True)
+    per_epoch = steps_per_epoch(len(dataset), dist.size, config.batch_size)
+    if per_epoch == 0:
+        raise DataError(f"the train split has {len(dataset)} images: too few for {dist.size} worker(s) "
+                        f"x batch size {config.batch_size}; lower batch_size or add data")
+    total_steps = per_epoch * config.epochs
+    if config.max_steps:
+        total_steps = min(total_steps, config.max_steps)
+
+    model = SCNN(model_cfg).to(device)
+    if weights:
+        count = load_backbone_weights(model, weights)
+        log.info("loaded %d backbone tensors from %s", count, weights)
+    lr = config.lr * dist.size  # linear scaling with the number of workers
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum,
+                                weight_decay=config.weight_decay, nesterov=True)
+    step = 0
+    state = load_latest_checkpoint(run_dir) if is_main else None
+    if is_main and state is not None:
+        check_compatible(state, model_cfg, state["path"])
+    # Everyone learns rank 0's decision and starting point.
+    step = int(dist.hvd.broadcast_object(state["step"] if state else 0, root_rank=0, name="resume_step"))
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        log.info("resuming from %s at step %d", state["path"], step)
+    dist.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    dist.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = dist.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    criterion = SCNNLoss()
+    stop = StopRequest()
+    metrics_file = run_dir / "metrics.jsonl"
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps({"train": asdict(config), "model": asdict(model_cfg),
+                                                          "world_size": dist.size}, indent=2))
+        emit("start", step=step, total_steps=total_steps, world_size=dist.size, resumed=state is not None)
+
+    def record(event: str, **payload: object) -> None:
+        if is_main:
+            emit(event, **payload)
+            with metrics_file.open("a") as handle:
+                handle.write(json.dumps({"event": event, **payload}) + "\n")
+
+    def checkpoint() -> None:
+        if is_main:
+            path = save_checkpoint(run_dir, {
+                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "model_config": asdict(model_cfg), "train_config": asdict(config), "world_size": dist.size,
+            })
+            record("checkpoint", step=step, path=str(path))
+
+    model.train()
+    sampler = ResumableDistributedSampler(dataset, dist.size, dist.rank, config.seed, step % per_epoch,
+                                          config.batch_size)
+    loader = make_loader(dataset, config.batch_size, sampler, config.num_workers, device.type == "cuda")
+    while step < total_steps:
+        epoch = step // per_epoch
+        sampler.set_epoch(epoch)
+        window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
+        fetch_start = time.perf_counter()
+        for images, masks, exist in loader:
+            waited += time.perf_counter() - fetch_start
+            for group in optimizer.param_groups:
+                group["lr"] = poly_lr(step, total_steps, lr, config.warmup_steps)
+            images = normalize(images.to(device, non_blocking=True))
+            logits, existence = model(images)
+            loss, parts = criterion(logits, existence, masks.to(device), exist.to(device))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            images_seen += images.shape[0]
+            losses.append(loss.item())
+            if step % config.log_every == 0 or step == total_steps:
+                elapsed = time.perf_counter() - window_start
+                record("step", step=step, epoch=epoch, loss=dist.average(sum(losses) / len(losses), "loss"),
+                       lr=optimizer.param_groups[0]["lr"], img_per_s=images_seen * dist.size / elapsed,
+                       input_stall=waited / elapsed, **parts)
+                window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
+            if dist.any(stop.requested, "stop"):
+                checkpoint()
+                record("preempted", step=step)
+                return EXIT_PREEMPTED
+            if step % config.checkpoint_every == 0:
+                checkpoint()
+            if step >= total_steps:
+                break
+            fetch_start = time.perf_counter()
+        if step % per_epoch == 0 or step >= total_steps:
+            record("epoch", epoch=epoch, step=step)
+            if step % config.checkpoint_every:
+                checkpoint()
+
+    if is_main:
+        torch.save({"model": model.state_dict(), "model_config": asdict(model_cfg), "step": step},
+                   run_dir / "model.pt.tmp")
+        os.replace(run_dir / "model.pt.tmp", run_dir / "model.pt")
+        from training.evaluate import evaluate_run
+
+        result = evaluate_run(model, model_cfg, data_root, run_dir, config.eval_split, device)
+        record("eval", **result)
+        emit("done", step=step)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--data-root", required=True, type=Path, help="prepared dataset root (with seg_label/)")
+    parser.add_argument("--run-dir", required=True, type=Path, help="where checkpoints, metrics and model go")
+    parser.add_argument("--preset", default="cpu-demo", help=f"one of {', '.join(TRAIN_PRESETS)}")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a setting, e.g. --set epochs=5 --set model.input_width=320")
+    parser.add_argument("--weights", type=Path, help="VGG16-BN backbone weights file (optional)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s rank" + os.environ.get("HOROVOD_RANK", "0") + " %(name)s %(message)s")
+    # OpenCV's own thread pool stays off in this process: loader workers are forked from it.
+    cv2.setNumThreads(1)
+    try:
+        config = parse_overrides(args.preset, args.overrides)
+        if args.weights and not args.weights.is_file():
+            raise ValueError(f"weights file {args.weights} does not exist")
+        return train(config, args.data_root, args.run_dir, args.weights)
+    except (ValueError, DataError) as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
