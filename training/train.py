@@ -13,6 +13,7 @@ per line on stdout for the orchestrator (``step``, ``epoch``, ``checkpoint``, ``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -133,10 +134,30 @@ class Distributed:
             return value
         return float(self.hvd.allreduce(torch.tensor([value]), name=name, op=self.hvd.Average))
 
+    def average_buffers(self, model: torch.nn.Module) -> None:
+        """Average BatchNorm running statistics: gradients keep parameters in step, not these buffers.
+
+        Called before every checkpoint and at the end, so what is saved (and what every rank holds
+        then) reflects all ranks' data.
+        """
+        if self.size == 1:
+            return
+        for name, buffer in model.named_buffers():
+            if buffer.is_floating_point():
+                self.hvd.allreduce_(buffer, op=self.hvd.Average, name=f"buffer.{name}")
+
     def any(self, flag: bool, name: str) -> bool:
         if self.size == 1:
             return flag
         return bool(self.hvd.allreduce(torch.tensor([float(flag)]), name=name, op=self.hvd.Sum) > 0)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def emit(event: str, **payload: object) -> None:
@@ -243,7 +264,6 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({"train": asdict(config), "model": asdict(model_cfg),
                                                           "world_size": dist.size}, indent=2))
-        emit("start", step=step, total_steps=total_steps, world_size=dist.size, resumed=state is not None)
 
     def record(event: str, **payload: object) -> None:
         if is_main:
@@ -252,6 +272,7 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
                 handle.write(json.dumps({"event": event, **payload}) + "\n")
 
     def checkpoint() -> None:
+        dist.average_buffers(model)  # a collective: every rank calls checkpoint() at the same steps
         if is_main:
             path = save_checkpoint(run_dir, {
                 "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -259,6 +280,7 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
             })
             record("checkpoint", step=step, path=str(path))
 
+    record("start", step=step, total_steps=total_steps, world_size=dist.size, resumed=state is not None)
     model.train()
     sampler = ResumableDistributedSampler(dataset, dist.size, dist.rank, config.seed, step % per_epoch,
                                           config.batch_size)
@@ -301,6 +323,9 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
             if step % config.checkpoint_every:
                 checkpoint()
 
+    dist.average_buffers(model)
+    # Every rank reports what it ended with: diverged replicas would show here first.
+    log.info("final weights sha256 %s (rank %d)", weights_digest(model), dist.rank)
     if is_main:
         torch.save({"model": model.state_dict(), "model_config": asdict(model_cfg), "step": step},
                    run_dir / "model.pt.tmp")
@@ -309,7 +334,7 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
 
         result = evaluate_run(model, model_cfg, data_root, run_dir, config.eval_split, device)
         record("eval", **result)
-        emit("done", step=step)
+        emit("done", step=step, weights_sha256=weights_digest(model))
     return 0
 
 

@@ -1,0 +1,204 @@
+"""The training entrypoint as the orchestrator runs it: real processes, real horovodrun, real files."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from training.data.preprocess import preprocess
+from training.data.synthetic import generate
+from training.dataset import DataError, LaneDataset, poly_lr, read_list
+from training.evaluate import lanes_from_probabilities
+from training.train import EXIT_PREEMPTED, parse_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+FAST = ["--set", "batch_size=2", "--set", "num_workers=0", "--set", "log_every=1", "--set", "warmup_steps=2"]
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("prepared") / "tusimple"
+    generate(root, train=16, val=4, test=4, seed=3, width=320, height=180)
+    preprocess(root, workers=1)
+    return root
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(REPO)}
+
+
+def train_cmd(data_root: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "training.train", "--data-root", str(data_root), "--run-dir", str(run_dir),
+            "--preset", "cpu-demo", *FAST, *extra]
+
+
+def events(stdout: str) -> list[dict]:
+    found = []
+    for line in stdout.splitlines():
+        line = re.sub(r"^\[\d+\]<stdout>:", "", line)
+        if line.startswith("{"):
+            found.append(json.loads(line))
+    return found
+
+
+def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
+
+
+def test_plain_run_writes_checkpoints_metrics_model_and_eval(prepared: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    done = run(train_cmd(prepared, run_dir, "--set", "epochs=2", "--set", "checkpoint_every=3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    kinds = [e["event"] for e in events(done.stdout)]
+    assert kinds[0] == "start" and kinds[-2:] == ["eval", "done"]
+    steps = [e for e in events(done.stdout) if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 17))
+    for event in steps:
+        assert {"loss", "lr", "img_per_s", "input_stall"} <= set(event)
+        assert 0.0 <= event["input_stall"] <= 1.0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step-00000012.pt", "step-00000015.pt", "step-00000016.pt"]  # newest three kept
+    assert (run_dir / "model.pt").is_file() and (run_dir / "overlay.png").is_file()
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    assert evaluation["split"] == "val" and evaluation["images"] == 4
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == len(events(done.stdout)) - 1  # no "done"
+
+
+def test_horovodrun_two_ranks_end_identical_and_only_rank0_writes(prepared: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+           *train_cmd(prepared, run_dir, "--set", "epochs=1", "--set", "checkpoint_every=2")]
+    done = run(cmd, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    digests = dict(re.findall(r"final weights sha256 ([0-9a-f]{64}) \(rank (\d)\)", done.stdout + done.stderr))
+    assert len(set(re.findall(r"final weights sha256 ([0-9a-f]{64}) \(rank (\d)\)",
+                              done.stdout + done.stderr))) == 2, "both ranks must report"
+    assert len(set(digests)) == 1, f"ranks diverged: {digests}"
+    # Rank 1 prints no events and writes nothing: each event is in metrics.jsonl exactly once.
+    assert not re.search(r"^\[1\]<stdout>:\{", done.stdout, re.M)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["event"] for m in metrics].count("start") == 1
+    start = metrics[0]
+    assert start["world_size"] == 2 and start["total_steps"] == 4  # 16 images / 2 ranks / batch 2
+    assert [m["step"] for m in metrics if m["event"] == "checkpoint"] == [2, 4]
+
+
+def wait_for(path_glob: Path, pattern: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if list(path_glob.glob(pattern)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing matching {pattern} appeared in {path_glob}")
+
+
+def test_killed_run_resumes_from_its_checkpoint_not_from_zero(prepared: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(prepared, run_dir, "--set", "epochs=3", "--set", "checkpoint_every=2")
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=REPO)
+    try:
+        wait_for(run_dir / "checkpoints", "step-*.pt")
+    finally:
+        process.kill()
+        process.communicate()
+    saved = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    start = events(done.stdout)[0]
+    assert start["resumed"] is True and start["step"] == saved >= 2
+    assert events(done.stdout)[1]["step"] == saved + 1
+
+
+def test_sigterm_checkpoints_and_exits_preempted(prepared: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(prepared, run_dir, "--set", "epochs=20", "--set", "checkpoint_every=1000")
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    wait_for(run_dir, "metrics.jsonl")
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    preempted = [e for e in events(stdout) if e["event"] == "preempted"]
+    assert len(preempted) == 1
+    assert (run_dir / "checkpoints" / f"step-{preempted[0]['step']:08d}.pt").is_file()
+
+
+def test_truncated_checkpoint_is_skipped_with_a_warning(prepared: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    first = run(train_cmd(prepared, run_dir, "--set", "epochs=1", "--set", "checkpoint_every=2",
+                          "--set", "max_steps=4"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = run_dir / "checkpoints" / "step-00000004.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    second = run(train_cmd(prepared, run_dir, "--set", "epochs=1", "--set", "checkpoint_every=2",
+                           "--set", "max_steps=6"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "skipping unreadable checkpoint" in second.stderr and "step-00000004.pt" in second.stderr
+    assert events(second.stdout)[0]["step"] == 2
+
+
+def test_mismatched_checkpoint_is_a_clear_error(prepared: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    assert run(train_cmd(prepared, run_dir, "--set", "max_steps=2", "--set", "checkpoint_every=2")).returncode == 0
+    done = run(train_cmd(prepared, run_dir, "--set", "max_steps=4", "--set", "model.mp_kernel=3"))
+    assert done.returncode == 2
+    assert "was written for a different model" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_missing_data_root_and_empty_split_are_clear_errors(prepared: Path, tmp_path: Path):
+    done = run(train_cmd(tmp_path / "nowhere", tmp_path / "run"))
+    assert done.returncode == 2 and "data root" in done.stderr and "does not exist" in done.stderr
+    with pytest.raises(DataError, match=r"split 'train' .* is empty"):
+        empty = tmp_path / "empty"
+        (empty / "seg_label" / "list").mkdir(parents=True)
+        (empty / "seg_label" / "list" / "train_gt.txt").write_text("")
+        read_list(empty, "train")
+
+
+def test_overrides_are_typed_and_checked():
+    config = parse_overrides("cpu-demo", ["epochs=5", "lr=0.1", "model.input_width=320"])
+    assert config.epochs == 5 and config.lr == 0.1 and config.model_overrides == {"input_width": 320}
+    for bad, message in (["epochs=x"], "needs a int"), (["nope=1"], "unknown setting"), \
+            (["epochs=0"], "must be >= 1"), (["model.input_width=100"], "multiple of 16"), (["lr"], "key=value"):
+        with pytest.raises(ValueError, match=message):
+            parse_overrides("cpu-demo", bad)
+
+
+def test_poly_lr_warms_up_then_decays_to_zero():
+    lrs = [poly_lr(s, 100, 0.1, 10) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.01) and lrs[9] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[10:]))
+    assert lrs[100] == 0.0
+
+
+def test_loader_output_matches_the_network_input(prepared: Path):
+    dataset = LaneDataset(prepared, "train", (256, 144), augment=True)
+    image, mask, exist = dataset[0]
+    assert image.shape == (144, 256, 3) and image.dtype == torch.uint8
+    assert mask.shape == (144, 256) and int(mask.max()) <= 4
+    assert exist.shape == (4,)
+
+
+def test_lanes_from_probabilities():
+    probs = np.zeros((5, 36, 64), np.float32)
+    probs[0] = 1.0
+    probs[2, 10:, 19:22] = 0.9  # slot 2 lane centred on column 20 from row 10 down
+    lanes = lanes_from_probabilities(probs, np.array([0.1, 0.9, 0.2, 0.3]), list(range(160, 720, 10)),
+                                     (1280, 720))
+    assert len(lanes) == 1
+    lane = lanes[0]
+    expected_x = round(20.5 * 1280 / 64 - 0.5)
+    assert {x for x in lane if x >= 0} == {expected_x}
+    assert lane[0] == -2 and lane[-1] == expected_x  # row 160 maps above row 10 of the map
