@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.laneflow-installed
 DEMO_DIR ?= .laneflow/demo
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench bench-accuracy install clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -25,6 +25,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/preprocess.py
+	$(PY) bench/loader.py
+	$(PY) bench/train_step.py
+	$(PY) bench/scaling.py
+
+bench-accuracy: $(STAMP)
+	$(PY) bench/accuracy.py
 
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache

@@ -1,0 +1,60 @@
+"""Horovod scaling on this machine: ``horovodrun -np 1`` vs ``-np 2``, one thread each, same per-process batch.
+
+Runs the real trainer (``cpu-demo``) on a synthetic set and compares the aggregate img/s the trainer
+reports after its warm-up steps. Target >= 1.8x on 2 cores.
+
+    .venv/bin/python bench/scaling.py [--steps 40] [--batch-size 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from training.data.preprocess import preprocess
+from training.data.synthetic import generate
+
+BIN = Path(sys.executable).parent
+
+
+def images_per_second(data: Path, run_dir: Path, processes: int, steps: int, batch_size: int) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+    cmd = [str(BIN / "horovodrun"), "-np", str(processes), "-H", f"localhost:{processes}", "--gloo",
+           sys.executable, "-m", "training.train", "--data-root", str(data), "--run-dir", str(run_dir),
+           "--preset", "cpu-demo", "--set", f"batch_size={batch_size}", "--set", "num_workers=0",
+           "--set", f"max_steps={steps}", "--set", "epochs=1000", "--set", "log_every=10",
+           "--set", "checkpoint_every=100000", "--set", "eval_split=test"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"horovodrun -np {processes} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    rates = [json.loads(re.sub(r"^\[\d+\]<stdout>:", "", line))["img_per_s"]
+             for line in done.stdout.splitlines() if '"event": "step"' in line]
+    steady = rates[1:]  # the first window includes start-up
+    return sum(steady) / len(steady)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="laneflow-scaling-") as tmp:
+        data = Path(tmp) / "tusimple"
+        generate(data, train=2 * args.batch_size * args.steps, val=0, test=8, seed=0)
+        preprocess(data)
+        one = images_per_second(data, Path(tmp) / "np1", 1, args.steps, args.batch_size)
+        two = images_per_second(data, Path(tmp) / "np2", 2, args.steps, args.batch_size)
+    print(f"cpu-demo, batch {args.batch_size} per process, 1 thread per process, {args.steps} steps")
+    print(f"horovodrun -np 1 : {one:8.1f} img/s")
+    print(f"horovodrun -np 2 : {two:8.1f} img/s")
+    print(f"ratio            : {two / one:8.2f}x  (target >= 1.8x)")
+
+
+if __name__ == "__main__":
+    main()
