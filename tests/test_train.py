@@ -202,3 +202,37 @@ def test_lanes_from_probabilities():
     expected_x = round(20.5 * 1280 / 64 - 0.5)
     assert {x for x in lane if x >= 0} == {expected_x}
     assert lane[0] == -2 and lane[-1] == expected_x  # row 160 maps above row 10 of the map
+
+
+def test_decoded_sample_cache_matches_decoding_and_follows_the_dataset_version(prepared: Path, tmp_path: Path):
+    import shutil
+
+    root = tmp_path / "tusimple"
+    shutil.copytree(prepared, root, ignore=shutil.ignore_patterns("cache"))
+    plain = LaneDataset(root, "val", (256, 144))
+    cached = LaneDataset(root, "val", (256, 144), cache=True)
+    for index in range(len(plain)):
+        for a, b in zip(plain.load(index), cached.load(index), strict=True):
+            np.testing.assert_array_equal(a, b)
+    first_cache = cached._cache_path
+    assert first_cache is not None and first_cache.parent == root / "cache"
+    # Same inputs: the cache is reused; a new dataset version gets a new cache.
+    assert LaneDataset(root, "val", (256, 144), cache=True)._cache_path == first_cache
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["dataset_version"] = "0" * 16
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    assert LaneDataset(root, "val", (256, 144), cache=True)._cache_path != first_cache
+
+
+def test_cache_falls_back_to_decoding_on_a_read_only_volume(prepared: Path, tmp_path: Path, caplog):
+    import shutil
+
+    root = tmp_path / "tusimple"
+    shutil.copytree(prepared, root)
+    shutil.rmtree(root / "cache", ignore_errors=True)
+    (root / "cache").write_text("not a folder")  # the cache cannot be created here
+    dataset = LaneDataset(root, "val", (256, 144), cache=True)
+    assert dataset._cache_path is None
+    assert "decoding every epoch" in caplog.text
+    image, mask = dataset.load(0)
+    assert image.shape == (144, 256, 3) and mask.shape == (144, 256)

@@ -2,12 +2,14 @@
 
 Fast where it matters on CPUs: JPEGs are decoded at reduced scale by libjpeg when the network input
 is at most half the stored size (DCT scaling, several times cheaper than a full decode); samples stay
-uint8 until they reach the training step, which normalizes them on the device (4x less data through
-the DataLoader's shared memory); OpenCV runs single-threaded inside each loader worker.
+uint8 BGR until they reach the training step, which converts and normalizes them on the device in one
+pass (4x less data through the DataLoader's shared memory); rotation and resizing are one affine warp;
+OpenCV runs single-threaded inside each loader worker.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -17,6 +19,10 @@ import cv2
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from training.cache import SampleCache, ensure_cache, open_cache
+
+log = logging.getLogger("laneflow.dataset")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -70,7 +76,8 @@ class LaneDataset(Dataset):
     """Images resized to the network input, masks resized with nearest neighbour, optional small rotation."""
 
     def __init__(self, data_root: str | Path, split: str, input_size: tuple[int, int], *,
-                 augment: bool = False, max_rotation_deg: float = 2.0, stored_width: int | None = None):
+                 augment: bool = False, max_rotation_deg: float = 2.0, stored_width: int | None = None,
+                 cache: bool = False):
         self.root = Path(data_root)
         self.samples = read_list(self.root, split)
         self.width, self.height = input_size
@@ -82,26 +89,59 @@ class LaneDataset(Dataset):
                 raise DataError(f"cannot read {self.root / self.samples[0].image}")
             stored_width = first.shape[1]
         self.read_flag, _ = reduced_read_flag(stored_width, self.width)
+        self._cache_path: Path | None = None
+        self._cache: SampleCache | None = None
+        if cache:
+            self._cache_path = self._prepare_cache(split)
+
+    def _prepare_cache(self, split: str) -> Path | None:
+        try:
+            return ensure_cache(self.root, split, self.samples, (self.width, self.height), self.read_flag).path
+        except (OSError, KeyError, ValueError) as exc:
+            # A read-only volume or an unprepared root: decode on the fly, just slower.
+            log.warning("decoded-sample cache unavailable (%s); decoding every epoch", exc)
+            return None
+
+    def _cached(self) -> SampleCache | None:
+        # Opened lazily in each process: memory maps are not sent to loader workers, paths are.
+        if self._cache is None and self._cache_path is not None:
+            self._cache = open_cache(self._cache_path)
+        return self._cache
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_cache": None}
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def load(self, index: int, rng: random.Random | None = None) -> tuple[np.ndarray, np.ndarray]:
         sample = self.samples[index]
-        image = cv2.imread(str(self.root / sample.image), self.read_flag)
-        mask = cv2.imread(str(self.root / sample.mask), cv2.IMREAD_UNCHANGED)
+        cached = self._cached()
+        if cached is not None:
+            image, mask = np.array(cached.images[index]), np.array(cached.masks[index])
+        else:
+            image = cv2.imread(str(self.root / sample.image), self.read_flag)
+            mask = cv2.imread(str(self.root / sample.mask), cv2.IMREAD_UNCHANGED)
         if image is None or mask is None:
             raise DataError(f"cannot read {sample.image} or its mask {sample.mask} under {self.root}")
-        image = cv2.resize(image, (self.width, self.height), interpolation=cv2.INTER_LINEAR)
-        mask = cv2.resize(mask, (self.width, self.height), interpolation=cv2.INTER_NEAREST)
-        if self.augment:
-            angle = (rng or random).uniform(-self.max_rotation_deg, self.max_rotation_deg)
-            rotation = cv2.getRotationMatrix2D((self.width / 2, self.height / 2), angle, 1.0)
-            image = cv2.warpAffine(image, rotation, (self.width, self.height), flags=cv2.INTER_LINEAR,
-                                   borderMode=cv2.BORDER_REFLECT_101)
-            mask = cv2.warpAffine(mask, rotation, (self.width, self.height), flags=cv2.INTER_NEAREST,
-                                  borderValue=0)
-        return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), mask
+        size = (self.width, self.height)
+        if not self.augment:
+            if image.shape[:2] == (self.height, self.width):
+                return image, mask
+            return (cv2.resize(image, size, interpolation=cv2.INTER_LINEAR),
+                    cv2.resize(mask, size, interpolation=cv2.INTER_NEAREST))
+        # Rotation and resize in one pass each: a single affine map from source to network input.
+        angle = (rng or random).uniform(-self.max_rotation_deg, self.max_rotation_deg)
+        image = cv2.warpAffine(image, self._affine(image.shape, angle), size, flags=cv2.INTER_LINEAR,
+                               borderMode=cv2.BORDER_REFLECT_101)
+        mask = cv2.warpAffine(mask, self._affine(mask.shape, angle), size, flags=cv2.INTER_NEAREST, borderValue=0)
+        return image, mask
+
+    def _affine(self, shape: tuple[int, ...], angle: float) -> np.ndarray:
+        """Scale a ``shape``-sized source to the input size, then rotate by ``angle`` about the centre."""
+        scale = np.diag([self.width / shape[1], self.height / shape[0], 1.0])
+        rotation = np.vstack([cv2.getRotationMatrix2D((self.width / 2, self.height / 2), angle, 1.0), [0, 0, 1]])
+        return (rotation @ scale)[:2]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         image, mask = self.load(index)
@@ -110,11 +150,16 @@ class LaneDataset(Dataset):
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
-    """uint8 NHWC batch -> float NCHW normalized with ImageNet statistics (on the batch's device)."""
-    x = images.permute(0, 3, 1, 2).float().div_(255.0)
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
-    return x.sub_(mean).div_(std)
+    """uint8 NHWC BGR batch (as OpenCV decodes) -> float NCHW RGB normalized with ImageNet statistics.
+
+    One fused pass per channel (convert, reorder, scale, shift) on the batch's device.
+    """
+    n, h, w, _ = images.shape
+    out = torch.empty((n, 3, h, w), dtype=torch.float32, device=images.device)
+    for rgb, (mean, std) in enumerate(zip(IMAGENET_MEAN, IMAGENET_STD, strict=True)):
+        torch.add(torch.tensor(-mean / std, device=images.device), images[..., 2 - rgb],
+                  alpha=1.0 / (255.0 * std), out=out[:, rgb])
+    return out
 
 
 class ResumableDistributedSampler(DistributedSampler):

@@ -61,6 +61,7 @@ class TrainConfig:
     eval_split: str = "val"
     max_steps: int = 0  # 0 = no limit beyond epochs
     log_every: int = 10
+    cache: int = 1  # 1: decode each image once into a cache on the data volume; 0: decode every epoch
     model_overrides: dict = field(default_factory=dict)
 
 
@@ -227,7 +228,8 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model_cfg = model_config(config.preset, **config.model_overrides)
-    dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True)
+    dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True,
+                          cache=config.cache)
     per_epoch = steps_per_epoch(len(dataset), dist.size, config.batch_size)
     if per_epoch == 0:
         raise DataError(f"the train split has {len(dataset)} images: too few for {dist.size} worker(s) "
