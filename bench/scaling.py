@@ -1,7 +1,9 @@
 """Horovod scaling on this machine: ``horovodrun -np 1`` vs ``-np 2``, one thread each, same per-process batch.
 
 Runs the real trainer (``cpu-demo``) on a synthetic set and compares the aggregate img/s the trainer
-reports after its warm-up steps. Target >= 1.8x on 2 cores.
+reports after its warm-up steps. Target >= 1.8x on 2 cores. Also runs two unconnected single-process
+trainers side by side: their sum is what the machine itself allows (shared memory bandwidth), so the
+gap between it and ``-np 2`` is what Horovod's communication costs.
 
     .venv/bin/python bench/scaling.py [--steps 40] [--batch-size 4]
 """
@@ -23,20 +25,37 @@ from training.data.synthetic import generate
 BIN = Path(sys.executable).parent
 
 
-def images_per_second(data: Path, run_dir: Path, processes: int, steps: int, batch_size: int) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
-    cmd = [str(BIN / "horovodrun"), "-np", str(processes), "-H", f"localhost:{processes}", "--gloo",
-           sys.executable, "-m", "training.train", "--data-root", str(data), "--run-dir", str(run_dir),
-           "--preset", "cpu-demo", "--set", f"batch_size={batch_size}", "--set", "num_workers=0",
-           "--set", f"max_steps={steps}", "--set", "epochs=1000", "--set", "log_every=10",
-           "--set", "checkpoint_every=100000", "--set", "eval_split=test"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"horovodrun -np {processes} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+def trainer_cmd(data: Path, run_dir: Path, steps: int, batch_size: int) -> list[str]:
+    return [sys.executable, "-m", "training.train", "--data-root", str(data), "--run-dir", str(run_dir),
+            "--preset", "cpu-demo", "--set", f"batch_size={batch_size}", "--set", "num_workers=0",
+            "--set", f"max_steps={steps}", "--set", "epochs=1000", "--set", "log_every=10",
+            "--set", "checkpoint_every=100000", "--set", "eval_split=test"]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+
+
+def steady_rate(stdout: str) -> float:
     rates = [json.loads(re.sub(r"^\[\d+\]<stdout>:", "", line))["img_per_s"]
-             for line in done.stdout.splitlines() if '"event": "step"' in line]
+             for line in stdout.splitlines() if '"event": "step"' in line]
     steady = rates[1:]  # the first window includes start-up
     return sum(steady) / len(steady)
+
+
+def images_per_second(data: Path, run_dir: Path, processes: int, steps: int, batch_size: int) -> float:
+    cmd = [str(BIN / "horovodrun"), "-np", str(processes), "-H", f"localhost:{processes}", "--gloo",
+           *trainer_cmd(data, run_dir, steps, batch_size)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"horovodrun -np {processes} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return steady_rate(done.stdout)
+
+
+def independent_pair(data: Path, tmp: Path, steps: int, batch_size: int) -> float:
+    """Two unconnected single-process trainers at once: the machine's own ceiling for this workload."""
+    runs = [subprocess.Popen(trainer_cmd(data, tmp / f"alone{i}", steps, batch_size), stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env=ENV) for i in range(2)]
+    return sum(steady_rate(run.communicate(timeout=1800)[0]) for run in runs)
 
 
 def main() -> None:
@@ -50,10 +69,13 @@ def main() -> None:
         preprocess(data)
         one = images_per_second(data, Path(tmp) / "np1", 1, args.steps, args.batch_size)
         two = images_per_second(data, Path(tmp) / "np2", 2, args.steps, args.batch_size)
+        ceiling = independent_pair(data, Path(tmp), args.steps, args.batch_size)
     print(f"cpu-demo, batch {args.batch_size} per process, 1 thread per process, {args.steps} steps")
     print(f"horovodrun -np 1 : {one:8.1f} img/s")
     print(f"horovodrun -np 2 : {two:8.1f} img/s")
     print(f"ratio            : {two / one:8.2f}x  (target >= 1.8x)")
+    print(f"two independent single-process trainers at once: {ceiling:.1f} img/s = {ceiling / one:.2f}x "
+          "(this machine's ceiling for the workload, no communication at all)")
 
 
 if __name__ == "__main__":
