@@ -14,16 +14,16 @@ import fcntl
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
+
+from training.parallel import process_pool
 
 log = logging.getLogger("laneflow.cache")
 
@@ -94,8 +94,7 @@ def _build(data_root: Path, final: Path, samples: list, size: tuple[int, int], r
     if workers == 1:
         _fill(*args[0])
     else:
-        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
+        with process_pool(workers, preload=__name__) as pool:
             list(pool.map(_fill, *zip(*args, strict=True)))
     (staging / "meta.json").write_text(json.dumps({"schema": SCHEMA, "count": n, "size": [width, height],
                                                    "samples": [s.image for s in samples]}))

@@ -77,8 +77,9 @@ def ground_truth_for(data_root: Path, split: str, raw_files: set[str]) -> dict[s
 
 @torch.no_grad()
 def predict(model: SCNN, config: ModelConfig, data_root: Path, split: str, device: torch.device,
-            batch_size: int = 8) -> tuple[list[dict], LaneDataset]:
-    """Prediction records (``raw_file``, ``lanes``, ``run_time`` in ms per image) for a split."""
+            batch_size: int = 8) -> tuple[list[dict], dict[str, dict]]:
+    """Prediction records (``raw_file``, ``lanes``, ``run_time`` in ms per image) for a split, and its
+    ground truth (the kept images' label records, which give the h_samples to predict at)."""
     dataset = LaneDataset(data_root, split, (config.input_width, config.input_height))
     model.eval()
     gt_lines = ground_truth_for(data_root, split, {s.image for s in dataset.samples})
@@ -99,7 +100,7 @@ def predict(model: SCNN, config: ModelConfig, data_root: Path, split: str, devic
             size = image_size((data_root / raw_file).read_bytes())
             lanes = lanes_from_probabilities(probs[offset], existence[offset], gt["h_samples"], size)
             predictions.append({"raw_file": raw_file, "lanes": lanes, "run_time": per_image_ms})
-    return predictions, dataset
+    return predictions, gt_lines
 
 
 def draw_overlay(data_root: Path, predictions: list[dict], ground_truth: dict[str, dict], out: Path,
@@ -129,8 +130,7 @@ def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Pat
                  device: torch.device) -> dict:
     """Predict, score and draw; writes predictions_<split>.json, eval.json and overlay.png into ``run_dir``."""
     data_root, run_dir = Path(data_root), Path(run_dir)
-    predictions, dataset = predict(model, config, data_root, split, device)
-    ground_truth = ground_truth_for(data_root, split, {s.image for s in dataset.samples})
+    predictions, ground_truth = predict(model, config, data_root, split, device)
     prediction_file = run_dir / f"predictions_{split}.json"
     prediction_file.write_text("".join(json.dumps(p) + "\n" for p in predictions))
     score = score_predictions(prediction_file.read_text().splitlines(), ground_truth, source=str(prediction_file))

@@ -35,6 +35,7 @@ from training.dataset import (
     poly_lr,
     steps_per_epoch,
 )
+from training.evaluate import evaluate_run
 from training.model import SCNN, ModelConfig, SCNNLoss, load_backbone_weights, model_config
 
 log = logging.getLogger("laneflow.train")
@@ -338,8 +339,6 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
         torch.save({"model": model.state_dict(), "model_config": asdict(model_cfg), "step": step},
                    run_dir / "model.pt.tmp")
         os.replace(run_dir / "model.pt.tmp", run_dir / "model.pt")
-        from training.evaluate import evaluate_run
-
         result = evaluate_run(model, model_cfg, data_root, run_dir, config.eval_split, device)
         record("eval", **result)
         emit("done", step=step, weights_sha256=weights_digest(model))

@@ -16,10 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from training.data import labels
 from training.data.images import UnreadableImage, image_size
 from training.data.labels import LABEL_FILES, SPLITS, LabelError, QuarantineReason
 from training.data.png import encode_gray_png_scanlines
+from training.parallel import process_pool
 
 log = logging.getLogger("laneflow.data.preprocess")
 
@@ -320,14 +319,7 @@ def _run_jobs(jobs: list[Located], root: Path, workers: int | None) -> list[Kept
     if workers == 1 or len(jobs) < 2:
         return [process_line(item, root) for item in jobs]
     chunksize = max(1, min(32, len(jobs) // (workers * 8)))
-    # Never fork: the parent may hold OpenCV's thread pool or Prefect's threads, and a forked child
-    # inherits their locks mid-use. A fork server starts clean once and forks cheaply afterwards.
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload([__name__])
-    # An executor (unlike multiprocessing.Pool) fails loudly when a worker dies instead of hanging.
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(str(root),)) as pool:
+    with process_pool(workers, preload=__name__, initializer=_init_worker, initargs=(str(root),)) as pool:
         return list(pool.map(_process_in_worker, jobs, chunksize=chunksize))
 
 
