@@ -119,7 +119,7 @@ def test_rerun_on_unchanged_inputs_does_nothing(dataset_copy: Path):
     assert (mask.stat().st_mtime_ns, manifest.stat().st_mtime_ns) == stamps
 
 
-def test_version_is_deterministic_and_content_based(dataset_copy: Path, synthetic_source: Path, tmp_path: Path):
+def test_version_is_deterministic_and_content_based(dataset_copy: Path):
     serial = preprocess(dataset_copy, workers=1)
     parallel = preprocess(dataset_copy, workers=2, force=True)
     assert serial.dataset_version == parallel.dataset_version

@@ -50,7 +50,7 @@ def test_images_do_not_depend_on_how_many_are_made(tmp_path):
     assert (tmp_path / "few" / first).read_bytes() == (tmp_path / "many" / first).read_bytes()
 
 
-def test_scenes_vary(tmp_path):
+def test_scenes_vary():
     rng_counts = set()
     for index in range(40):
         _, lanes = synthetic.generate_image(0, "train", index, 320, 180)

@@ -157,7 +157,7 @@ def test_mismatched_checkpoint_is_a_clear_error(prepared: Path, tmp_path: Path):
     assert "was written for a different model" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_missing_data_root_and_empty_split_are_clear_errors(prepared: Path, tmp_path: Path):
+def test_missing_data_root_and_empty_split_are_clear_errors(tmp_path: Path):
     done = run(train_cmd(tmp_path / "nowhere", tmp_path / "run"))
     assert done.returncode == 2 and "data root" in done.stderr and "does not exist" in done.stderr
     with pytest.raises(DataError, match=r"split 'train' .* is empty"):

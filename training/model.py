@@ -13,7 +13,7 @@ of building, autograd-tracking and concatenating a Python list of every slice.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -214,7 +214,3 @@ class SCNNLoss:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def config_dict(config: ModelConfig) -> dict:
-    return asdict(config)

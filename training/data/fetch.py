@@ -191,7 +191,7 @@ def fetch(
     return FetchResult(dest, expected, size, max(0, size - already_there), attempt, cached=False)
 
 
-def _copy_file(parts: urllib.parse.SplitResult, partial: Path, progress_interval: float) -> int:
+def _copy_file(parts: urllib.parse.SplitResult, partial: Path, progress_interval: float) -> None:
     source = Path(urllib.request.url2pathname(parts.path))
     if not source.is_file():
         raise FetchError(f"source file {source} does not exist")
@@ -202,7 +202,6 @@ def _copy_file(parts: urllib.parse.SplitResult, partial: Path, progress_interval
         while chunk := src.read(CHUNK_BYTES):
             out.write(chunk)
             progress.done += len(chunk)
-    return total
 
 
 def _parse_retry_after(value: str | None) -> float | None:
@@ -221,8 +220,8 @@ def _classified_errors() -> Iterator[None]:
         raise TransientFetchError(f"{type(exc).__name__}: {exc or 'connection lost'}") from exc
 
 
-def _download_http(url: str, partial: Path, timeout: float, progress_interval: float) -> int:
-    """One attempt: stream ``url`` into ``partial``, resuming from its current size. Returns bytes received."""
+def _download_http(url: str, partial: Path, timeout: float, progress_interval: float) -> None:
+    """One attempt: stream ``url`` into ``partial``, resuming from its current size."""
     offset = partial.stat().st_size if partial.exists() else 0
     # Identity encoding: byte offsets in Range must mean the same bytes the checksum covers.
     headers = {"Accept-Encoding": "identity"}
@@ -235,7 +234,7 @@ def _download_http(url: str, partial: Path, timeout: float, progress_interval: f
         status = response.status_code
         if status == 416 and offset:
             # The partial file already holds everything the server has; verification decides.
-            return 0
+            return
         if status == 429 or status >= 500:
             raise TransientFetchError(
                 f"HTTP {status} from {url}", retry_after=_parse_retry_after(response.headers.get("Retry-After"))
@@ -257,7 +256,6 @@ def _download_http(url: str, partial: Path, timeout: float, progress_interval: f
                 progress.done += len(chunk)
         if total is not None and offset + received < total:
             raise TransientFetchError(f"connection closed after {offset + received} of {total} bytes")
-    return received
 
 
 def _total_size(response: httpx.Response, offset: int) -> int | None:
