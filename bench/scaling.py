@@ -5,7 +5,10 @@ reports after its warm-up steps. Target >= 1.8x on 2 cores. Also runs two unconn
 trainers side by side: their sum is what the machine itself allows (shared memory bandwidth), so the
 gap between it and ``-np 2`` is what Horovod's communication costs.
 
-    .venv/bin/python bench/scaling.py [--steps 40] [--batch-size 4]
+This machine's speed drifts by +-20% from minute to minute, so one pair of runs proves little: the bench
+interleaves ``--rounds`` rounds (np1, np2, pair) and reports every round's ratio and their median.
+
+    .venv/bin/python bench/scaling.py [--steps 40] [--batch-size 4] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,20 +66,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    print(f"cpu-demo, batch {args.batch_size} per process, 1 thread per process, {args.steps} steps, "
+          f"{args.rounds} interleaved rounds")
+    ratios, ceilings = [], []
     with tempfile.TemporaryDirectory(prefix="laneflow-scaling-") as tmp:
         data = Path(tmp) / "tusimple"
         generate(data, train=2 * args.batch_size * args.steps, val=0, test=8, seed=0)
         preprocess(data)
-        one = images_per_second(data, Path(tmp) / "np1", 1, args.steps, args.batch_size)
-        two = images_per_second(data, Path(tmp) / "np2", 2, args.steps, args.batch_size)
-        ceiling = independent_pair(data, Path(tmp), args.steps, args.batch_size)
-    print(f"cpu-demo, batch {args.batch_size} per process, 1 thread per process, {args.steps} steps")
-    print(f"horovodrun -np 1 : {one:8.1f} img/s")
-    print(f"horovodrun -np 2 : {two:8.1f} img/s")
-    print(f"ratio            : {two / one:8.2f}x  (target >= 1.8x)")
-    print(f"two independent single-process trainers at once: {ceiling:.1f} img/s = {ceiling / one:.2f}x "
-          "(this machine's ceiling for the workload, no communication at all)")
+        for round_no in range(1, args.rounds + 1):
+            work = Path(tmp) / f"round{round_no}"
+            one = images_per_second(data, work / "np1", 1, args.steps, args.batch_size)
+            two = images_per_second(data, work / "np2", 2, args.steps, args.batch_size)
+            ceiling = independent_pair(data, work, args.steps, args.batch_size)
+            ratios.append(two / one)
+            ceilings.append(ceiling / one)
+            print(f"round {round_no}: horovodrun -np 1 {one:6.1f} img/s | -np 2 {two:6.1f} img/s | "
+                  f"ratio {two / one:.2f}x | two independent trainers {ceiling:6.1f} img/s = {ceiling / one:.2f}x",
+                  flush=True)
+    print(f"median ratio -np 2 / -np 1 : {statistics.median(ratios):.2f}x  (target >= 1.8x)")
+    print(f"median machine ceiling     : {statistics.median(ceilings):.2f}x  "
+          "(two unconnected trainers, no communication at all)")
 
 
 if __name__ == "__main__":

@@ -1,50 +1,66 @@
-"""The local demo: make a synthetic TuSimple archive offline, then prepare it like a real download.
+"""The local demo: the whole ``train_pipeline`` on this machine, reported to a local Prefect server.
 
-Prints the dataset counts and version. Run through ``make demo``; safe to run again (everything
-is cached: the second run downloads, extracts and preprocesses nothing).
+Starts (or reuses) a Prefect server on 127.0.0.1, makes a synthetic TuSimple archive offline, and runs
+``train_pipeline`` on the ``local`` platform with the ``cpu-demo`` preset: prepare -> horovodrun -np 2
+-> evaluate -> snapshot -> artifacts. Ends by printing the run's UI address and its metrics. Run it
+again and the dataset stage is a cache hit. Run through ``make demo``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import os
 import sys
 from pathlib import Path
 
-from training.data.prepare import prepare_dataset
-from training.data.synthetic import generate, pack_archive
+from flows.local_server import DEFAULT_PORT, ensure_server, server_env, ui_url
+from training.data.synthetic import cached_archive
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path(".laneflow/demo"))
-    parser.add_argument("--train", type=int, default=120)
-    parser.add_argument("--val", type=int, default=30)
-    parser.add_argument("--test", type=int, default=30)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--train", type=int, default=160)
+    parser.add_argument("--val", type=int, default=24)
+    parser.add_argument("--test", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2, help="horovodrun -np")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    workdir = args.workdir.resolve()
 
-    source_dir = args.workdir / "source" / f"synthetic-seed{args.seed}"
-    archive = args.workdir / "source" / f"train_set-seed{args.seed}-{args.train}-{args.val}-{args.test}.zip"
-    checksum_file = archive.with_name(archive.name + ".sha256")
-    if not (archive.exists() and checksum_file.exists()):
-        generate(source_dir, train=args.train, val=args.val, test=args.test, seed=args.seed)
-        checksum_file.write_text(pack_archive(source_dir, archive) + "\n")
-    sha256 = checksum_file.read_text().strip()
+    print(f"laneflow demo: Prefect server on 127.0.0.1:{args.port} (first start takes a minute or two)...",
+          flush=True)
+    api = ensure_server(workdir, args.port)
+    os.environ.update(server_env(workdir, args.port))
+    os.environ.setdefault("LANEFLOW_HOME", str(workdir / "home"))
 
-    prepared = prepare_dataset(archive.resolve().as_uri(), sha256, args.workdir / "volume")
-    summary = prepared.summary()
-    counts = summary["counts"]
+    # Prefect reads its settings when first imported: only now, with the server's address in place.
+    from flows.cli import ensure_local_setup
+    from flows.params import DataSource, TrainParams
+    from flows.train import train_pipeline
+
+    archive, sha256 = cached_archive(workdir / "source", args.train, args.val, args.test, args.seed)
+    ensure_local_setup()  # one training at a time on this machine (the `gpu` limit), a process work pool
+    params = TrainParams(source=DataSource(url=archive.as_uri(), sha256=sha256), preset="cpu-demo",
+                         epochs=args.epochs, workers=args.workers, volume="demo")
+    state = train_pipeline(params, return_state=True)
+    result = state.result(raise_on_failure=False)
+    flow_run_id = state.state_details.flow_run_id
     print()
-    print(f"dataset version : {summary['dataset_version']}")
-    print(f"dataset root    : {summary['dataset_root']}")
-    print(f"archive sha256  : {summary['archive_sha256']}")
-    print(f"records         : read {counts['read']}, kept {counts['kept']}, quarantined {counts['quarantined']}")
-    for split, c in counts["by_split"].items():
-        print(f"  {split:<5}         : read {c['read']}, kept {c['kept']}, quarantined {c['quarantined']}")
-    print(f"steps           : {json.dumps(summary['steps'])}")
+    print(f"flow run        : {state.name}  {ui_url(api, str(flow_run_id))}")
+    if not state.is_completed():
+        print(f"error           : {result}")
+        return 1
+    metrics = result["metrics"]
+    print(f"run             : {result['run']} (volume {result['volume']}, snapshot {result['snapshot']})")
+    print(f"dataset version : {result['dataset_version']}")
+    print(f"training        : {result['steps']} steps")
+    print(f"{metrics['split']:<5} metrics   : accuracy {metrics['accuracy']:.4f}, FP {metrics['fp']:.4f}, "
+          f"FN {metrics['fn']:.4f} on {metrics['images']} images")
+    print(f"lineage         : .venv/bin/laneflow lineage {result['snapshot'] or result['run']}")
+    print(f"Prefect UI      : {api.removesuffix('/api')}  (the server keeps running; `make stop-server` stops it)")
     return 0
 
 

@@ -2,13 +2,22 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
+
+# Before anything imports the task modules: retry delays of 1 s, not 10 s, keep retry tests short.
+os.environ.setdefault("LANEFLOW_RETRY_DELAY_S", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import pytest
 
 from tests.http_server import FileServer, RunningServer
 from training.data.synthetic import generate, pack_archive
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+#: Kept after the run (screenshots); CI can collect it.
+TEST_OUTPUT = Path(os.environ.get("LANEFLOW_TEST_OUTPUT", PROJECT_ROOT / "test-output"))
 
 SMALL_SIZE = (320, 180)
 
@@ -49,3 +58,45 @@ def dataset_copy(synthetic_source: Path, tmp_path: Path) -> Path:
     target = tmp_path / "tusimple"
     shutil.copytree(synthetic_source, target)
     return target
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real ``prefect server start`` (SQLite, UI included) on a free loopback port, for the whole session.
+
+    Yields the environment that points a subprocess (worker, ``prefect deploy``, ``laneflow``) at it;
+    this process talks to it through Prefect's settings context.
+    """
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
+
+    from flows.local_server import server_env, start_server
+
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    process = start_server(home, port)
+    env = server_env(home, port)
+    try:
+        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+            yield env
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=30)  # while the server still answers
+            EventsWorker.drain_all(timeout=30)
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(timeout=60)
+
+
+@pytest.fixture
+def laneflow_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the local platform keeps volumes and snapshots for this test."""
+    home = tmp_path / "laneflow-home"
+    monkeypatch.setenv("LANEFLOW_HOME", str(home))
+    return home

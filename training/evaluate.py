@@ -7,8 +7,10 @@ Probability maps + existence -> lane x positions at the h_samples (pure: ``lanes
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch
 
 from training.data.images import image_size
 from training.data.labels import LABEL_FILES
-from training.dataset import LaneDataset, normalize
+from training.dataset import DataError, LaneDataset, normalize
 from training.metric import parse_ground_truth, score_predictions
 from training.model import SCNN, ModelConfig
 
@@ -127,8 +129,12 @@ def draw_overlay(data_root: Path, predictions: list[dict], ground_truth: dict[st
 
 
 def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Path, split: str,
-                 device: torch.device) -> dict:
-    """Predict, score and draw; writes predictions_<split>.json, eval.json and overlay.png into ``run_dir``."""
+                 device: torch.device, suffix: str = "") -> dict:
+    """Predict, score and draw; writes predictions_<split>.json, eval<suffix>.json and overlay<suffix>.png.
+
+    The trainer scores its own ``eval_split`` at the end of a run (no suffix); the pipeline's evaluate
+    stage scores a chosen split afterwards (suffix ``_<split>``) without touching the trainer's files.
+    """
     data_root, run_dir = Path(data_root), Path(run_dir)
     predictions, ground_truth = predict(model, config, data_root, split, device)
     prediction_file = run_dir / f"predictions_{split}.json"
@@ -136,8 +142,8 @@ def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Pat
     score = score_predictions(prediction_file.read_text().splitlines(), ground_truth, source=str(prediction_file))
     result = {"split": split, "accuracy": score.accuracy, "fp": score.fp, "fn": score.fn, "images": score.images,
               "run_time_ms": float(np.mean([p["run_time"] for p in predictions])) if predictions else 0.0}
-    (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    draw_overlay(data_root, predictions, ground_truth, run_dir / "overlay.png")
+    (run_dir / f"eval{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    draw_overlay(data_root, predictions, ground_truth, run_dir / f"overlay{suffix}.png")
     log.info("%s: accuracy %.4f, FP %.4f, FN %.4f on %d images", split, score.accuracy, score.fp, score.fn,
              score.images)
     return result
@@ -150,3 +156,31 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[SC
     model = SCNN(config).to(device)
     model.load_state_dict(state["model"])
     return model, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m training.evaluate --run-dir R --data-root D --split test``: score a trained run's model.pt."""
+    parser = argparse.ArgumentParser(prog="python -m training.evaluate", description=main.__doc__)
+    parser.add_argument("--run-dir", required=True, type=Path, help="a finished run (with model.pt)")
+    parser.add_argument("--data-root", required=True, type=Path, help="prepared dataset root (with seg_label/)")
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    model_file = args.run_dir / "model.pt"
+    if not model_file.is_file():
+        print(f"error: {model_file} does not exist: evaluate a run that finished training", file=sys.stderr)
+        return 2
+    try:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, config = load_model(model_file, device)
+        result = evaluate_run(model, config, args.data_root, args.run_dir, args.split, device,
+                              suffix=f"_{args.split}")
+    except (DataError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"event": "eval", **result}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

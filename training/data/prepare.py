@@ -19,7 +19,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from training.data.archive import extract
+from training.data.archive import extract, read_marker
 from training.data.fetch import fetch, validate_sha256, validate_url
 from training.data.preprocess import PrepareReport, preprocess
 
@@ -62,18 +62,24 @@ def prepare_dataset(source_url: str, sha256: str, volume: str | Path, *, workers
     validate_url(source_url)
     volume = Path(volume)
     archive = volume / "downloads" / archive_name(source_url)
-    fetched = fetch(source_url, archive, digest, progress_interval=progress_interval)
     target = volume / "datasets" / digest[:16]
-    extracted = extract(archive, target, digest)
+    marker = read_marker(target)
+    if marker and marker.get("archive_sha256") == digest:
+        # Extracted from this very archive before (or restored from a snapshot): nothing to download.
+        log.info("dataset from archive %s already on the volume; not downloading", digest[:16])
+        downloaded, extracted = False, False
+    else:
+        downloaded = not fetch(source_url, archive, digest, progress_interval=progress_interval).cached
+        extracted = extract(archive, target, digest)
     report: PrepareReport = preprocess(
         target, workers=workers,
-        sources_extra={"archive": {"name": archive.name, "sha256": digest, "url": _redact(source_url)}},
+        sources_extra={"archive": {"name": archive.name, "sha256": digest, "url": redact_url(source_url)}},
     )
     return PreparedDataset(report.root, report.dataset_version, digest, report.counts,
-                           downloaded=not fetched.cached, extracted=extracted, preprocessed=not report.skipped)
+                           downloaded=downloaded, extracted=extracted, preprocessed=not report.skipped)
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """Drop query strings and credentials (SAS tokens, presigned signatures) before recording a URL."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""

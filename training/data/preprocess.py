@@ -162,6 +162,8 @@ def process_line(item: Located, root: Path) -> Kept | Quarantined:
     mask_file = labels.mask_path_for(record.raw_file)
     mask_path = root / mask_file
     mask_path.parent.mkdir(parents=True, exist_ok=True)
+    # A fresh inode, never a rewrite in place: snapshots hard-link masks and must keep their version.
+    mask_path.unlink(missing_ok=True)
     mask_path.write_bytes(encode_gray_png_scanlines(scanlines, top, height))
     return Kept(item.label_file, item.line, item.split, record.raw_file, mask_file,
                 labels.existence_flags(slots), hashlib.sha256(data).hexdigest())

@@ -281,6 +281,17 @@ def parse_size(text: str) -> tuple[int, int]:
     return width, height
 
 
+def cached_archive(directory: Path, train: int, val: int, test: int, seed: int = 0) -> tuple[Path, str]:
+    """A synthetic ``train_set.zip``-like archive in ``directory`` and its sha256: made once, then reused."""
+    archive = directory / f"train_set-seed{seed}-{train}-{val}-{test}.zip"
+    checksum_file = archive.with_name(archive.name + ".sha256")
+    if not (archive.exists() and checksum_file.exists()):
+        source_dir = directory / f"synthetic-seed{seed}-{train}-{val}-{test}"
+        generate(source_dir, train=train, val=val, test=test, seed=seed)
+        checksum_file.write_text(pack_archive(source_dir, archive) + "\n")
+    return archive.resolve(), checksum_file.read_text().strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.data.synthetic", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder to write the TuSimple layout into")

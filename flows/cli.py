@@ -1,0 +1,128 @@
+"""``laneflow``: lineage of runs and snapshots, the snapshot list, and ``serve`` (server + deployments + worker).
+
+    laneflow lineage <run-or-snapshot> [--platform local]
+    laneflow snapshots [--platform local]
+    laneflow serve [--home .laneflow/serve] [--port 4200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from flows.local_server import DEFAULT_PORT, ensure_server, server_env
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+WORK_POOL = "laneflow-local"
+
+
+def lineage_text(name: str, platform_name: str) -> str:
+    """The lineage of a snapshot (from the platform) or of a run (its lineage artifact), as markdown."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from tasks.lineage import render_lineage_markdown
+    from tasks.platforms import load_platform
+
+    try:
+        return render_lineage_markdown(load_platform(platform_name).find_lineage(name))
+    except KeyError:
+        pass
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"lineage-{name}"])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=1)
+    if not found:
+        raise LookupError(f"no snapshot on platform '{platform_name}' and no run named '{name}' "
+                          "(run names look like train-1a2b3c4d5e6f; `laneflow snapshots` lists snapshots)")
+    return str(found[0].data)
+
+
+def ensure_local_setup(gpu_slots: int = 1) -> None:
+    """The process work pool and the ``gpu`` concurrency limit, created when missing, left alone when present."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    from flows.train import GPU_LIMIT
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(WORK_POOL)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=WORK_POOL, type="process"))
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpu_slots)
+
+
+def apply_deployments(env: dict[str, str]) -> None:
+    """``prefect deploy --all`` on this project's prefect.yaml (the same command a user would type)."""
+    prefect = str(Path(sys.executable).parent / "prefect")
+    done = subprocess.run([prefect, "--no-prompt", "deploy", "--all"], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        output = done.stdout[-3000:] + done.stderr[-3000:]
+        raise RuntimeError(f"prefect deploy failed (exit {done.returncode}):\n{output}")
+
+
+def serve(home: Path, port: int) -> int:
+    """Start (or reuse) the server, apply prefect.yaml, and run a worker until interrupted (Ctrl-C)."""
+    from training.data.synthetic import cached_archive
+
+    home = home.resolve()
+    print(f"laneflow serve: Prefect server on 127.0.0.1:{port} (first start takes a minute or two)...", flush=True)
+    api = ensure_server(home, port)
+    archive, sha256 = cached_archive(home / "source", train=160, val=24, test=40)
+    env = {**os.environ, **server_env(home, port),
+           "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home")),
+           # Default data source of the deployments' parameter forms: the synthetic archive.
+           "LANEFLOW_SOURCE_URL": os.environ.get("LANEFLOW_SOURCE_URL", archive.as_uri()),
+           "LANEFLOW_SOURCE_SHA256": os.environ.get("LANEFLOW_SOURCE_SHA256", sha256)}
+    os.environ.update(env)
+    ensure_local_setup()
+    apply_deployments(env)
+    print(f"deployments train, nightly, sweep, restore applied; UI at {api.removesuffix('/api')}/deployments")
+    print(f"starting a worker on work pool '{WORK_POOL}' (Ctrl-C stops it; the server keeps running)", flush=True)
+    prefect = str(Path(sys.executable).parent / "prefect")
+    return subprocess.call([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"], env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="laneflow", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    lineage = commands.add_parser("lineage", help="print what a run or snapshot was made from")
+    lineage.add_argument("name", help="a run (train-...) or snapshot name")
+    lineage.add_argument("--platform", default="local")
+    snapshots = commands.add_parser("snapshots", help="list snapshots with their dataset version and accuracy")
+    snapshots.add_argument("--platform", default="local")
+    serve_cmd = commands.add_parser("serve", help="local server + deployments from prefect.yaml + a process worker")
+    serve_cmd.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
+    serve_cmd.add_argument("--port", type=int, default=DEFAULT_PORT)
+    args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        return serve(args.home, args.port)
+
+    if args.command == "lineage":
+        try:
+            print(lineage_text(args.name, args.platform), end="")
+        except LookupError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    from tasks.platforms import load_platform
+
+    for ref in load_platform(args.platform).list_snapshots():
+        metrics = ref.lineage.get("metrics") or {}
+        print(f"{ref.name:<40} {ref.lineage.get('created_at', ''):<26} dataset {ref.lineage.get('dataset_version')} "
+              f"accuracy {metrics.get('accuracy', float('nan')):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

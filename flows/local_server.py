@@ -1,0 +1,96 @@
+"""Start, or reuse, the local Prefect server the embedded platform reports to (SQLite, 127.0.0.1).
+
+Prefect's ephemeral in-process server takes over a minute to start on two busy cores and is gone
+when the process ends; one long-lived local server is faster after the first start and keeps the
+UI's history. Its state lives in ``<home>/prefect`` and its log in ``<home>/prefect/server.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+DEFAULT_PORT = 4200
+STARTUP_TIMEOUT_S = 300.0
+
+
+def api_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}/api"
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=3) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def server_env(home: Path, port: int) -> dict[str, str]:
+    """Environment for anything that talks to (or is) this server."""
+    return {
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_API_URL": api_url(port),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_UI_API_URL": api_url(port),
+        "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
+    }
+
+
+def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S) -> subprocess.Popen:
+    """Start ``prefect server start`` in its own session (it outlives this process) and wait until it is healthy."""
+    url = api_url(port)
+    home = home.resolve()
+    (home / "prefect").mkdir(parents=True, exist_ok=True)
+    log_path = home / "prefect" / "server.log"
+    prefect = str(Path(sys.executable).parent / "prefect")
+    with log_path.open("ab") as log:
+        process = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, **server_env(home, port)}, start_new_session=True)
+    (home / "prefect" / "server.pid").write_text(f"{process.pid}\n")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if is_healthy(url):
+            return process
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-20:]
+            raise RuntimeError(f"the Prefect server exited with code {process.returncode} (port {port} busy?). "
+                               "Log tail:\n" + "\n".join(tail))
+        time.sleep(1.0)
+    process.terminate()
+    raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout_s:.0f} s; see {log_path}")
+
+
+def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+    """The API URL of a healthy local server on ``port``: reused if one answers, started (detached) if not."""
+    url = api_url(port)
+    if not is_healthy(url):
+        start_server(home, port, timeout_s)
+    return url
+
+
+def stop_server(home: Path) -> bool:
+    """Stop the server started from ``home`` (its pid file); False when none was running."""
+    pid_file = home.resolve() / "prefect" / "server.pid"
+    try:
+        pid = int(pid_file.read_text())
+        os.killpg(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        return False
+    finally:
+        pid_file.unlink(missing_ok=True)
+    return True
+
+
+def ui_url(api: str, flow_run_id: str) -> str:
+    """The UI page of a flow run, from the API URL."""
+    return f"{api.removesuffix('/api')}/runs/flow-run/{flow_run_id}"

@@ -1,0 +1,67 @@
+"""``nightly_retrain``: train a challenger on tonight's data; it becomes champion only if it scores better.
+
+The champion is a Prefect variable (``laneflow-champion-<volume>``), visible in the UI. When the data
+changed since the champion was crowned, the champion is re-scored on the challenger's test images
+first, so both accuracies describe the same images.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.events import emit_event
+from prefect.variables import Variable
+
+from flows.params import TrainParams
+from flows.train import train_pipeline
+from tasks.champion import champion_record, decide_champion
+from tasks.pipeline import evaluate
+from tasks.platforms import VolumeRef, load_platform
+
+
+def champion_variable(volume: str) -> str:
+    return f"laneflow-champion-{volume}"
+
+
+@flow(name="nightly_retrain")
+def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[str, Any]:
+    """Retrain, compare with the champion on the same test images, promote the better model."""
+    logger = get_run_logger()
+    challenger = train_pipeline(params)
+    name = champion_variable(params.volume)
+    champion = Variable.get(name, default=None)
+    champion_accuracy = None
+    if champion:
+        champion_accuracy = float(champion["metrics"]["accuracy"])
+        same_data = champion.get("dataset_version") == challenger["dataset_version"]
+        same_split = champion["metrics"].get("split") == challenger["metrics"]["split"]
+        if not (same_data and same_split) and champion.get("volume") == challenger["volume"]:
+            logger.info("data changed since champion %s was crowned: re-scoring it on dataset %s",
+                        champion["run"], challenger["dataset_version"])
+            platform = load_platform(params.platform)
+            rescored = evaluate(platform, VolumeRef(name=params.volume, location=""), champion["run_dir"],
+                                challenger["data_dir"], challenger["metrics"]["split"])
+            champion_accuracy = float(rescored["accuracy"])
+    decision = decide_champion(champion_accuracy, float(challenger["metrics"]["accuracy"]), min_improvement)
+    if decision.promote:
+        Variable.set(name, champion_record(challenger), overwrite=True)
+    event = "laneflow.champion.promoted" if decision.promote else "laneflow.champion.kept"
+    winner = challenger["run"] if decision.promote else champion["run"]
+    emit_event(event, resource={"prefect.resource.id": f"laneflow.champion.{params.volume}",
+                                "prefect.resource.name": name},
+               related=[{"prefect.resource.id": f"laneflow.run.{challenger['run']}",
+                         "prefect.resource.role": "challenger"}],
+               payload={"champion": winner, "challenger": challenger["run"], "reason": decision.reason,
+                        "champion_accuracy": decision.champion_accuracy,
+                        "challenger_accuracy": decision.challenger_accuracy})
+    previous = f"{champion['run']} ({decision.champion_accuracy:.4f})" if champion else "none"
+    create_markdown_artifact(
+        key=f"champion-{params.volume}", description="nightly champion/challenger decision",
+        markdown=f"# Champion for volume `{params.volume}`: `{winner}`\n\n"
+                 f"| | |\n|---|---|\n| challenger | `{challenger['run']}` ({decision.challenger_accuracy:.4f}) |\n"
+                 f"| previous champion | {previous} |\n| decision | {'promoted' if decision.promote else 'kept'}: "
+                 f"{decision.reason} |\n| snapshot | `{challenger['snapshot']}` |\n")
+    logger.info("champion %s: %s", "promoted" if decision.promote else "kept", decision.reason)
+    return {"champion": winner, "promoted": decision.promote, "reason": decision.reason, "challenger": challenger}

@@ -1,0 +1,91 @@
+"""``train_pipeline``: the seed's manual steps as one Prefect DAG (DESIGN §2), on any platform.
+
+    volume -> dataset -> shared access -> submit -> wait (streams events) -> evaluate -> snapshot
+    -> artifacts, with the service level noted before and put back after.
+
+Training holds one slot of the ``gpu`` concurrency limit (when it exists), so sweeps and concurrent
+UI runs queue for accelerators instead of oversubscribing them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.concurrency.sync import concurrency
+from prefect.events import emit_event
+from prefect.runtime import flow_run as current_run
+
+from flows.params import TrainParams
+from tasks.lineage import build_lineage, code_version
+from tasks.names import run_name, snapshot_name
+from tasks.pipeline import (
+    capture_snapshot,
+    demote_service_level,
+    ensure_dataset_volume,
+    ensure_shared_access,
+    evaluate,
+    prepare_dataset,
+    promote_service_level,
+    publish_artifacts,
+    submit_training,
+    wait_for_training,
+)
+from tasks.platforms import TrainingSpec, VolumeRef, load_platform
+
+GPU_LIMIT = "gpu"
+
+
+def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
+    """Cancellation/crash hook: stop the run's training job so nothing keeps running unobserved."""
+    try:
+        params = TrainParams.model_validate(flow_run.parameters["params"])
+    except Exception:  # parameters never validated: nothing was started
+        return
+    platform = load_platform(params.platform)
+    name = run_name(flow_run.id)
+    stopped = platform.cancel_training(name, VolumeRef(name=params.volume, location=""))
+    print(f"laneflow: training job {name} {'stopped' if stopped else 'was not running'} ({state.name})")
+
+
+@flow(name="train_pipeline", on_cancellation=[stop_training], on_crashed=[stop_training])
+def train_pipeline(params: TrainParams) -> dict[str, Any]:
+    """Prepare TuSimple on a volume, train SCNN with Horovod, score it, snapshot and publish it."""
+    logger = get_run_logger()
+    run = run_name(current_run.id)
+    platform = load_platform(params.platform)
+    logger.info("run %s on platform %s (%s)", run, params.platform, type(platform).__name__)
+
+    volume = ensure_dataset_volume(platform, params.volume)
+    previous_level = promote_service_level(platform, volume, params.promote)
+    dataset = prepare_dataset(platform, volume, params.source.url, params.source.sha256)
+    ensure_shared_access(platform, volume)
+    spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
+                        preset=params.preset, workers=params.workers, settings=params.trainer_settings(),
+                        labels={"flow-run": str(current_run.id), "dataset-version": dataset["dataset_version"]})
+    with concurrency(GPU_LIMIT, occupy=1):
+        submit_training(platform, spec)
+        outcome = wait_for_training(platform, spec, params.timeout_minutes * 60)
+    evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
+
+    snapshot = snapshot_name(volume.name, run) if params.snapshot else None
+    lineage = build_lineage(
+        run=run, flow_run_id=str(current_run.id), flow_run_name=current_run.name, platform=params.platform,
+        volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
+        training={"steps": outcome.steps, "resumed_from": outcome.resumed_from, "duration_s": outcome.duration_s,
+                  "trainer_eval": outcome.eval},
+        evaluation=evaluation, snapshot=snapshot)
+    if snapshot:
+        capture_snapshot(platform, volume, snapshot, spec.data_dir, spec.run_dir, lineage)
+    else:
+        logger.info("snapshot off for this run")
+    publish_artifacts(platform, volume, spec.run_dir, outcome, evaluation, lineage)
+    demote_service_level(platform, volume, previous_level)
+    emit_event("laneflow.training.finished", resource={"prefect.resource.id": f"laneflow.run.{run}",
+                                                       "prefect.resource.name": run},
+               payload={"metrics": evaluation, "dataset_version": dataset["dataset_version"], "snapshot": snapshot})
+    return {"run": run, "flow_run_id": str(current_run.id), "volume": volume.name, "snapshot": snapshot,
+            "dataset_version": dataset["dataset_version"], "metrics": evaluation, "steps": outcome.steps,
+            "resumed_from": outcome.resumed_from, "data_dir": spec.data_dir, "run_dir": spec.run_dir,
+            "dataset_steps": dataset["steps"],
+            "platform": params.platform}

@@ -1,0 +1,37 @@
+"""Champion/challenger: a nightly model replaces the champion only when it scores better (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    reason: str
+    champion_accuracy: float | None
+    challenger_accuracy: float
+
+
+def decide_champion(champion_accuracy: float | None, challenger_accuracy: float,
+                    min_improvement: float = 0.0) -> Decision:
+    """Promote when there is no champion yet, or the challenger beats it by more than ``min_improvement``.
+
+    Both accuracies must come from the same test images (the caller re-scores the champion on the
+    challenger's dataset when the data changed), or the comparison means nothing.
+    """
+    if champion_accuracy is None:
+        return Decision(True, "no champion yet", None, challenger_accuracy)
+    margin = challenger_accuracy - champion_accuracy
+    if margin > min_improvement:
+        return Decision(True, f"accuracy improved by {margin:+.4f} (needed > {min_improvement:+.4f})",
+                        champion_accuracy, challenger_accuracy)
+    return Decision(False, f"accuracy changed by {margin:+.4f}; needed > {min_improvement:+.4f}: champion kept",
+                    champion_accuracy, challenger_accuracy)
+
+
+def champion_record(result: dict[str, Any]) -> dict[str, Any]:
+    """What is remembered about a champion: enough to find, re-score and restore it."""
+    return {key: result.get(key) for key in ("run", "flow_run_id", "volume", "snapshot", "dataset_version",
+                                             "metrics", "data_dir", "run_dir")}

@@ -1,0 +1,92 @@
+"""Pure pieces of launching Horovod training, shared by every platform's launcher.
+
+The command line (``horovodrun ... python -m training.train ...``), the parsing of what the job prints
+(horovodrun prefixes every line with ``[rank]<stream>:``; rank 0 prints JSON events), and the reading of
+how a job ended: resumable (preempted, a worker killed) or not (bad configuration, a crash).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.platforms.base import TrainingSpec
+
+EXIT_CONFIG_ERROR = 2  # training.train: bad setting, missing data root, empty split, mismatched checkpoint
+EXIT_PREEMPTED = 75  # training.train: stopped on request after a checkpoint
+_PREFIX = re.compile(r"^\[(?P<rank>\d+)\]<(?P<stream>stdout|stderr)>:")
+_RANK_EXIT = re.compile(r"^Exit code: (?P<code>-?\d+)\s*$")
+
+
+def trainer_args(spec: TrainingSpec, data_root: str, run_dir: str) -> list[str]:
+    """``-m training.train`` and its arguments, for any launcher (data and run paths as the workers see them)."""
+    args = ["-m", "training.train", "--data-root", data_root, "--run-dir", run_dir, "--preset", spec.preset]
+    for key, value in sorted(spec.settings.items()):
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def horovodrun_command(horovodrun: str, python: str, spec: TrainingSpec, data_root: str, run_dir: str,
+                       hosts: str | None = None) -> list[str]:
+    """The launcher's argument list (never a shell string): ``horovodrun -np N -H localhost:N --gloo python ...``."""
+    return [horovodrun, "-np", str(spec.workers), "-H", hosts or f"localhost:{spec.workers}", "--gloo",
+            python, *trainer_args(spec, data_root, run_dir)]
+
+
+@dataclass(frozen=True)
+class OutputLine:
+    rank: int | None
+    text: str
+    event: dict[str, Any] | None
+
+
+def parse_output_line(line: str) -> OutputLine:
+    """One line of launcher output: which rank said it, the text, and the JSON event if it is one."""
+    line = line.rstrip("\n")
+    rank = None
+    match = _PREFIX.match(line)
+    if match:
+        rank, line = int(match["rank"]), line[match.end():]
+    event = None
+    if line.startswith("{") and '"event"' in line:
+        try:
+            decoded = json.loads(line)
+        except json.JSONDecodeError:
+            decoded = None
+        if isinstance(decoded, dict) and isinstance(decoded.get("event"), str):
+            event = decoded
+    return OutputLine(rank, line, event)
+
+
+@dataclass(frozen=True)
+class ExitReading:
+    """How a training job ended and whether running it again (it resumes) can help."""
+
+    succeeded: bool
+    resumable: bool
+    reason: str
+
+
+def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]) -> ExitReading:
+    """Classify a finished job from its launcher's exit code, its output and the events it sent.
+
+    horovodrun itself exits 1 whenever a rank fails and names the first failing rank's code in its
+    output (``Exit code: N``); a plain (size 1) run exits with the trainer's own code.
+    """
+    names = [event.get("event") for event in events]
+    if launcher_code == 0 and "done" in names:
+        return ExitReading(True, False, "finished")
+    rank_codes = [int(m["code"]) for m in (_RANK_EXIT.match(parse_output_line(x).text.strip()) for x in lines) if m]
+    code = rank_codes[0] if rank_codes else launcher_code
+    if "preempted" in names or code == EXIT_PREEMPTED:
+        return ExitReading(False, True, "preempted: it checkpointed and can resume")
+    if code < 0 or code in (128 + 9, 128 + 15):
+        signal_no = -code if code < 0 else code - 128
+        return ExitReading(False, True, f"a training process was killed by signal {signal_no}")
+    if code == EXIT_CONFIG_ERROR:
+        return ExitReading(False, False, "training refused its configuration or data (exit code 2)")
+    if launcher_code == 0:
+        return ExitReading(False, False, "the launcher exited 0 but training never reported 'done'")
+    return ExitReading(False, False, f"training failed with exit code {code}")

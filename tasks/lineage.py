@@ -1,0 +1,92 @@
+"""Lineage: what a model was made from, recorded with every run and snapshot, and rendered for people.
+
+The same record backs the run's lineage artifact in the Prefect UI, the snapshot's labels, and
+``laneflow lineage <run-or-snapshot>``, so the three always agree.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def code_version(root: Path = PROJECT_ROOT) -> str:
+    """The code that ran: ``$LANEFLOW_CODE_VERSION`` (set in images), else the git commit (+dirty), else the package."""
+    if os.environ.get("LANEFLOW_CODE_VERSION"):
+        return os.environ["LANEFLOW_CODE_VERSION"]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        return f"git:{commit}{'+dirty' if dirty else ''}"
+    except (OSError, subprocess.SubprocessError):
+        try:
+            return f"laneflow=={metadata.version('laneflow')}"
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+
+def build_lineage(*, run: str, flow_run_id: str, flow_run_name: str, platform: str, volume: str, dataset: dict,
+                  code: str, parameters: dict, training: dict, evaluation: dict, snapshot: str | None) -> dict:
+    """One flat, JSON-safe record: everything needed to say where a model came from and to reproduce it."""
+    return {
+        "run": run,
+        "flow_run_id": flow_run_id,
+        "flow_run_name": flow_run_name,
+        "platform": platform,
+        "volume": volume,
+        "dataset_version": dataset.get("dataset_version"),
+        "dataset_dir": dataset.get("dataset_dir"),
+        "archive_sha256": dataset.get("archive_sha256"),
+        "dataset_counts": {k: dataset.get("counts", {}).get(k) for k in ("read", "kept", "quarantined")},
+        "code_version": code,
+        "parameters": parameters,
+        "training": training,
+        "metrics": evaluation,
+        "snapshot": snapshot,
+    }
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_lineage_markdown(lineage: dict) -> str:
+    """The lineage as markdown (the UI artifact and the CLI print exactly this)."""
+    metrics = lineage.get("metrics") or {}
+    params = lineage.get("parameters") or {}
+    lines = [
+        f"# Lineage of `{lineage.get('run')}`",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| run | `{lineage.get('run')}` |",
+        f"| flow run | {lineage.get('flow_run_name')} (`{lineage.get('flow_run_id')}`) |",
+        f"| platform / volume | {lineage.get('platform')} / `{lineage.get('volume')}` |",
+        f"| dataset version | `{lineage.get('dataset_version')}` |",
+        f"| archive sha256 | `{lineage.get('archive_sha256')}` |",
+        f"| dataset records | {_cell(lineage.get('dataset_counts'))} |",
+        f"| code version | `{lineage.get('code_version')}` |",
+        f"| snapshot | `{lineage.get('snapshot') or 'none'}` |",
+        "",
+        "## Metrics",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *(f"| {key} | {_cell(value)} |" for key, value in metrics.items()),
+        "",
+        "## Parameters",
+        "",
+        "| parameter | value |",
+        "|---|---|",
+        *(f"| {key} | {_cell(value)} |" for key, value in sorted(params.items())),
+    ]
+    return "\n".join(lines) + "\n"

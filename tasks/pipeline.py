@@ -1,0 +1,191 @@
+"""The DAG's stages as Prefect tasks (DESIGN §2): thin wrappers over the platform and the pure code.
+
+Every task retries transient errors only (``tasks.retry``), has a timeout, and is named after what it
+works on. Names of what they create come from the flow run, so a retried task finds what its first
+try made: the volume, the dataset, the training job (which resumes from its checkpoint), the snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
+
+from tasks.lineage import render_lineage_markdown
+from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, TrainingOutcome, TrainingSpec, VolumeRef
+from tasks.report import data_uri, metrics_rows, step_series, thumbnail_jpeg, training_curve_png
+from tasks.retry import RETRY_POLICY
+
+HOUR = 3600
+# Side effects live on the volume and the platform, never in Prefect's result cache.
+_TASK = {**RETRY_POLICY, "cache_policy": NO_CACHE}
+
+
+def _resource(kind: str, name: str) -> dict[str, str]:
+    return {"prefect.resource.id": f"laneflow.{kind}.{name}", "prefect.resource.name": name}
+
+
+@task(name="promote_service_level", task_run_name="promote-{volume.name}", timeout_seconds=HOUR, **_TASK)
+def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool) -> str | None:
+    """Note the volume's service level before training (``None`` where levels do not apply)."""
+    logger = get_run_logger()
+    level = platform.current_service_level(volume)
+    if level is None:
+        logger.info("service level: not applicable on %s; nothing to promote", type(platform).__name__)
+    elif not wanted:
+        logger.info("service level stays %s (promotion is off for this run)", level)
+    return level
+
+
+@task(name="demote_service_level", task_run_name="demote-{volume.name}", timeout_seconds=HOUR, **_TASK)
+def demote_service_level(platform: Platform, volume: VolumeRef, previous: str | None) -> bool:
+    """Put the volume back to the level it had before training."""
+    if previous is None:
+        get_run_logger().info("service level: not applicable; nothing to demote")
+        return False
+    changed = platform.change_service_level(volume, previous)
+    get_run_logger().info("service level %s %s", previous, "restored" if changed else "unchanged")
+    return changed
+
+
+@task(name="ensure_dataset_volume", task_run_name="ensure-volume-{name}", timeout_seconds=HOUR, **_TASK)
+def ensure_dataset_volume(platform: Platform, name: str) -> VolumeRef:
+    volume = platform.ensure_volume(name)
+    get_run_logger().info("volume %s %s at %s", name, "created" if volume.created else "adopted", volume.location)
+    return volume
+
+
+@task(name="prepare_dataset", task_run_name="prepare-dataset-{sha256:.16}", timeout_seconds=12 * HOUR, **_TASK)
+def prepare_dataset(platform: Platform, volume: VolumeRef, url: str, sha256: str) -> dict[str, Any]:
+    """Download -> verify -> extract -> preprocess; each step is skipped when its output is already there."""
+    logger = get_run_logger()
+    summary = platform.prepare_dataset(volume, url, sha256, logger.info)
+    steps = summary.get("steps", {})
+    if not any(steps.values()):
+        logger.info("dataset cache hit: version %s already prepared on %s", summary["dataset_version"], volume.name)
+    counts = summary["counts"]
+    logger.info("dataset %s: read %s, kept %s, quarantined %s", summary["dataset_version"], counts["read"],
+                counts["kept"], counts["quarantined"])
+    return summary
+
+
+@task(name="ensure_shared_access", task_run_name="shared-access-{volume.name}", timeout_seconds=HOUR, **_TASK)
+def ensure_shared_access(platform: Platform, volume: VolumeRef) -> str:
+    message = platform.ensure_shared_access(volume)
+    get_run_logger().info("%s", message)
+    return message
+
+
+@task(name="submit_training", task_run_name="submit-{spec.job_name}", timeout_seconds=HOUR, **_TASK)
+def submit_training(platform: Platform, spec: TrainingSpec) -> TrainingHandle:
+    handle = platform.submit_training(spec)
+    get_run_logger().info("training job %s %s (%s, %d workers)", spec.job_name,
+                          "adopted" if handle.adopted else "submitted", handle.state, spec.workers)
+    return handle
+
+
+@task(name="wait_for_training", task_run_name="train-{spec.job_name}", tags=["gpu"], timeout_seconds=48 * HOUR,
+      **_TASK)
+def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) -> TrainingOutcome:
+    """Stream the job's events into logs and a progress artifact until it ends.
+
+    A retry (after a preemption or a lost worker) submits the job again: the same name, the same run
+    directory, so the trainer resumes from its newest checkpoint.
+    """
+    logger = get_run_logger()
+    handle = platform.submit_training(spec)  # adopts the running job; restarts an interrupted one
+    progress_id = create_progress_artifact(progress=0.0, key=f"progress-{spec.job_name}",
+                                           description=f"training {spec.job_name}")
+    state: dict[str, int] = {"total": 0}
+
+    def on_event(event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "start":
+            state["total"] = int(event.get("total_steps") or 0)
+            logger.info("training started at step %s of %s on %s worker(s)%s", event.get("step"),
+                        event.get("total_steps"), event.get("world_size"), " (resumed)" if event.get("resumed") else "")
+        elif kind == "step":
+            logger.info("step %s: loss %.4f, lr %.4g, %.1f img/s, input stall %.0f%%", event["step"], event["loss"],
+                        event["lr"], event["img_per_s"], 100 * event["input_stall"])
+            if state["total"]:
+                update_progress_artifact(progress_id, min(100.0, 100.0 * event["step"] / state["total"]))
+        elif kind in ("epoch", "checkpoint", "eval", "preempted", "done"):
+            logger.info("%s: %s", kind, json.dumps({k: v for k, v in event.items() if k != "event"}))
+
+    outcome = platform.wait_for_training(handle, on_event, logger.debug, timeout_s)
+    update_progress_artifact(progress_id, 100.0)
+    logger.info("training %s finished at step %d (resumed from %d)", spec.job_name, outcome.steps,
+                outcome.resumed_from)
+    return outcome
+
+
+@task(name="evaluate", task_run_name="evaluate-{split}", timeout_seconds=6 * HOUR, **_TASK)
+def evaluate(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str, split: str) -> dict[str, Any]:
+    """TuSimple accuracy, FP and FN of the run's final model on ``split``."""
+    logger = get_run_logger()
+    result = platform.evaluate(volume, run_dir, data_dir, split, logger.debug)
+    logger.info("%s: accuracy %.4f, FP %.4f, FN %.4f on %d images", split, result["accuracy"], result["fp"],
+                result["fn"], result["images"])
+    return result
+
+
+@task(name="restore_volume", task_run_name="restore-{snapshot}-to-{volume_name}", timeout_seconds=6 * HOUR,
+      **_TASK)
+def restore_volume(platform: Platform, snapshot: str, volume_name: str) -> VolumeRef:
+    """A new volume from a snapshot (adopted when a retry finds it already restored)."""
+    volume = platform.restore_snapshot(snapshot, volume_name)
+    get_run_logger().info("volume %s %s from snapshot %s", volume_name, "restored" if volume.created else "adopted",
+                          snapshot)
+    return volume
+
+
+@task(name="capture_snapshot", task_run_name="snapshot-{name}", timeout_seconds=2 * HOUR, **_TASK)
+def capture_snapshot(platform: Platform, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
+                     lineage: dict[str, Any]) -> SnapshotRef:
+    """Version dataset + model together; the snapshot carries the run's lineage."""
+    snapshot = platform.wait_for_snapshot(platform.create_snapshot(volume, name, data_dir, run_dir, lineage),
+                                          timeout_s=HOUR)
+    get_run_logger().info("snapshot %s ready at %s", snapshot.name, snapshot.location)
+    emit_event("laneflow.snapshot.created", resource=_resource("snapshot", snapshot.name),
+               related=[{"prefect.resource.id": f"laneflow.run.{lineage['run']}", "prefect.resource.role": "run"}],
+               payload={"volume": volume.name, "dataset_version": lineage.get("dataset_version"),
+                        "metrics": lineage.get("metrics", {})})
+    return snapshot
+
+
+@task(name="publish_artifacts", task_run_name="publish-{lineage[run]}", timeout_seconds=HOUR, **_TASK)
+def publish_artifacts(platform: Platform, volume: VolumeRef, run_dir: str, outcome: TrainingOutcome,
+                      evaluation: dict[str, Any], lineage: dict[str, Any]) -> dict[str, str]:
+    """Metrics table, training curve, lineage and prediction overlay, each keyed by the run."""
+    run = lineage["run"]
+    events = [json.loads(line) for line in platform.read_file(volume, f"{run_dir}/metrics.jsonl").splitlines()
+              if line.strip()]
+    steps = step_series(events)
+    training = {"steps": outcome.steps, "resumed_from": outcome.resumed_from, "duration_s": outcome.duration_s}
+    ids = {
+        "metrics": create_table_artifact(table=metrics_rows(training, evaluation, steps), key=f"metrics-{run}",
+                                         description=f"TuSimple metrics and training summary of {run}"),
+        "curve": create_markdown_artifact(
+            markdown=f"# Training curve of `{run}`\n\n"
+                     f"![training curve]({data_uri(training_curve_png(steps, f'{run}: loss and lr'), 'image/png')})\n",
+            key=f"curve-{run}", description=f"loss and learning rate per logged step of {run}"),
+        "lineage": create_markdown_artifact(markdown=render_lineage_markdown(lineage), key=f"lineage-{run}",
+                                            description=f"what {run} was made from"),
+    }
+    overlay = f"{run_dir}/overlay_{evaluation['split']}.png"
+    image = thumbnail_jpeg(platform.read_file(volume, overlay))
+    ids["overlay"] = create_markdown_artifact(
+        markdown=f"# Predictions of `{run}` on {evaluation['split']}\n\nColoured: predicted lanes per slot; "
+                 f"white dots: ground truth.\n\n![predictions]({data_uri(image, 'image/jpeg')})\n",
+        key=f"predictions-{run}", description=f"prediction overlay of {run}")
+    get_run_logger().info("published artifacts for %s: %s", run, ", ".join(ids))
+    return {name: str(artifact_id) for name, artifact_id in ids.items()}

@@ -1,0 +1,170 @@
+"""The one seam between the DAG and where it runs (DESIGN §3).
+
+A platform is a Prefect block, so a configured one is saved once (UI or code) and flows name it by
+its block name. It offers the few operations the DAG needs: a volume, shared access to it, dataset
+preparation on it, a launcher for Horovod training, evaluation, snapshots and the service level.
+Flows and tasks call these and never ask which platform they hold.
+
+Everything a platform returns is a small pydantic model, so Prefect can show it and pass it between
+tasks; everything it raises is either ``TransientPlatformError`` (retry me) or a plain error (don't).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+from prefect.blocks.core import Block
+from pydantic import BaseModel, Field
+
+
+class TransientPlatformError(RuntimeError):
+    """Worth retrying: the same call can succeed later (preemption, lost worker, 429/5xx, reset)."""
+
+
+class TrainingInterrupted(TransientPlatformError):
+    """The training job stopped before finishing but can resume from its newest checkpoint."""
+
+
+class TrainingFailed(RuntimeError):
+    """The training job failed for a reason a retry will not fix; carries the job's log tail."""
+
+    def __init__(self, message: str, log_tail: list[str] | None = None) -> None:
+        self.log_tail = list(log_tail or [])
+        tail = "\n".join(self.log_tail)
+        super().__init__(f"{message}\n--- training log tail ---\n{tail}" if tail else message)
+
+
+class VolumeRef(BaseModel):
+    """A volume the pipeline reads and writes: a directory locally, a PVC on a cluster."""
+
+    name: str
+    location: str = Field(description="where it lives: a path, or namespace/claim")
+    created: bool = False
+
+
+class TrainingSpec(BaseModel):
+    """What to train: everything a launcher needs, with paths relative to the volume root."""
+
+    job_name: str = Field(description="deterministic per flow run: a retry finds the same job")
+    volume: VolumeRef
+    data_dir: str = Field(description="dataset root relative to the volume, e.g. datasets/4d561454fb71df42")
+    run_dir: str = Field(description="run directory relative to the volume, e.g. runs/train-1a2b3c4d")
+    preset: str
+    workers: int = Field(ge=1, description="Horovod processes (one per GPU on a cluster)")
+    settings: dict[str, str] = Field(default_factory=dict, description="trainer --set key=value overrides")
+    labels: dict[str, str] = Field(default_factory=dict, description="lineage labels for the job")
+
+
+class TrainingHandle(BaseModel):
+    """A submitted training job."""
+
+    job_name: str
+    spec: TrainingSpec
+    state: str = Field(description="running, succeeded, or failed")
+    adopted: bool = Field(False, description="True when submit found the job already there")
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainingOutcome(BaseModel):
+    """How a finished training job ended, with what its event stream said."""
+
+    job_name: str
+    steps: int
+    total_steps: int
+    resumed_from: int = Field(0, description="the step the last attempt started from (0 = fresh)")
+    eval: dict[str, Any] = Field(default_factory=dict, description="the trainer's own end-of-run evaluation")
+    duration_s: float
+    log_tail: list[str] = Field(default_factory=list)
+
+
+class SnapshotRef(BaseModel):
+    """A point-in-time copy of dataset + run, labelled with lineage."""
+
+    name: str
+    volume: str
+    ready: bool
+    location: str
+    lineage: dict[str, Any] = Field(default_factory=dict)
+
+
+EventSink = Callable[[dict[str, Any]], None]
+LogSink = Callable[[str], None]
+
+
+class Platform(Block):
+    """Operations the DAG needs from wherever it runs; implemented by local and cluster platforms."""
+
+    # --- volume ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def ensure_volume(self, name: str) -> VolumeRef:
+        """Create the volume, or adopt it when it exists."""
+
+    @abc.abstractmethod
+    def ensure_shared_access(self, volume: VolumeRef) -> str:
+        """Make the volume mountable by every worker at once; returns what was done, for the log."""
+
+    @abc.abstractmethod
+    def prepare_dataset(self, volume: VolumeRef, source_url: str, sha256: str, log: LogSink) -> dict[str, Any]:
+        """Download, verify, extract and preprocess onto the volume; a cached no-op when already there.
+
+        Returns the preparation summary: dataset_dir (relative to the volume), dataset_version, counts, steps.
+        """
+
+    @abc.abstractmethod
+    def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
+        """A file from the volume (metrics, eval results, images for artifacts)."""
+
+    # --- launcher ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def submit_training(self, spec: TrainingSpec) -> TrainingHandle:
+        """Start the job, or adopt it when a job of that name is already running or finished."""
+
+    @abc.abstractmethod
+    def wait_for_training(self, handle: TrainingHandle, on_event: EventSink, on_log: LogSink,
+                          timeout_s: float) -> TrainingOutcome:
+        """Stream events and logs until the job ends.
+
+        Raises ``TrainingInterrupted`` when it can resume (preempted, a worker lost) and
+        ``TrainingFailed`` when it cannot; stops the job if the wait itself is interrupted.
+        """
+
+    @abc.abstractmethod
+    def cancel_training(self, job_name: str, volume: VolumeRef) -> bool:
+        """Stop the job and everything it started; False when there was nothing to stop."""
+
+    @abc.abstractmethod
+    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
+        """Score the run's final model on ``split`` with the TuSimple metric (writes eval_<split>.json)."""
+
+    # --- snapshots ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
+                        lineage: dict[str, Any]) -> SnapshotRef:
+        """Capture dataset + run under ``name`` with lineage; adopts an existing snapshot of that name."""
+
+    @abc.abstractmethod
+    def wait_for_snapshot(self, snapshot: SnapshotRef, timeout_s: float) -> SnapshotRef:
+        """Block until the snapshot is ready to use; raises when it reports an error."""
+
+    @abc.abstractmethod
+    def list_snapshots(self) -> list[SnapshotRef]:
+        """Every snapshot this platform made, oldest first."""
+
+    @abc.abstractmethod
+    def restore_snapshot(self, snapshot_name: str, volume_name: str) -> VolumeRef:
+        """A new volume holding the snapshot's content."""
+
+    @abc.abstractmethod
+    def find_lineage(self, name: str) -> dict[str, Any]:
+        """The lineage record a snapshot carries, by snapshot name; KeyError when there is none."""
+
+    # --- service level -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def current_service_level(self, volume: VolumeRef) -> str | None:
+        """The volume's storage service level, or None where the idea does not apply."""
+
+    @abc.abstractmethod
+    def change_service_level(self, volume: VolumeRef, level: str) -> bool:
+        """Move the volume to ``level``; False when nothing had to change."""

@@ -1,0 +1,457 @@
+"""The local platform: a directory is the volume and ``horovodrun`` runs on this machine's CPUs.
+
+Layout under the platform's home (``$LANEFLOW_HOME``, else ``~/.laneflow/local``)::
+
+    volumes/<volume>/{downloads,datasets,runs}/     what the pipeline reads and writes
+    snapshots/<snapshot>/{lineage.json,content/}     immutable copies (hard links where safe)
+
+Needs no configuration: the flows' default platform name ``local`` resolves to ``LocalPlatform()``
+unless a block of that name was saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from tasks.launch import horovodrun_command, parse_output_line, read_exit
+from tasks.names import validate_name
+from tasks.platforms.base import (
+    EventSink,
+    LogSink,
+    Platform,
+    SnapshotRef,
+    TrainingFailed,
+    TrainingHandle,
+    TrainingInterrupted,
+    TrainingOutcome,
+    TrainingSpec,
+    VolumeRef,
+)
+
+LAUNCHER_RECORD = "launcher.json"
+LINEAGE_FILE = "lineage.json"
+RESTORED_MARKER = ".laneflow-restored-from"
+LOG_TAIL = 40
+#: Files the pipeline only ever replaces (new inode), never rewrites in place: safe to hard-link into
+#: a snapshot. Everything else (json, metrics, overlays) is copied.
+_LINKABLE_SUFFIXES = (".jpg", ".jpeg", ".pt")
+#: Regenerable and large: never part of a snapshot.
+_SKIPPED_DIRS = ("cache",)
+
+_jobs: dict[str, subprocess.Popen] = {}
+_jobs_lock = threading.Lock()
+
+
+class LocalPlatform(Platform):
+    """This machine: a folder per volume, ``horovodrun -np N`` on the CPUs, snapshots as hard-linked copies."""
+
+    _block_type_name: ClassVar[str] = "Laneflow Local Platform"
+    _block_type_slug: ClassVar[str] = "laneflow-local-platform"
+    _description: ClassVar[str] = "Runs the laneflow DAG on this machine: folders as volumes, horovodrun on CPUs."
+
+    home: str | None = Field(None, description="where volumes and snapshots live; default $LANEFLOW_HOME "
+                                                "or ~/.laneflow/local")
+    python: str | None = Field(None, description="interpreter with torch + horovod; default: this one")
+    threads_per_worker: int = Field(1, ge=1, description="OMP threads per Horovod process")
+
+    # --- paths ---------------------------------------------------------------------------------------
+    def home_dir(self) -> Path:
+        configured = self.home or os.environ.get("LANEFLOW_HOME") or "~/.laneflow/local"
+        return Path(configured).expanduser().resolve()
+
+    def volume_path(self, volume: VolumeRef | str) -> Path:
+        name = volume.name if isinstance(volume, VolumeRef) else volume
+        return self.home_dir() / "volumes" / validate_name(name, "volume")
+
+    def _inside(self, volume: VolumeRef, relative: str) -> Path:
+        base = self.volume_path(volume)
+        path = (base / relative).resolve()
+        if path != base and base not in path.parents:
+            raise ValueError(f"path '{relative}' leaves volume '{volume.name}'")
+        return path
+
+    def _python(self) -> str:
+        return self.python or sys.executable
+
+    # --- volume --------------------------------------------------------------------------------------
+    def ensure_volume(self, name: str) -> VolumeRef:
+        path = self.volume_path(name)
+        created = not path.is_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        return VolumeRef(name=name, location=str(path), created=created)
+
+    def ensure_shared_access(self, volume: VolumeRef) -> str:
+        return f"local volume {volume.location}: every process on this machine already shares it; nothing to do"
+
+    def prepare_dataset(self, volume: VolumeRef, source_url: str, sha256: str, log: LogSink) -> dict[str, Any]:
+        from training.data.prepare import prepare_dataset  # the data stage's heavy imports stay out of flows
+
+        base = self.volume_path(volume)
+        with _forward_logs("laneflow", log):
+            prepared = prepare_dataset(source_url, sha256, base)
+        summary = prepared.summary()
+        summary["dataset_dir"] = str(prepared.root.relative_to(base))
+        return summary
+
+    def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
+        path = self._inside(volume, relative_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{relative_path} does not exist on volume '{volume.name}' ({path})")
+        return path.read_bytes()
+
+    # --- launcher ------------------------------------------------------------------------------------
+    def submit_training(self, spec: TrainingSpec) -> TrainingHandle:
+        run_dir = self._inside(spec.volume, spec.run_dir)
+        record_file = run_dir / LAUNCHER_RECORD
+        with _jobs_lock:
+            running = _jobs.get(spec.job_name)
+            if running is not None and running.poll() is None:
+                return TrainingHandle(job_name=spec.job_name, spec=spec, state="running", adopted=True,
+                                      details={"pid": running.pid})
+            record = _read_json(record_file)
+            if record.get("exit_code") == 0 and (run_dir / "model.pt").is_file():
+                return TrainingHandle(job_name=spec.job_name, spec=spec, state="succeeded", adopted=True,
+                                      details=record)
+            if record.get("exit_code") is None and record.get("pgid"):
+                # Started by an earlier process of this flow run that is gone: stop it before resuming.
+                _stop_group(int(record["pgid"]), str(run_dir))
+            cmd = horovodrun_command(str(Path(self._python()).parent / "horovodrun"), self._python(), spec,
+                                     str(self._inside(spec.volume, spec.data_dir)), str(run_dir))
+            run_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "OMP_NUM_THREADS": str(self.threads_per_worker), "PYTHONUNBUFFERED": "1",
+                   "PATH": f"{Path(self._python()).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+            process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                                       env=env, start_new_session=True)  # own process group: cancel kills it all
+            _jobs[spec.job_name] = process
+            attempts = int(record.get("attempts", 0)) + 1
+            details = {"job_name": spec.job_name, "pid": process.pid, "pgid": process.pid, "command": cmd,
+                       "started_at": _now(), "attempts": attempts, "exit_code": None}
+            _write_json(record_file, details)
+        return TrainingHandle(job_name=spec.job_name, spec=spec, state="running", details=details)
+
+    def wait_for_training(self, handle: TrainingHandle, on_event: EventSink, on_log: LogSink,
+                          timeout_s: float) -> TrainingOutcome:
+        run_dir = self._inside(handle.spec.volume, handle.spec.run_dir)
+        if handle.state == "succeeded":
+            return _outcome_from_metrics(handle.job_name, run_dir, 0.0)
+        with _jobs_lock:
+            process = _jobs.get(handle.job_name)
+        if process is None:
+            raise TrainingInterrupted(f"job {handle.job_name} is not running in this process any more; "
+                                      "submitting it again resumes it from its newest checkpoint")
+        started = time.monotonic()
+        lines: deque[str] = deque(maxlen=LOG_TAIL)
+        all_exit_lines: list[str] = []
+        events: list[dict[str, Any]] = []
+        try:
+            for stream, raw in _merged_lines(process, deadline=started + timeout_s):
+                parsed = parse_output_line(raw)
+                if parsed.event is not None and (parsed.rank in (None, 0)) and stream == "stdout":
+                    events.append(parsed.event)
+                    on_event(parsed.event)
+                    continue
+                lines.append(parsed.text)
+                if "Exit code:" in parsed.text:
+                    all_exit_lines.append(parsed.text)
+                on_log(parsed.text)
+            code = process.wait()
+        except BaseException as exc:  # timeout, task cancellation, flow-run termination: leave nothing behind
+            _stop_group(process.pid, str(run_dir))
+            _finish_record(run_dir, None, "timed out" if isinstance(exc, _Deadline) else "stopped")
+            with _jobs_lock:
+                _jobs.pop(handle.job_name, None)
+            if isinstance(exc, _Deadline):  # running it again would take as long: not transient
+                raise TrainingFailed(f"training job {handle.job_name} did not finish within {timeout_s:.0f} s; "
+                                     "it was stopped (raise the timeout to let it run longer)", list(lines)) from None
+            raise
+        with _jobs_lock:
+            _jobs.pop(handle.job_name, None)
+        reading = read_exit(code, all_exit_lines, events)
+        _finish_record(run_dir, code if reading.succeeded or not reading.resumable else None, reading.reason)
+        if reading.succeeded:
+            return _outcome(handle.job_name, events, time.monotonic() - started, list(lines))
+        if reading.resumable:
+            raise TrainingInterrupted(f"training job {handle.job_name} stopped: {reading.reason}")
+        raise TrainingFailed(f"training job {handle.job_name} failed: {reading.reason}", list(lines))
+
+    def cancel_training(self, job_name: str, volume: VolumeRef) -> bool:
+        with _jobs_lock:
+            process = _jobs.pop(job_name, None)
+        run_dir = self.volume_path(volume) / "runs" / job_name
+        pgid = process.pid if process else _read_json(run_dir / LAUNCHER_RECORD).get("pgid")
+        if not pgid:
+            return False
+        stopped = _stop_group(int(pgid), str(run_dir))
+        if stopped:
+            _finish_record(run_dir, None, "cancelled")
+        return stopped
+
+    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
+        cmd = [self._python(), "-m", "training.evaluate", "--run-dir", str(self._inside(volume, run_dir)),
+               "--data-root", str(self._inside(volume, data_dir)), "--split", split]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() or 1))}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        for line in done.stderr.splitlines():
+            log(line)
+        results = [p.event for p in map(parse_output_line, done.stdout.splitlines()) if p.event]
+        if done.returncode != 0 or not results:
+            tail = "\n".join(done.stderr.splitlines()[-LOG_TAIL:])
+            kind = ValueError if done.returncode == 2 else RuntimeError
+            raise kind(f"evaluation of {run_dir} on '{split}' failed (exit code {done.returncode}):\n{tail}")
+        result = dict(results[-1])
+        result.pop("event")
+        return result
+
+    # --- snapshots -----------------------------------------------------------------------------------
+    def _snapshots_dir(self) -> Path:
+        return self.home_dir() / "snapshots"
+
+    def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
+                        lineage: dict[str, Any]) -> SnapshotRef:
+        validate_name(name, "snapshot")
+        final = self._snapshots_dir() / name
+        if (final / LINEAGE_FILE).is_file():
+            return _snapshot_ref(final)
+        partial = final.with_name(f".{name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        content = partial / "content"
+        stats = {"files": 0, "bytes": 0, "linked": 0, "copied": 0}
+        for relative in (data_dir, run_dir):
+            _copy_tree(self._inside(volume, relative), content / relative, stats, freeze=True)
+        record = {"snapshot": name, "volume": volume.name, "created_at": _now(), "data_dir": data_dir,
+                  "run_dir": run_dir, "content": stats, "ready": True, **lineage}
+        _write_json(partial / LINEAGE_FILE, record)
+        partial.rename(final)  # the snapshot appears whole or not at all
+        return _snapshot_ref(final)
+
+    def wait_for_snapshot(self, snapshot: SnapshotRef, timeout_s: float) -> SnapshotRef:
+        path = self._snapshots_dir() / snapshot.name
+        if not (path / LINEAGE_FILE).is_file():
+            raise RuntimeError(f"snapshot {snapshot.name} is missing from {path.parent}")
+        return _snapshot_ref(path)
+
+    def list_snapshots(self) -> list[SnapshotRef]:
+        root = self._snapshots_dir()
+        found = [_snapshot_ref(p) for p in root.iterdir() if (p / LINEAGE_FILE).is_file()] if root.is_dir() else []
+        return sorted(found, key=lambda ref: ref.lineage.get("created_at", ""))
+
+    def restore_snapshot(self, snapshot_name: str, volume_name: str) -> VolumeRef:
+        source = self._snapshots_dir() / validate_name(snapshot_name, "snapshot")
+        if not (source / LINEAGE_FILE).is_file():
+            known = ", ".join(ref.name for ref in self.list_snapshots()) or "none"
+            raise KeyError(f"no snapshot named '{snapshot_name}' (known: {known})")
+        target = self.volume_path(volume_name)
+        if target.exists():
+            marker = target / RESTORED_MARKER
+            if marker.is_file() and marker.read_text().strip() == snapshot_name:
+                return VolumeRef(name=volume_name, location=str(target), created=False)
+            raise FileExistsError(f"volume '{volume_name}' already exists and was not restored from "
+                                  f"'{snapshot_name}'; choose a new volume name")
+        partial = target.with_name(f".{volume_name}.restoring")
+        shutil.rmtree(partial, ignore_errors=True)
+        _copy_tree(source / "content", partial, {"files": 0, "bytes": 0, "linked": 0, "copied": 0}, freeze=False)
+        (partial / RESTORED_MARKER).write_text(snapshot_name + "\n")
+        partial.rename(target)
+        return VolumeRef(name=volume_name, location=str(target), created=True)
+
+    def find_lineage(self, name: str) -> dict[str, Any]:
+        snapshot = self._snapshots_dir() / name / LINEAGE_FILE
+        if not snapshot.is_file():
+            raise KeyError(f"no snapshot named '{name}' under {self._snapshots_dir()}")
+        return json.loads(snapshot.read_text())
+
+    # --- service level -------------------------------------------------------------------------------
+    def current_service_level(self, volume: VolumeRef) -> str | None:
+        return None
+
+    def change_service_level(self, volume: VolumeRef, level: str) -> bool:
+        return False
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _finish_record(run_dir: Path, exit_code: int | None, reason: str) -> None:
+    record = _read_json(run_dir / LAUNCHER_RECORD)
+    if record:
+        _write_json(run_dir / LAUNCHER_RECORD, {**record, "exit_code": exit_code, "reason": reason,
+                                                "finished_at": _now()})
+
+
+def _is_our_group(pgid: int, run_dir: str) -> bool:
+    """The group leader is the horovodrun we started for this run (pids get reused)."""
+    try:
+        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(part.endswith(b"horovodrun") for part in cmdline) and run_dir.encode() in cmdline
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any live (not zombie) process left in the group."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def _stop_group(pgid: int, run_dir: str, grace_s: float = 15.0) -> bool:
+    """SIGTERM the job's process group (the trainer checkpoints and exits), SIGKILL what is left after ``grace_s``."""
+    if not _is_our_group(pgid, run_dir):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    return True
+
+
+class _Deadline(Exception):
+    """The launcher's own timeout passed."""
+
+
+def _merged_lines(process: subprocess.Popen, deadline: float) -> Iterator[tuple[str, str]]:
+    """Lines from stdout and stderr as they come; TimeoutError past ``deadline``."""
+    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+
+    def pump(stream_name: str, stream: Any) -> None:
+        for line in stream:
+            lines.put((stream_name, line))
+        lines.put((stream_name, None))
+
+    for name, stream in (("stdout", process.stdout), ("stderr", process.stderr)):
+        threading.Thread(target=pump, args=(name, stream), daemon=True, name=f"launcher-{name}").start()
+    open_streams = 2
+    while open_streams:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _Deadline
+        try:
+            name, line = lines.get(timeout=min(remaining, 5.0))
+        except queue.Empty:
+            continue
+        if line is None:
+            open_streams -= 1
+        else:
+            yield name, line
+
+
+def _outcome(job_name: str, events: list[dict[str, Any]], duration_s: float, tail: list[str]) -> TrainingOutcome:
+    starts = [e for e in events if e.get("event") == "start"]
+    steps = [e for e in events if e.get("event") in ("step", "done")]
+    evals = [e for e in events if e.get("event") == "eval"]
+    return TrainingOutcome(
+        job_name=job_name, steps=int(steps[-1]["step"]) if steps else 0,
+        total_steps=int(starts[-1]["total_steps"]) if starts else 0,
+        resumed_from=int(starts[-1]["step"]) if starts else 0,
+        eval={k: v for k, v in evals[-1].items() if k != "event"} if evals else {},
+        duration_s=round(duration_s, 3), log_tail=tail)
+
+
+def _outcome_from_metrics(job_name: str, run_dir: Path, duration_s: float) -> TrainingOutcome:
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return _outcome(job_name, events, duration_s, [])
+
+
+def _copy_tree(source: Path, target: Path, stats: dict[str, int], *, freeze: bool) -> None:
+    """Hard-link files that are only ever replaced, copy the rest; ``freeze`` makes copies read-only."""
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source} does not exist: nothing to copy")
+    for directory, subdirs, files in os.walk(source):
+        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS and not d.startswith(".")]
+        here = Path(directory)
+        out = target / here.relative_to(source)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            src, dst = here / name, out / name
+            if name.endswith((".tmp", ".part")):
+                continue
+            linkable = name.lower().endswith(_LINKABLE_SUFFIXES) or (name.endswith(".png") and "seg_label" in src.parts)
+            if linkable:
+                try:
+                    os.link(src, dst)
+                    stats["linked"] += 1
+                except OSError:  # another file system: copy instead
+                    shutil.copy2(src, dst)
+                    stats["copied"] += 1
+            else:
+                shutil.copy2(src, dst)
+                os.chmod(dst, 0o444 if freeze else 0o644)
+                stats["copied"] += 1
+            stats["files"] += 1
+            stats["bytes"] += dst.stat().st_size
+
+
+def _snapshot_ref(path: Path) -> SnapshotRef:
+    lineage = json.loads((path / LINEAGE_FILE).read_text())
+    return SnapshotRef(name=path.name, volume=lineage.get("volume", ""), ready=bool(lineage.get("ready")),
+                       location=str(path), lineage=lineage)
+
+
+class _Forward(logging.Handler):
+    def __init__(self, sink: LogSink) -> None:
+        super().__init__(logging.INFO)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink(record.getMessage())
+
+
+@contextlib.contextmanager
+def _forward_logs(logger_name: str, sink: LogSink) -> Iterator[None]:
+    """Send a library logger's records to ``sink`` (the task's run logger) while the block runs."""
+    logger, handler = logging.getLogger(logger_name), _Forward(sink)
+    previous, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False  # the sink is where these records go now; not twice to the console
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+        logger.propagate = propagate

@@ -1,0 +1,157 @@
+"""The whole train_pipeline on the local platform: real Prefect server, real horovodrun -np 2, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
+from flows.params import DataSource, TrainParams
+from flows.train import train_pipeline
+
+pytestmark = pytest.mark.slow
+
+
+def params_for(archive: tuple[Path, str], **changes: object) -> TrainParams:
+    path, sha256 = archive
+    base = {"source": DataSource(url=path.as_uri(), sha256=sha256), "epochs": 1, "batch_size": 2, "workers": 2,
+            "loader_workers": 0, "volume": "pipeline"}
+    return TrainParams(**{**base, **changes})
+
+
+def task_runs(flow_run_id: UUID) -> dict[str, list]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    by_name: dict[str, list] = {}
+    for run in runs:
+        by_name.setdefault(run.task_key.rsplit("-", 1)[0], []).append(run)
+    return by_name
+
+
+def artifact_keys(flow_run_id: UUID) -> set[str]:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+    return {artifact.key for artifact in found if artifact.key}
+
+
+def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_home: Path,
+                                                 synthetic_archive: tuple[Path, str]) -> None:
+    state = train_pipeline(params_for(synthetic_archive), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    flow_run_id = state.state_details.flow_run_id
+
+    runs = task_runs(flow_run_id)
+    expected = {"ensure_dataset_volume", "promote_service_level", "prepare_dataset", "ensure_shared_access",
+                "submit_training", "wait_for_training", "evaluate", "capture_snapshot", "publish_artifacts",
+                "demote_service_level"}
+    assert expected <= set(runs), sorted(runs)
+    assert all(run.state.is_completed() for stage in runs.values() for run in stage)
+
+    run = result["run"]
+    assert run == f"train-{flow_run_id.hex[:12]}"  # named after the flow run: a retry finds the same run
+    assert {f"metrics-{run}", f"curve-{run}", f"lineage-{run}", f"predictions-{run}"} <= artifact_keys(flow_run_id)
+
+    snapshot = laneflow_home / "snapshots" / result["snapshot"]
+    lineage = json.loads((snapshot / "lineage.json").read_text())
+    assert lineage["ready"] is True and lineage["run"] == run
+    assert lineage["dataset_version"] == result["dataset_version"]
+    assert lineage["metrics"]["accuracy"] == result["metrics"]["accuracy"]
+    assert lineage["code_version"].startswith(("git:", "laneflow=="))
+    assert (snapshot / "content" / "runs" / run / "model.pt").is_file()
+    assert (snapshot / "content" / result["data_dir"] / "manifest.json").is_file()
+    assert result["dataset_steps"] == {"downloaded": True, "extracted": True, "preprocessed": True}
+
+    # The CLI prints the same lineage for the snapshot and (from the run's artifact) for the run.
+    env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
+    laneflow = str(Path(sys.executable).parent / "laneflow")
+    for name in (result["snapshot"], run):
+        shown = subprocess.run([laneflow, "lineage", name], env=env, capture_output=True, text=True, check=True)
+        assert f"# Lineage of `{run}`" in shown.stdout and result["dataset_version"] in shown.stdout
+    missing = subprocess.run([laneflow, "lineage", "no-such-run"], env=env, capture_output=True, text=True)
+    assert missing.returncode == 1 and "no run named 'no-such-run'" in missing.stderr
+
+    second = train_pipeline(params_for(synthetic_archive, snapshot=False), return_state=True).result()
+    assert second["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}
+    assert second["dataset_version"] == result["dataset_version"] and second["run"] != run
+
+
+def _kill_one_rank_after_checkpoint(run_dir: Path, killed: list[int]) -> None:
+    """Once a checkpoint is on disk, SIGKILL rank 1 of the training job (a lost worker)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and '"checkpoint"' in metrics.read_text():
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    parts = cmdline.read_bytes().split(b"\0")
+                    environ = (cmdline.parent / "environ").read_bytes()
+                except OSError:
+                    continue
+                if b"training.train" in parts and str(run_dir).encode() in parts and b"HOROVOD_RANK=1" in environ:
+                    os.kill(int(cmdline.parent.name), signal.SIGKILL)
+                    killed.append(int(cmdline.parent.name))
+                    return
+        time.sleep(0.2)
+
+
+def test_transient_launcher_failure_is_retried_and_resumes_from_checkpoint(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    killed: list[int] = []
+    runs_root = laneflow_home / "volumes" / "resume" / "runs"
+
+    def watch() -> None:  # the run's name comes from its flow run id: wait for its folder to appear
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            for run_dir in runs_root.glob("train-*") if runs_root.is_dir() else []:
+                _kill_one_rank_after_checkpoint(run_dir, killed)
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    state = train_pipeline(params_for(synthetic_archive, epochs=40, volume="resume", snapshot=False),
+                           return_state=True)
+    assert killed, "the test never found a training rank to kill"
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["resumed_from"] > 0  # resumed from its checkpoint, not from step 0
+    assert result["steps"] == 80
+    record = json.loads((laneflow_home / "volumes" / "resume" / result["run_dir"] / "launcher.json").read_text())
+    assert record["attempts"] == 2 and record["exit_code"] == 0
+    waits = task_runs(UUID(result["flow_run_id"]))["wait_for_training"]
+    assert [run.run_count for run in waits] == [2]
+
+
+def test_invalid_parameter_fails_at_once_naming_the_field(prefect_server: dict, laneflow_home: Path,
+                                                          synthetic_archive: tuple[Path, str]) -> None:
+    params = params_for(synthetic_archive).model_dump()
+    params["lr"] = -1
+    state = train_pipeline(params=params, return_state=True)
+    assert state.is_failed()
+    assert "lr" in state.message and "greater than 0" in state.message
+    assert not (laneflow_home / "volumes").exists()  # nothing ran
+
+
+def test_training_failure_fails_the_flow_with_log_tail_and_no_snapshot(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    # 8 training images cannot fill a step of 2 workers x 8 images: the trainer refuses (exit 2).
+    state = train_pipeline(params_for(synthetic_archive, batch_size=8, volume="broken"), return_state=True)
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "refused its configuration or data" in message
+    assert "training log tail" in message and "too few for 2 worker(s) x batch size 8" in message
+    waits = task_runs(state.state_details.flow_run_id)["wait_for_training"]
+    assert [run.run_count for run in waits] == [1]  # not transient: not retried
+    snapshots = laneflow_home / "snapshots"
+    assert not snapshots.exists() or not any(snapshots.iterdir())
