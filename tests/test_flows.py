@@ -1,0 +1,96 @@
+"""nightly_retrain, sweep and restore on the local platform, each a real run against a real Prefect server."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.variables import Variable
+
+from flows.nightly import champion_variable, nightly_retrain
+from flows.restore import restore
+from flows.sweep import sweep
+from flows.train import train_pipeline
+from tests.test_pipeline import params_for
+
+pytestmark = pytest.mark.slow
+
+
+def latest_artifact(key: str) -> object:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no artifact {key}"
+    return max(found, key=lambda artifact: artifact.created).data
+
+
+def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    first = nightly_retrain(params_for(synthetic_archive, volume="nightly", epochs=6, snapshot=False))
+    assert first["promoted"] and first["reason"] == "no champion yet"
+    champion = Variable.get(champion_variable("nightly"))
+    assert champion["run"] == first["challenger"]["run"]
+
+    # One step of training cannot beat the champion on the same test images: it stays champion.
+    second = nightly_retrain(params_for(synthetic_archive, volume="nightly", max_steps=1, snapshot=False))
+    assert not second["promoted"] and "champion kept" in second["reason"]
+    assert Variable.get(champion_variable("nightly"))["run"] == first["challenger"]["run"]
+    assert f"`{first['challenger']['run']}`" in latest_artifact("champion-nightly")
+
+
+def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    base = params_for(synthetic_archive, volume="sweep", workers=1, snapshot=False)
+    table = sweep(base, grid={"lr": [0.05, 0.02]}, runs=[{"lr": 0.1, "batch_size": 4}], max_concurrent=1)
+
+    assert [row["rank"] for row in table] == [1, 2, 3]
+    assert sorted(row["lr"] for row in table) == [0.02, 0.05, 0.1]
+    assert all(row["state"] == "Completed" and row["accuracy"] is not None for row in table)
+    accuracies = [row["accuracy"] for row in table]
+    assert accuracies == sorted(accuracies, reverse=True)
+    assert [row["run"] for row in json.loads(latest_artifact("sweep-leaderboard"))] == [row["run"] for row in table]
+
+    # At most one training at a time: the launcher records never overlap.
+    spans = []
+    for row in table:
+        record = json.loads((laneflow_home / "volumes" / "sweep" / "runs" / row["run"] / "launcher.json").read_text())
+        spans.append((datetime.fromisoformat(record["started_at"]), datetime.fromisoformat(record["finished_at"])))
+    spans.sort()
+    assert all(earlier[1] <= later[0] for earlier, later in itertools.pairwise(spans)), spans
+
+
+def test_sweep_refuses_an_invalid_run_naming_it(prefect_server: dict, laneflow_home: Path,
+                                                synthetic_archive: tuple[Path, str]) -> None:
+    state = sweep(params_for(synthetic_archive), runs=[{"lr": 0.05}, {"epochs": 0}], return_state=True)
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "sweep run 1" in message and "epochs" in message
+    assert not (laneflow_home / "volumes").exists()
+
+
+def test_restore_trains_on_a_new_volume_from_a_snapshot_without_downloading(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+    # A private copy of the archive that disappears after the first run: a restore must not need it.
+    archive = tmp_path / "train_set.zip"
+    archive.write_bytes(synthetic_archive[0].read_bytes())
+    original = train_pipeline(params_for((archive, synthetic_archive[1]), volume="origin"))
+    archive.unlink()
+    (laneflow_home / "volumes" / "origin" / "downloads" / "train_set.zip").unlink()
+
+    restored = restore(original["snapshot"], volume="restored", changes={"epochs": 2})
+    assert restored["volume"] == "restored" and restored["dataset_version"] == original["dataset_version"]
+    assert restored["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}
+    volume = laneflow_home / "volumes" / "restored"
+    assert (volume / "runs" / original["run"] / "model.pt").is_file()  # the snapshot's run came back too
+    lineage = json.loads((laneflow_home / "snapshots" / restored["snapshot"] / "lineage.json").read_text())
+    assert lineage["parameters"]["epochs"] == 2 and lineage["volume"] == "restored"
+
+    again = restore(original["snapshot"], volume="restored", return_state=True)
+    assert again.is_completed()  # the restored volume is adopted, not refused
+
+    other = restore(original["snapshot"], volume="origin", return_state=True)
+    assert other.is_failed() and "already exists" in str(other.result(raise_on_failure=False))
