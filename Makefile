@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.laneflow-installed
 DEMO_DIR ?= .laneflow/demo
 
-.PHONY: demo test lint bench bench-accuracy install clean
+.PHONY: demo serve stop-server test lint bench bench-accuracy bench-overhead install clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -16,6 +16,12 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py --workdir $(DEMO_DIR)
+
+serve: $(STAMP)
+	$(VENV)/bin/laneflow serve --home $(DEMO_DIR)
+
+stop-server: $(STAMP)
+	$(VENV)/bin/laneflow stop-server --home $(DEMO_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -28,9 +34,14 @@ bench: $(STAMP)
 	$(PY) bench/loader.py
 	$(PY) bench/train_step.py
 	$(PY) bench/scaling.py
+	$(PY) bench/overhead.py
+
+bench-overhead: $(STAMP)
+	$(PY) bench/overhead.py
 
 bench-accuracy: $(STAMP)
 	$(PY) bench/accuracy.py
 
 clean:
+	-$(VENV)/bin/laneflow stop-server --home $(DEMO_DIR)
 	rm -rf $(DEMO_DIR) .pytest_cache

@@ -3,6 +3,7 @@
     laneflow lineage <run-or-snapshot> [--platform local]
     laneflow snapshots [--platform local]
     laneflow serve [--home .laneflow/serve] [--port 4200]
+    laneflow stop-server [--home .laneflow/serve]
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flows.local_server import DEFAULT_PORT, ensure_server, server_env
+from flows.local_server import DEFAULT_PORT, ensure_server, server_env, stop_server
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORK_POOL = "laneflow-local"
@@ -42,12 +43,17 @@ def lineage_text(name: str, platform_name: str) -> str:
 
 
 def ensure_local_setup(gpu_slots: int = 1) -> None:
-    """The process work pool and the ``gpu`` concurrency limit, created when missing, left alone when present."""
+    """Platform block types (so the UI can create platforms), the process work pool and the ``gpu``
+    concurrency limit: created when missing, left alone when present."""
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
 
     from flows.train import GPU_LIMIT
+    from tasks.platforms import PLATFORM_TYPES
+
+    for platform_type in PLATFORM_TYPES:
+        platform_type.register_type_and_schema()
 
     with get_client(sync_client=True) as client:
         try:
@@ -103,10 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd = commands.add_parser("serve", help="local server + deployments from prefect.yaml + a process worker")
     serve_cmd.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
     serve_cmd.add_argument("--port", type=int, default=DEFAULT_PORT)
+    stop = commands.add_parser("stop-server", help="stop the local Prefect server started by demo or serve")
+    stop.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
     args = parser.parse_args(argv)
 
     if args.command == "serve":
         return serve(args.home, args.port)
+    if args.command == "stop-server":
+        stopped = stop_server(args.home)
+        print("server stopped" if stopped else f"no server was started from {args.home}")
+        return 0
 
     if args.command == "lineage":
         try:

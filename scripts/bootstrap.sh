@@ -43,6 +43,16 @@ scripts/install_horovod.sh "$VENV/bin/python"
 echo "bootstrap: installing laneflow and its dependencies"
 quiet_pip install -q -c scripts/constraints.txt -e '.[dev]' || die "could not install laneflow's dependencies"
 
+# The UI test drives Debian's headless Chromium. Installed when we may (root + apt); otherwise that one
+# test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing chromium (Debian package, for the Prefect UI test)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null; } ||
+        echo "bootstrap: warning: could not install chromium; the Prefect UI test will be skipped" >&2
+fi
+
 "$VENV/bin/python" - <<'PY' || die "the environment does not import (see above)"
 import cv2, horovod.torch, kubernetes, prefect, torch  # noqa: F401
 from azure.mgmt.netapp import NetAppManagementClient  # noqa: F401

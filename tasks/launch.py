@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tasks.platforms.base import TrainingSpec
+if TYPE_CHECKING:  # the platforms import this module
+    from tasks.platforms.base import TrainingSpec
 
 EXIT_CONFIG_ERROR = 2  # training.train: bad setting, missing data root, empty split, mismatched checkpoint
 EXIT_PREEMPTED = 75  # training.train: stopped on request after a checkpoint

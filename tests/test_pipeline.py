@@ -45,6 +45,23 @@ def artifact_keys(flow_run_id: UUID) -> set[str]:
     return {artifact.key for artifact in found if artifact.key}
 
 
+def laneflow_events(timeout_s: float = 60.0) -> set[str]:
+    """Names of the ``laneflow.*`` events the server has stored (it persists them in batches)."""
+    from prefect.events.filters import EventFilter, EventNameFilter
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=30)
+    deadline, names = time.monotonic() + timeout_s, set()
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            page = client.read_events(EventFilter(event=EventNameFilter(prefix=["laneflow."])), limit=50)
+            names = {event.event for event in page.events}
+            if {"laneflow.snapshot.created", "laneflow.training.finished"} <= names:
+                break
+            time.sleep(1)
+    return names
+
+
 def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_home: Path,
                                                  synthetic_archive: tuple[Path, str]) -> None:
     state = train_pipeline(params_for(synthetic_archive), return_state=True)
@@ -81,6 +98,8 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
         assert f"# Lineage of `{run}`" in shown.stdout and result["dataset_version"] in shown.stdout
     missing = subprocess.run([laneflow, "lineage", "no-such-run"], env=env, capture_output=True, text=True)
     assert missing.returncode == 1 and "no run named 'no-such-run'" in missing.stderr
+
+    assert {"laneflow.snapshot.created", "laneflow.training.finished"} <= laneflow_events()
 
     second = train_pipeline(params_for(synthetic_archive, snapshot=False), return_state=True).result()
     assert second["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}

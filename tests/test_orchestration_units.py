@@ -1,0 +1,216 @@
+"""Pure pieces of the DAG: names, launcher output and exit reading, retry classification, reports,
+champion decisions, parameter models and sweep expansion."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from uuid import UUID
+
+import cv2
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from flows.params import DataSource, SweepError, TrainParams, expand_sweep, params_from_record
+from tasks.champion import decide_champion
+from tasks.launch import horovodrun_command, parse_output_line, read_exit
+from tasks.lineage import build_lineage, render_lineage_markdown
+from tasks.names import InvalidName, run_name, snapshot_name, validate_name
+from tasks.platforms import TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
+from tasks.report import metrics_rows, step_series, thumbnail_jpeg, training_curve_png
+from tasks.retry import is_transient
+from training.data.fetch import ChecksumMismatch, TransientFetchError
+
+SHA = "a" * 64
+
+
+def source() -> DataSource:
+    return DataSource(url="https://mirror.example.org/train_set.zip?sig=secret", sha256=SHA)
+
+
+# --- names -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["", "Upper", "under_score", "-lead", "trail-", "a" * 64, "dot.ted"])
+def test_invalid_names_are_refused_with_the_rule(bad: str) -> None:
+    with pytest.raises(InvalidName, match="volume name"):
+        validate_name(bad, "volume")
+
+
+def test_run_name_is_deterministic_per_flow_run() -> None:
+    flow_run = UUID("7d2eaa95-c8df-43a7-b772-5e3435d03a6e")
+    assert run_name(flow_run) == run_name(str(flow_run)) == "train-7d2eaa95c8df"
+    assert run_name(flow_run, prefix="restore") == "restore-7d2eaa95c8df"
+
+
+def test_snapshot_name_fits_63_characters_and_keeps_the_run() -> None:
+    name = snapshot_name("v" * 60, "train-7d2eaa95c8df")
+    assert len(name) <= 63 and name.endswith("-train-7d2eaa95c8df")
+    assert snapshot_name("demo", "train-1") == "demo-train-1"
+
+
+# --- launcher ----------------------------------------------------------------------------------------
+
+def spec(**changes: object) -> TrainingSpec:
+    base = {"job_name": "train-1", "volume": VolumeRef(name="v", location="/v"), "data_dir": "datasets/x",
+            "run_dir": "runs/train-1", "preset": "cpu-demo", "workers": 2,
+            "settings": {"lr": "0.05", "epochs": "3"}}
+    return TrainingSpec(**{**base, **changes})
+
+
+def test_horovodrun_command_is_an_argument_list_with_sorted_overrides() -> None:
+    cmd = horovodrun_command("/venv/bin/horovodrun", "/venv/bin/python", spec(), "/v/datasets/x", "/v/runs/train-1")
+    assert cmd == ["/venv/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "/venv/bin/python", "-m",
+                   "training.train", "--data-root", "/v/datasets/x", "--run-dir", "/v/runs/train-1", "--preset",
+                   "cpu-demo", "--set", "epochs=3", "--set", "lr=0.05"]
+
+
+def test_output_lines_are_split_into_rank_text_and_event() -> None:
+    line = parse_output_line('[0]<stdout>:{"event": "step", "step": 10, "loss": 0.5}\n')
+    assert (line.rank, line.event) == (0, {"event": "step", "step": 10, "loss": 0.5})
+    plain = parse_output_line("[1]<stderr>:2026 rank1 laneflow.train resuming")
+    assert (plain.rank, plain.text, plain.event) == (1, "2026 rank1 laneflow.train resuming", None)
+    assert parse_output_line('{"event": broken').event is None
+    assert parse_output_line('{"event": "done", "step": 3}').rank is None
+
+
+@pytest.mark.parametrize(("code", "lines", "events", "succeeded", "resumable", "reason"), [
+    (0, [], [{"event": "done"}], True, False, "finished"),
+    (1, ["Exit code: 75"], [{"event": "preempted"}], False, True, "preempted"),
+    (1, ["[launcher] Process name: 1", "Exit code: -9"], [], False, True, "signal 9"),
+    (137, [], [], False, True, "signal 9"),
+    (1, ["Exit code: 2"], [], False, False, "configuration or data"),
+    (2, [], [], False, False, "configuration or data"),
+    (1, ["Exit code: 1"], [], False, False, "exit code 1"),
+    (0, [], [{"event": "step"}], False, False, "never reported 'done'"),
+])
+def test_exit_reading(code: int, lines: list[str], events: list[dict], succeeded: bool, resumable: bool,
+                      reason: str) -> None:
+    reading = read_exit(code, lines, events)
+    assert (reading.succeeded, reading.resumable) == (succeeded, resumable)
+    assert reason in reading.reason
+
+
+# --- retries -----------------------------------------------------------------------------------------
+
+class _HttpError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+@pytest.mark.parametrize(("error", "transient"), [
+    (TrainingInterrupted("preempted"), True),
+    (TrainingFailed("crashed", ["tail"]), False),
+    (ConnectionResetError(), True),
+    (TimeoutError(), True),
+    (http.client.RemoteDisconnected(), True),
+    (TransientFetchError("cut"), True),
+    (ChecksumMismatch("u", SHA, "b" * 64, None), False),
+    (ValueError("lr must be > 0"), False),
+    (PermissionError("forbidden"), False),
+    (_HttpError(429), True),
+    (_HttpError(503), True),
+    (_HttpError(403), False),
+    (_HttpError(404), False),
+    (RuntimeError("bug"), False),
+    (None, False),
+])
+def test_only_transient_errors_are_retried(error: BaseException | None, transient: bool) -> None:
+    assert is_transient(error) is transient
+
+
+def test_training_failed_carries_the_log_tail() -> None:
+    error = TrainingFailed("job failed", ["line 1", "line 2"])
+    assert error.log_tail == ["line 1", "line 2"] and str(error).endswith("line 1\nline 2")
+
+
+# --- reports and lineage -----------------------------------------------------------------------------
+
+STEPS = [{"event": "step", "step": s, "loss": 1.0 / s, "lr": 0.01 * s, "img_per_s": 10.0, "input_stall": 0.1}
+         for s in (10, 20, 30)]
+
+
+def test_step_series_keeps_the_last_report_of_a_step_replayed_after_resume() -> None:
+    replay = {**STEPS[1], "loss": 0.42}
+    series = step_series([*STEPS, replay, {"event": "epoch"}])
+    assert [s["step"] for s in series] == [10, 20, 30] and series[1]["loss"] == 0.42
+
+
+def test_curve_is_a_png_with_the_lines_drawn() -> None:
+    image = cv2.imdecode(np.frombuffer(training_curve_png(step_series(STEPS), "run"), np.uint8), cv2.IMREAD_COLOR)
+    assert image.shape == (360, 800, 3)
+    assert (np.abs(image.astype(int) - (200, 80, 30)).sum(axis=2) < 60).sum() > 100  # the loss line's colour
+    empty = cv2.imdecode(np.frombuffer(training_curve_png([], "run"), np.uint8), cv2.IMREAD_COLOR)
+    assert empty.shape == (360, 800, 3)
+
+
+def test_metrics_rows_and_thumbnail() -> None:
+    rows = metrics_rows({"steps": 30, "resumed_from": 10, "duration_s": 12.5},
+                        {"split": "test", "accuracy": 0.91234, "fp": 0.1, "fn": 0.2, "images": 40}, STEPS)
+    table = {row["metric"]: row["value"] for row in rows}
+    assert table["test accuracy"] == 0.9123 and table["final loss"] == round(1 / 30, 4)
+    assert table["resumed_from"] == 10 and table["mean img/s"] == 10.0
+    wide = cv2.imencode(".png", np.zeros((720, 2560, 3), np.uint8))[1].tobytes()
+    small = cv2.imdecode(np.frombuffer(thumbnail_jpeg(wide, 960), np.uint8), cv2.IMREAD_COLOR)
+    assert small.shape == (270, 960, 3)
+    with pytest.raises(ValueError, match="not a decodable image"):
+        thumbnail_jpeg(b"not an image")
+
+
+def test_lineage_markdown_has_every_fact_and_no_secret() -> None:
+    params = TrainParams(source=source())
+    lineage = build_lineage(run="train-1", flow_run_id="f", flow_run_name="happy-fox", platform="local",
+                            volume="v", dataset={"dataset_version": "dv1", "archive_sha256": SHA,
+                                                 "counts": {"read": 3, "kept": 3, "quarantined": 0}},
+                            code="git:abc", parameters=params.for_record(), training={},
+                            evaluation={"accuracy": 0.9}, snapshot="v-train-1")
+    text = render_lineage_markdown(lineage)
+    for fact in ("train-1", "happy-fox", "dv1", SHA, "git:abc", "v-train-1", "0.9000", "cpu-demo"):
+        assert fact in text
+    assert "secret" not in text and "secret" not in json.dumps(lineage)
+
+
+# --- champion ----------------------------------------------------------------------------------------
+
+def test_champion_decisions() -> None:
+    assert decide_champion(None, 0.1).promote
+    assert decide_champion(0.80, 0.81).promote
+    assert not decide_champion(0.80, 0.80).promote  # equal is not better
+    assert not decide_champion(0.80, 0.805, min_improvement=0.01).promote
+    assert "champion kept" in decide_champion(0.9, 0.5).reason
+
+
+# --- parameters and sweeps ---------------------------------------------------------------------------
+
+def test_params_validate_with_field_names() -> None:
+    with pytest.raises(ValidationError, match="lr"):
+        TrainParams(source=source(), lr=0)
+    with pytest.raises(ValidationError, match="sha256"):
+        DataSource(url="https://x/a.zip", sha256="nope")
+    with pytest.raises(ValidationError, match="url"):
+        DataSource(url="ftp://x/a.zip", sha256=SHA)
+    with pytest.raises(ValidationError, match="volume"):
+        TrainParams(source=source(), volume="Bad_Name")
+    with pytest.raises(ValidationError, match="bogus"):
+        TrainParams(source=source(), bogus=1)
+
+
+def test_params_round_trip_through_a_lineage_record_without_the_secret() -> None:
+    params = TrainParams(source=source(), epochs=7, lr=0.02)
+    record = params.for_record()
+    assert record["source_url"] == "https://mirror.example.org/train_set.zip"
+    rebuilt = params_from_record(record, volume="restored")
+    assert (rebuilt.epochs, rebuilt.lr, rebuilt.volume, rebuilt.source.sha256) == (7, 0.02, "restored", SHA)
+
+
+def test_sweep_expands_grid_then_runs() -> None:
+    base = TrainParams(source=source())
+    sets = expand_sweep(base, {"lr": [0.01, 0.02], "batch_size": [2, 4]}, [{"workers": 1}])
+    assert [(p.batch_size, p.lr, p.workers) for p in sets] == [(2, 0.01, 2), (2, 0.02, 2), (4, 0.01, 2),
+                                                               (4, 0.02, 2), (4, 0.05, 1)]
+    assert len(expand_sweep(base, {}, [])) == 1
+    with pytest.raises(SweepError, match=r"sweep run 1 .*epochs"):
+        expand_sweep(base, {}, [{"epochs": 2}, {"epochs": 0}])
+    with pytest.raises(SweepError, match="grid entry 'lr'"):
+        expand_sweep(base, {"lr": []}, [])
