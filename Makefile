@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.laneflow-installed
 DEMO_DIR ?= .laneflow/demo
+PORT ?= 4200
 
 .PHONY: demo serve stop-server test lint bench bench-accuracy bench-overhead install clean
 
@@ -15,10 +16,10 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py --workdir $(DEMO_DIR)
+	$(PY) scripts/demo.py --workdir $(DEMO_DIR) --port $(PORT)
 
 serve: $(STAMP)
-	$(VENV)/bin/laneflow serve --home $(DEMO_DIR)
+	$(VENV)/bin/laneflow serve --home $(DEMO_DIR) --port $(PORT)
 
 stop-server: $(STAMP)
 	$(VENV)/bin/laneflow stop-server --home $(DEMO_DIR)

@@ -3,6 +3,7 @@ that runs what the UI creates, and the UI page of that run checked in headless C
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -94,3 +95,36 @@ def test_prefect_ui_shows_the_metrics_artifact_of_a_finished_run(worker_run: str
         shot = browser.screenshot(TEST_OUTPUT / "prefect-ui-run-artifacts.png")
     assert "TABLE" in text and "TuSimple metrics" in text
     assert shot.stat().st_size > 10_000
+
+
+def test_cancelling_a_flow_run_stops_its_training_process_group(deployed: dict) -> None:
+    from prefect.states import Cancelling
+
+    from tasks.platforms.local import _group_alive
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("train_pipeline/train")
+        params = {**deployment.parameters["params"], "epochs": 500, "batch_size": 2, "loader_workers": 0,
+                  "snapshot": False, "volume": "cancel-me"}
+        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
+    run_dir = Path(deployed["LANEFLOW_HOME"]) / "volumes" / "cancel-me" / "runs" / f"train-{flow_run.id.hex[:12]}"
+    prefect = str(Path(sys.executable).parent / "prefect")
+    worker = subprocess.Popen([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"],
+                              env=deployed, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").is_file() and '"step"' in (run_dir / "metrics.jsonl").read_text()):
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        pgid = json.loads((run_dir / "launcher.json").read_text())["pgid"]
+        assert _group_alive(pgid)
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+            deadline = time.monotonic() + 180
+            while not (state := client.read_flow_run(flow_run.id).state).is_final() or _group_alive(pgid):
+                assert time.monotonic() < deadline, f"still {state.name}; group alive: {_group_alive(pgid)}"
+                time.sleep(1)
+        assert state.is_cancelled()
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
