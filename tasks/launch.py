@@ -21,10 +21,10 @@ _PREFIX = re.compile(r"^\[(?P<rank>\d+)\]<(?P<stream>stdout|stderr)>:")
 _RANK_EXIT = re.compile(r"^Exit code: (?P<code>-?\d+)\s*$")
 
 
-def trainer_args(spec: TrainingSpec, data_root: str, run_dir: str) -> list[str]:
+def trainer_args(preset: str, settings: dict[str, str], data_root: str, run_dir: str) -> list[str]:
     """``-m training.train`` and its arguments, for any launcher (data and run paths as the workers see them)."""
-    args = ["-m", "training.train", "--data-root", data_root, "--run-dir", run_dir, "--preset", spec.preset]
-    for key, value in sorted(spec.settings.items()):
+    args = ["-m", "training.train", "--data-root", data_root, "--run-dir", run_dir, "--preset", preset]
+    for key, value in sorted(settings.items()):
         args += ["--set", f"{key}={value}"]
     return args
 
@@ -33,7 +33,7 @@ def horovodrun_command(horovodrun: str, python: str, spec: TrainingSpec, data_ro
                        hosts: str | None = None) -> list[str]:
     """The launcher's argument list (never a shell string): ``horovodrun -np N -H localhost:N --gloo python ...``."""
     return [horovodrun, "-np", str(spec.workers), "-H", hosts or f"localhost:{spec.workers}", "--gloo",
-            python, *trainer_args(spec, data_root, run_dir)]
+            python, *trainer_args(spec.preset, spec.settings, data_root, run_dir)]
 
 
 @dataclass(frozen=True)

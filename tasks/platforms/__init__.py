@@ -15,16 +15,17 @@ from tasks.platforms.base import (
     TransientPlatformError,
     VolumeRef,
 )
+from tasks.platforms.cluster import ClusterPlatform
 from tasks.platforms.local import LocalPlatform
 
 DEFAULT_PLATFORM = "local"
-#: Block types a bare platform name is looked up in, in order (the cluster platform joins this list).
-PLATFORM_TYPES: list[type[Platform]] = [LocalPlatform]
+#: Block types a bare platform name is looked up in, in order.
+PLATFORM_TYPES: list[type[Platform]] = [LocalPlatform, ClusterPlatform]
 
 __all__ = [
-    "DEFAULT_PLATFORM", "PLATFORM_TYPES", "LocalPlatform", "Platform", "SnapshotRef", "TrainingFailed",
-    "TrainingHandle", "TrainingInterrupted", "TrainingOutcome", "TrainingSpec", "TransientPlatformError",
-    "VolumeRef", "load_platform",
+    "DEFAULT_PLATFORM", "PLATFORM_TYPES", "ClusterPlatform", "LocalPlatform", "Platform", "SnapshotRef",
+    "TrainingFailed", "TrainingHandle", "TrainingInterrupted", "TrainingOutcome", "TrainingSpec",
+    "TransientPlatformError", "VolumeRef", "load_platform",
 ]
 
 

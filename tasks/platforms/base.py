@@ -89,6 +89,20 @@ class SnapshotRef(BaseModel):
     lineage: dict[str, Any] = Field(default_factory=dict)
 
 
+def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s: float,
+                        log_tail: list[str]) -> TrainingOutcome:
+    """What a finished job's event stream says: last step, where the last attempt started, its evaluation."""
+    starts = [e for e in events if e.get("event") == "start"]
+    steps = [e for e in events if e.get("event") in ("step", "done")]
+    evals = [e for e in events if e.get("event") == "eval"]
+    return TrainingOutcome(
+        job_name=job_name, steps=int(steps[-1]["step"]) if steps else 0,
+        total_steps=int(starts[-1]["total_steps"]) if starts else 0,
+        resumed_from=int(starts[-1]["step"]) if starts else 0,
+        eval={k: v for k, v in evals[-1].items() if k != "event"} if evals else {},
+        duration_s=round(duration_s, 3), log_tail=log_tail)
+
+
 EventSink = Callable[[dict[str, Any]], None]
 LogSink = Callable[[str], None]
 

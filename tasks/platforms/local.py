@@ -43,6 +43,7 @@ from tasks.platforms.base import (
     TrainingOutcome,
     TrainingSpec,
     VolumeRef,
+    outcome_from_events,
 )
 
 LAUNCHER_RECORD = "launcher.json"
@@ -186,7 +187,7 @@ class LocalPlatform(Platform):
         reading = read_exit(code, all_exit_lines, events)
         _finish_record(run_dir, code if reading.succeeded or not reading.resumable else None, reading.reason)
         if reading.succeeded:
-            return _outcome(handle.job_name, events, time.monotonic() - started, list(lines))
+            return outcome_from_events(handle.job_name, events, time.monotonic() - started, list(lines))
         if reading.resumable:
             raise TrainingInterrupted(f"training job {handle.job_name} stopped: {reading.reason}")
         raise TrainingFailed(f"training job {handle.job_name} failed: {reading.reason}", list(lines))
@@ -379,21 +380,9 @@ def _merged_lines(process: subprocess.Popen, deadline: float) -> Iterator[tuple[
             yield name, line
 
 
-def _outcome(job_name: str, events: list[dict[str, Any]], duration_s: float, tail: list[str]) -> TrainingOutcome:
-    starts = [e for e in events if e.get("event") == "start"]
-    steps = [e for e in events if e.get("event") in ("step", "done")]
-    evals = [e for e in events if e.get("event") == "eval"]
-    return TrainingOutcome(
-        job_name=job_name, steps=int(steps[-1]["step"]) if steps else 0,
-        total_steps=int(starts[-1]["total_steps"]) if starts else 0,
-        resumed_from=int(starts[-1]["step"]) if starts else 0,
-        eval={k: v for k, v in evals[-1].items() if k != "event"} if evals else {},
-        duration_s=round(duration_s, 3), log_tail=tail)
-
-
 def _outcome_from_metrics(job_name: str, run_dir: Path, duration_s: float) -> TrainingOutcome:
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return _outcome(job_name, events, duration_s, [])
+    return outcome_from_events(job_name, events, duration_s, [])
 
 
 def _copy_tree(source: Path, target: Path, stats: dict[str, int], *, freeze: bool) -> None:

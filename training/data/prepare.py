@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(prepared.summary(), indent=2))
+    # One JSON line with an "event" key: orchestrators find it in mixed logs (a Kubernetes Job's, say).
+    summary = {"event": "prepared", **prepared.summary(),
+               "dataset_dir": str(prepared.root.resolve().relative_to(args.volume.resolve()))}
+    print(json.dumps(summary), flush=True)
     return 0
 
 

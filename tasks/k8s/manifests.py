@@ -1,0 +1,149 @@
+"""Kubernetes objects the cluster platform creates, rendered by pure functions (DESIGN §6).
+
+Each function returns a plain dict, exactly what is sent to the API server, so the objects can be
+reviewed as golden files and compared in tests. Names are validated (DNS-1123) before anything is
+rendered; every object carries ``app.kubernetes.io/managed-by: laneflow`` and the flow run's labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.launch import trainer_args
+from tasks.names import validate_name
+
+MANAGED_BY = {"app.kubernetes.io/managed-by": "laneflow"}
+MOUNT_PATH = "/data"
+MPI_HOSTFILE = "/etc/mpi/hostfile"
+RUNAI_SCHEDULER = "runai-scheduler"
+SNAPSHOT_GROUP = "snapshot.storage.k8s.io"
+LABEL_VALUE_MAX = 63
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """Where and how training runs on the cluster (the cluster platform block's fields, minus credentials)."""
+
+    namespace: str
+    image: str
+    data_image: str
+    storage_class: str
+    snapshot_class: str
+    volume_size: str = "100Gi"
+    gpus_per_worker: int = 1
+    shm_size: str = "8Gi"
+    service_account: str = "laneflow-training"
+    runai_project: str | None = None
+    extra_labels: dict[str, str] = field(default_factory=dict)
+
+    def effective_namespace(self) -> str:
+        """Run:ai schedules only in ``runai-<project>``."""
+        return f"runai-{self.runai_project}" if self.runai_project else self.namespace
+
+
+def label_value(value: str) -> str:
+    """A label value: at most 63 characters of ``[A-Za-z0-9._-]``, starting and ending alphanumeric."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in value)[:LABEL_VALUE_MAX]
+    return cleaned.strip("._-")
+
+
+def object_labels(layout: ClusterLayout, run: str, labels: dict[str, str]) -> dict[str, str]:
+    """Labels every object of a run carries: ours, the run's lineage labels, and the Run:ai project."""
+    merged = {**MANAGED_BY, "laneflow.io/run": label_value(run), **layout.extra_labels}
+    merged.update({f"laneflow.io/{key}": label_value(value) for key, value in labels.items()})
+    if layout.runai_project:
+        merged["project"] = layout.runai_project
+    return merged
+
+
+def render_pvc(name: str, layout: ClusterLayout, labels: dict[str, str], from_snapshot: str | None = None) -> dict:
+    """A ReadWriteMany claim; restored from a VolumeSnapshot when ``from_snapshot`` is given."""
+    validate_name(name, "volume")
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "storageClassName": layout.storage_class,
+                            "resources": {"requests": {"storage": layout.volume_size}}}
+    if from_snapshot:
+        spec["dataSource"] = {"apiGroup": SNAPSHOT_GROUP, "kind": "VolumeSnapshot",
+                              "name": validate_name(from_snapshot, "snapshot")}
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},
+            "spec": spec}
+
+
+def _volume_mounts(claim: str, shm_size: str | None) -> tuple[list[dict], list[dict]]:
+    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}]
+    mounts = [{"name": "data", "mountPath": MOUNT_PATH}]
+    if shm_size:  # NCCL and DataLoader workers share tensors through /dev/shm; the default 64 MiB is too small
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _pod_spec(layout: ClusterLayout, container: dict, volumes: list[dict], restart: str | None = None) -> dict:
+    spec: dict[str, Any] = {"serviceAccountName": layout.service_account, "containers": [container],
+                            "volumes": volumes}
+    if restart:
+        spec["restartPolicy"] = restart
+    if layout.runai_project:
+        spec["schedulerName"] = RUNAI_SCHEDULER
+    return spec
+
+
+def render_data_job(name: str, layout: ClusterLayout, claim: str, source_url: str, sha256: str,
+                    labels: dict[str, str]) -> dict:
+    """A batch Job running the same prepare code as the local platform, on the claim."""
+    validate_name(name, "job")
+    volumes, mounts = _volume_mounts(claim, None)
+    container = {"name": "prepare", "image": layout.data_image,
+                 "command": ["python", "-m", "training.data.prepare", "--source", source_url, "--sha256", sha256,
+                             "--volume", MOUNT_PATH],
+                 "volumeMounts": mounts}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},
+            "spec": {"backoffLimit": 0, "ttlSecondsAfterFinished": 86400,
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": _pod_spec(layout, container, volumes, restart="Never")}}}
+
+
+def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, workers: int, data_dir: str,
+                  run_dir: str, settings: dict[str, str], labels: dict[str, str]) -> dict:
+    """The Horovod MPIJob (kubeflow.org/v2beta1): a launcher running horovodrun, GPU workers, the claim mounted."""
+    validate_name(name, "job")
+    if workers % layout.gpus_per_worker:
+        raise ValueError(f"workers={workers} is not a multiple of gpus_per_worker={layout.gpus_per_worker}")
+    command = ["horovodrun", "-np", str(workers), "--hostfile", MPI_HOSTFILE, "python",
+               *trainer_args(preset, settings, f"{MOUNT_PATH}/{data_dir}", f"{MOUNT_PATH}/{run_dir}")]
+    volumes, mounts = _volume_mounts(claim, layout.shm_size)
+    launcher = {"name": "launcher", "image": layout.image, "command": command,
+                "resources": {"requests": {"cpu": "1", "memory": "2Gi"}}}
+    worker = {"name": "worker", "image": layout.image, "volumeMounts": mounts,
+              "resources": {"limits": {"nvidia.com/gpu": str(layout.gpus_per_worker)}}}
+    role_labels = {role: {**labels, "training.kubeflow.org/job-role": role} for role in ("launcher", "worker")}
+    return {
+        "apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob",
+        "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},
+        "spec": {
+            "slotsPerWorker": layout.gpus_per_worker,
+            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
+            "mpiImplementation": "OpenMPI",
+            "mpiReplicaSpecs": {
+                "Launcher": {"replicas": 1, "template": {
+                    "metadata": {"labels": role_labels["launcher"]},
+                    "spec": _pod_spec(layout, launcher, [])}},
+                "Worker": {"replicas": workers // layout.gpus_per_worker, "template": {
+                    "metadata": {"labels": role_labels["worker"]},
+                    "spec": _pod_spec(layout, worker, volumes)}},
+            },
+        },
+    }
+
+
+def render_snapshot(name: str, layout: ClusterLayout, claim: str, labels: dict[str, str],
+                    annotations: dict[str, str]) -> dict:
+    """A CSI VolumeSnapshot of the claim; lineage too long for labels goes into annotations."""
+    validate_name(name, "snapshot")
+    return {"apiVersion": f"{SNAPSHOT_GROUP}/v1", "kind": "VolumeSnapshot",
+            "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels,
+                         "annotations": annotations},
+            "spec": {"volumeSnapshotClassName": layout.snapshot_class,
+                     "source": {"persistentVolumeClaimName": claim}}}

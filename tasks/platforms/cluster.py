@@ -1,0 +1,525 @@
+"""The cluster platform: a PVC is the volume, Horovod runs as an MPIJob, snapshots are CSI VolumeSnapshots.
+
+Every manual ``kubectl``/``runai`` step of the seed, automated and idempotent: the PVC is created RWX
+or adopted (and its bound PV patched to ReadWriteMany when needed, then verified); dataset preparation,
+evaluation and file reads run as Jobs on the claim; training is an MPIJob named after the flow run (a
+409 adopts it when it is ours and refuses it when it is not); snapshots carry the run's lineage.
+
+API calls retry 429 (honouring Retry-After), 5xx and connection resets themselves; a 403 fails at
+once naming the verb and resource the service account lacks.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+import kubernetes
+import urllib3
+from kubernetes.client.exceptions import ApiException
+from prefect_kubernetes.credentials import KubernetesCredentials
+from pydantic import Field
+
+from tasks.k8s.manifests import (
+    MANAGED_BY,
+    MOUNT_PATH,
+    ClusterLayout,
+    object_labels,
+    render_data_job,
+    render_mpijob,
+    render_pvc,
+    render_snapshot,
+)
+from tasks.launch import parse_output_line, read_exit
+from tasks.names import validate_name
+from tasks.platforms.base import (
+    EventSink,
+    LogSink,
+    Platform,
+    SnapshotRef,
+    TrainingFailed,
+    TrainingHandle,
+    TrainingInterrupted,
+    TrainingOutcome,
+    TrainingSpec,
+    TransientPlatformError,
+    VolumeRef,
+    outcome_from_events,
+)
+
+T = TypeVar("T")
+MPI = ("kubeflow.org", "v2beta1", "mpijobs")
+SNAPSHOTS = ("snapshot.storage.k8s.io", "v1", "volumesnapshots")
+LINEAGE_ANNOTATION = "laneflow.io/lineage"
+LOG_TAIL = 40
+
+
+class ClusterPlatform(Platform):
+    """Kubernetes: PVC volumes, Horovod MPIJobs (optionally scheduled by Run:ai), CSI VolumeSnapshots."""
+
+    _block_type_name: ClassVar[str] = "Laneflow Cluster Platform"
+    _block_type_slug: ClassVar[str] = "laneflow-cluster-platform"
+    _description: ClassVar[str] = "Runs the laneflow DAG on Kubernetes: PVCs, MPIJobs, VolumeSnapshots."
+
+    credentials: KubernetesCredentials | None = Field(
+        None, description="cluster access; empty: in-cluster config, else the default kubeconfig")
+    namespace: str = Field("laneflow", description="namespace for everything laneflow creates")
+    storage_class: str = Field("azure-netapp-files", description="storage class of new PVCs (RWX-capable)")
+    volume_size: str = Field("100Gi", description="size of new PVCs")
+    snapshot_class: str = Field("csi-anf-snapclass", description="VolumeSnapshotClass")
+    image: str = Field("laneflow-train:0.1.0", description="training image (torch, Horovod with NCCL, laneflow)")
+    data_image: str = Field("laneflow-data:0.1.0", description="image for dataset preparation and file reads")
+    gpus_per_worker: int = Field(1, ge=1, description="GPUs (and Horovod slots) per worker pod")
+    shm_size: str = Field("8Gi", description="/dev/shm size of worker pods")
+    service_account: str = Field("laneflow-training", description="service account of the job pods")
+    runai_project: str | None = Field(None, description="schedule with Run:ai in namespace runai-<project>")
+    poll_interval_s: float = Field(5.0, gt=0, description="how often job state and logs are read")
+    api_attempts: int = Field(6, ge=1, description="tries per API call on 429/5xx/connection errors")
+
+    # --- plumbing ------------------------------------------------------------------------------------
+    def layout(self) -> ClusterLayout:
+        return ClusterLayout(namespace=self.namespace, image=self.image, data_image=self.data_image,
+                             storage_class=self.storage_class, snapshot_class=self.snapshot_class,
+                             volume_size=self.volume_size, gpus_per_worker=self.gpus_per_worker,
+                             shm_size=self.shm_size, service_account=self.service_account,
+                             runai_project=self.runai_project)
+
+    def _ns(self) -> str:
+        return self.layout().effective_namespace()
+
+    def _api_client(self) -> kubernetes.client.ApiClient:
+        configuration = kubernetes.client.Configuration()
+        cluster = self.credentials.cluster_config if self.credentials else None
+        if cluster is not None:
+            kubernetes.config.load_kube_config_from_dict(cluster.config, context=cluster.context_name,
+                                                         client_configuration=configuration)
+        else:
+            try:
+                kubernetes.config.load_incluster_config(client_configuration=configuration)
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config(client_configuration=configuration)
+        configuration.retries = urllib3.util.Retry(total=0, redirect=0)  # retries are ours (below), counted
+        return kubernetes.client.ApiClient(configuration)
+
+    def _apis(self) -> tuple[kubernetes.client.CoreV1Api, kubernetes.client.BatchV1Api,
+                             kubernetes.client.CustomObjectsApi]:
+        client = self._api_client()
+        return (kubernetes.client.CoreV1Api(client), kubernetes.client.BatchV1Api(client),
+                kubernetes.client.CustomObjectsApi(client))
+
+    def _call(self, verb: str, resource: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """One API call with retries on 429 (Retry-After), 5xx and connection errors; 403 names the permission."""
+        delay = 0.5
+        for attempt in range(1, self.api_attempts + 1):
+            try:
+                return fn(*args, **kwargs)
+            except ApiException as exc:
+                if exc.status == 403:
+                    raise PermissionError(
+                        f"the service account may not '{verb}' {resource} in namespace '{self._ns()}'; grant it "
+                        f"(deployments/base/rbac.yaml lists every permission laneflow needs): {_message(exc)}"
+                    ) from None
+                if exc.status != 429 and exc.status < 500:
+                    raise
+                wait = _retry_after(exc) or delay
+            except (urllib3.exceptions.HTTPError, ConnectionError):
+                wait = delay
+            if attempt == self.api_attempts:
+                raise TransientPlatformError(f"{verb} {resource}: still failing after {attempt} attempts")
+            time.sleep(wait)
+            delay = min(delay * 2, 30.0)
+        raise AssertionError("unreachable")
+
+    def _create_or_adopt(self, kind: str, create: Callable[[], Any], read: Callable[[], Any],
+                         is_ours: Callable[[Any], bool], name: str) -> tuple[Any, bool]:
+        """Create; on 409 (ours from an earlier try, or someone else's) read it and adopt or refuse."""
+        try:
+            return self._call("create", kind, create), True
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        existing = self._call("get", kind, read)
+        if not is_ours(existing):
+            raise FileExistsError(f"{kind} '{name}' already exists in namespace '{self._ns()}' and was not created "
+                                  "by laneflow for this run; refusing to touch it (choose another name)")
+        return existing, False
+
+    # --- volume --------------------------------------------------------------------------------------
+    def ensure_volume(self, name: str) -> VolumeRef:
+        validate_name(name, "volume")
+        core, _, _ = self._apis()
+        try:
+            self._call("get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim, name,
+                       self._ns())
+            return VolumeRef(name=name, location=f"{self._ns()}/{name}", created=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        body = render_pvc(name, self.layout(), {**MANAGED_BY})
+        _, created = self._create_or_adopt(
+            "persistentvolumeclaims", lambda: core.create_namespaced_persistent_volume_claim(self._ns(), body),
+            lambda: core.read_namespaced_persistent_volume_claim(name, self._ns()), lambda _: True, name)
+        return VolumeRef(name=name, location=f"{self._ns()}/{name}", created=created)
+
+    def ensure_shared_access(self, volume: VolumeRef) -> str:
+        core, _, _ = self._apis()
+        deadline = time.monotonic() + 600
+        while True:
+            claim = self._call("get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim,
+                               volume.name, self._ns())
+            if claim.spec.volume_name and (claim.status and claim.status.phase == "Bound"):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PVC {volume.location} is not bound after 10 minutes; check its storage class")
+            time.sleep(self.poll_interval_s)
+        pv_name = claim.spec.volume_name
+        pv = self._call("get", "persistentvolumes", core.read_persistent_volume, pv_name)
+        if "ReadWriteMany" in (pv.spec.access_modes or []):
+            return f"PV {pv_name} of {volume.location} is already ReadWriteMany"
+        self._call("patch", "persistentvolumes", core.patch_persistent_volume, pv_name,
+                   {"spec": {"accessModes": ["ReadWriteMany"]}})
+        pv = self._call("get", "persistentvolumes", core.read_persistent_volume, pv_name)
+        if "ReadWriteMany" not in (pv.spec.access_modes or []):
+            raise RuntimeError(f"patched PV {pv_name} to ReadWriteMany but it reports {pv.spec.access_modes}; "
+                               "does its storage backend support RWX (ANF does)?")
+        return f"PV {pv_name} of {volume.location} patched to ReadWriteMany and verified"
+
+    # --- jobs on the claim ---------------------------------------------------------------------------
+    def _run_job(self, body: dict, log: LogSink, timeout_s: float, delete_after: bool = False) -> list[str]:
+        """Run a batch Job to completion (adopting one of the same name), streaming its pod's log."""
+        _, batch, _ = self._apis()
+        core = kubernetes.client.CoreV1Api(batch.api_client)
+        name = body["metadata"]["name"]
+        self._create_or_adopt("jobs", lambda: batch.create_namespaced_job(self._ns(), body),
+                              lambda: batch.read_namespaced_job(name, self._ns()),
+                              lambda job: (job.metadata.labels or {}).get("app.kubernetes.io/managed-by") ==
+                              "laneflow", name)
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                job = self._call("get", "jobs", batch.read_namespaced_job, name, self._ns())
+                lines = self._pod_log(core, f"job-name={name}")
+                for line in lines[len(seen):]:
+                    log(line)
+                seen = lines if len(lines) >= len(seen) else seen
+                status = job.status
+                if status and status.succeeded:
+                    return seen
+                if status and status.failed:
+                    tail = "\n".join(seen[-LOG_TAIL:])
+                    raise RuntimeError(f"job {self._ns()}/{name} failed; its log ends:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"job {self._ns()}/{name} did not finish within {timeout_s:.0f} s")
+                time.sleep(self.poll_interval_s)
+        finally:
+            if delete_after:
+                self._delete_job(batch, name)
+
+    def _delete_job(self, batch: kubernetes.client.BatchV1Api, name: str) -> None:
+        try:
+            self._call("delete", "jobs", batch.delete_namespaced_job, name, self._ns(),
+                       propagation_policy="Background")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def _pod_log(self, core: kubernetes.client.CoreV1Api, selector: str) -> list[str]:
+        pods = self._call("list", "pods", core.list_namespaced_pod, self._ns(), label_selector=selector).items
+        if not pods:
+            return []
+        try:
+            text = self._call("get", "pods/log", core.read_namespaced_pod_log, pods[0].metadata.name, self._ns())
+        except ApiException as exc:
+            if exc.status in (400, 404):  # container not started yet
+                return []
+            raise
+        return text.splitlines()
+
+    def _job_labels(self, run: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return object_labels(self.layout(), run, extra or {})
+
+    def prepare_dataset(self, volume: VolumeRef, source_url: str, sha256: str, log: LogSink) -> dict[str, Any]:
+        name = f"prepare-{sha256.lower()[:16]}"
+        body = render_data_job(name, self.layout(), volume.name, source_url, sha256,
+                               self._job_labels(name, {"volume": volume.name}))
+        lines = self._run_job(body, log, timeout_s=12 * 3600)
+        return _last_event(lines, "prepared", f"dataset job {name}")
+
+    def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
+        if relative_path.startswith("/") or ".." in relative_path.split("/"):
+            raise ValueError(f"path '{relative_path}' leaves volume '{volume.name}'")
+        name = f"read-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
+        script = ("import base64, json, sys\n"
+                  "data = open(sys.argv[1], 'rb').read()\n"
+                  "print(json.dumps({'event': 'file', 'base64': base64.b64encode(data).decode()}))\n")
+        body = render_data_job(name, self.layout(), volume.name, "", "", self._job_labels(name))
+        body["spec"]["template"]["spec"]["containers"][0]["command"] = ["python", "-c", script,
+                                                                        f"{MOUNT_PATH}/{relative_path}"]
+        try:
+            lines = self._run_job(body, lambda _: None, timeout_s=1800, delete_after=True)
+        except RuntimeError as exc:
+            raise FileNotFoundError(f"{relative_path} could not be read from volume '{volume.name}': {exc}") from None
+        return base64.b64decode(_last_event(lines, "file", f"reader job {name}")["base64"])
+
+    # --- launcher ------------------------------------------------------------------------------------
+    def _mpijob_body(self, spec: TrainingSpec) -> dict:
+        labels = self._job_labels(spec.job_name, spec.labels)
+        return render_mpijob(spec.job_name, self.layout(), spec.volume.name, spec.preset, spec.workers,
+                             spec.data_dir, spec.run_dir, spec.settings, labels)
+
+    def submit_training(self, spec: TrainingSpec) -> TrainingHandle:
+        _, _, custom = self._apis()
+        body = self._mpijob_body(spec)
+        group, version, plural = MPI
+
+        def ours(job: dict) -> bool:
+            labels = job["metadata"].get("labels", {})
+            return labels.get("app.kubernetes.io/managed-by") == "laneflow" and \
+                labels.get("laneflow.io/run") == spec.job_name
+
+        job, created = self._create_or_adopt(
+            "mpijobs", lambda: custom.create_namespaced_custom_object(group, version, self._ns(), plural, body),
+            lambda: custom.get_namespaced_custom_object(group, version, self._ns(), plural, spec.job_name),
+            ours, spec.job_name)
+        state = _mpijob_state(job)
+        if not created and state == "failed":
+            # An earlier attempt stopped (preempted, a worker lost): replace it; the trainer resumes.
+            self.cancel_training(spec.job_name, spec.volume)
+            self._wait_gone(custom, spec.job_name)
+            job = self._call("create", "mpijobs", custom.create_namespaced_custom_object, group, version,
+                             self._ns(), plural, body)
+            created, state = True, "running"
+        return TrainingHandle(job_name=spec.job_name, spec=spec, state=state, adopted=not created,
+                              details={"namespace": self._ns(), "uid": job["metadata"].get("uid")})
+
+    def _wait_gone(self, custom: kubernetes.client.CustomObjectsApi, name: str) -> None:
+        group, version, plural = MPI
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                self._call("get", "mpijobs", custom.get_namespaced_custom_object, group, version, self._ns(), plural,
+                           name)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return
+                raise
+            time.sleep(self.poll_interval_s)
+        raise TimeoutError(f"MPIJob {name} was not deleted within 5 minutes")
+
+    def wait_for_training(self, handle: TrainingHandle, on_event: EventSink, on_log: LogSink,
+                          timeout_s: float) -> TrainingOutcome:
+        core, _, custom = self._apis()
+        group, version, plural = MPI
+        name = handle.job_name
+        selector = f"training.kubeflow.org/job-name={name},training.kubeflow.org/job-role=launcher"
+        started = time.monotonic()
+        seen: list[str] = []
+        events: list[dict[str, Any]] = []
+        try:
+            while True:
+                job = self._call("get", "mpijobs", custom.get_namespaced_custom_object, group, version, self._ns(),
+                                 plural, name)
+                lines = self._pod_log(core, selector)
+                for raw in lines[len(seen):]:
+                    parsed = parse_output_line(raw)
+                    if parsed.event is not None and parsed.rank in (None, 0):
+                        events.append(parsed.event)
+                        on_event(parsed.event)
+                    else:
+                        on_log(parsed.text)
+                seen = lines if len(lines) >= len(seen) else seen
+                state = _mpijob_state(job)
+                if state == "succeeded":
+                    return outcome_from_events(name, events, time.monotonic() - started, seen[-LOG_TAIL:])
+                if state == "failed":
+                    break
+                if time.monotonic() - started > timeout_s:
+                    self.cancel_training(name, handle.spec.volume)
+                    raise TrainingFailed(f"MPIJob {name} did not finish within {timeout_s:.0f} s; it was deleted",
+                                         seen[-LOG_TAIL:])
+                time.sleep(self.poll_interval_s)
+        except (TrainingFailed, TransientPlatformError, PermissionError):
+            raise
+        except BaseException:  # task cancelled, flow run terminated: leave nothing running
+            self.cancel_training(name, handle.spec.volume)
+            raise
+        reasons = self._pod_reasons(core, name)
+        exit_lines = [line for line in seen if "Exit code:" in line]
+        reading = read_exit(1, exit_lines, events)
+        condition = _last_condition(job)
+        detail = f"{condition.get('reason', '')}: {condition.get('message', '')}; pods: {reasons or 'none found'}"
+        if reading.resumable:
+            raise TrainingInterrupted(f"MPIJob {name} stopped ({reading.reason}); {detail}")
+        raise TrainingFailed(f"MPIJob {name} failed ({reading.reason}); {detail}", seen[-LOG_TAIL:])
+
+    def _pod_reasons(self, core: kubernetes.client.CoreV1Api, name: str) -> str:
+        pods = self._call("list", "pods", core.list_namespaced_pod, self._ns(),
+                          label_selector=f"training.kubeflow.org/job-name={name}").items
+        reasons = []
+        for pod in pods:
+            for status in (pod.status.container_statuses or []) if pod.status else []:
+                terminated = status.state.terminated if status.state else None
+                if terminated and terminated.exit_code:
+                    reasons.append(f"{pod.metadata.name} {terminated.reason} (exit {terminated.exit_code})")
+        return ", ".join(reasons)
+
+    def cancel_training(self, job_name: str, volume: VolumeRef) -> bool:
+        _, _, custom = self._apis()
+        group, version, plural = MPI
+        try:
+            self._call("delete", "mpijobs", custom.delete_namespaced_custom_object, group, version, self._ns(),
+                       plural, job_name, propagation_policy="Foreground")
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
+        run = run_dir.rstrip("/").rsplit("/", 1)[-1]
+        name = validate_name(f"eval-{run}-{split}"[:63].rstrip("-"), "job")
+        body = render_data_job(name, self.layout(), volume.name, "", "", self._job_labels(run, {"split": split}))
+        container = body["spec"]["template"]["spec"]["containers"][0]
+        container["image"] = self.image
+        container["command"] = ["python", "-m", "training.evaluate", "--run-dir", f"{MOUNT_PATH}/{run_dir}",
+                                "--data-root", f"{MOUNT_PATH}/{data_dir}", "--split", split]
+        container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+        lines = self._run_job(body, log, timeout_s=6 * 3600, delete_after=True)
+        result = _last_event(lines, "eval", f"evaluation job {name}")
+        result.pop("event", None)
+        return result
+
+    # --- snapshots -----------------------------------------------------------------------------------
+    def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
+                        lineage: dict[str, Any]) -> SnapshotRef:
+        _, _, custom = self._apis()
+        group, version, plural = SNAPSHOTS
+        labels = self._job_labels(lineage.get("run", name), {
+            "flow-run": str(lineage.get("flow_run_id", "")), "dataset-version": str(lineage.get("dataset_version")),
+            "code-version": str(lineage.get("code_version"))})
+        record = {**lineage, "data_dir": data_dir, "run_dir": run_dir, "volume": volume.name}
+        body = render_snapshot(name, self.layout(), volume.name, labels,
+                               {LINEAGE_ANNOTATION: json.dumps(record, sort_keys=True)})
+        snapshot, _ = self._create_or_adopt(
+            "volumesnapshots",
+            lambda: custom.create_namespaced_custom_object(group, version, self._ns(), plural, body),
+            lambda: custom.get_namespaced_custom_object(group, version, self._ns(), plural, name),
+            lambda found: found["metadata"].get("labels", {}).get("laneflow.io/run") == labels["laneflow.io/run"],
+            name)
+        return _snapshot_ref(snapshot)
+
+    def wait_for_snapshot(self, snapshot: SnapshotRef, timeout_s: float) -> SnapshotRef:
+        _, _, custom = self._apis()
+        group, version, plural = SNAPSHOTS
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self._call("get", "volumesnapshots", custom.get_namespaced_custom_object, group, version,
+                               self._ns(), plural, snapshot.name)
+            status = found.get("status") or {}
+            if status.get("error"):
+                raise RuntimeError(f"VolumeSnapshot {snapshot.name} failed: {status['error'].get('message')}")
+            if status.get("readyToUse"):
+                return _snapshot_ref(found)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"VolumeSnapshot {snapshot.name} not ready within {timeout_s:.0f} s")
+            time.sleep(self.poll_interval_s)
+
+    def list_snapshots(self) -> list[SnapshotRef]:
+        _, _, custom = self._apis()
+        group, version, plural = SNAPSHOTS
+        found = self._call("list", "volumesnapshots", custom.list_namespaced_custom_object, group, version,
+                           self._ns(), plural, label_selector="app.kubernetes.io/managed-by=laneflow")
+        refs = [_snapshot_ref(item) for item in found.get("items", [])]
+        return sorted(refs, key=lambda ref: ref.lineage.get("created_at", "") or "")
+
+    def restore_snapshot(self, snapshot_name: str, volume_name: str) -> VolumeRef:
+        core, _, _ = self._apis()
+        validate_name(snapshot_name, "snapshot")
+        validate_name(volume_name, "volume")
+        self.find_lineage(snapshot_name)  # KeyError naming it when it does not exist
+        body = render_pvc(volume_name, self.layout(), {**MANAGED_BY}, from_snapshot=snapshot_name)
+
+        def restored_from_it(claim: Any) -> bool:
+            source = claim.spec.data_source
+            return bool(source and source.kind == "VolumeSnapshot" and source.name == snapshot_name)
+
+        _, created = self._create_or_adopt(
+            "persistentvolumeclaims", lambda: core.create_namespaced_persistent_volume_claim(self._ns(), body),
+            lambda: core.read_namespaced_persistent_volume_claim(volume_name, self._ns()), restored_from_it,
+            volume_name)
+        return VolumeRef(name=volume_name, location=f"{self._ns()}/{volume_name}", created=created)
+
+    def find_lineage(self, name: str) -> dict[str, Any]:
+        _, _, custom = self._apis()
+        group, version, plural = SNAPSHOTS
+        try:
+            found = self._call("get", "volumesnapshots", custom.get_namespaced_custom_object, group, version,
+                               self._ns(), plural, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise KeyError(f"no VolumeSnapshot named '{name}' in namespace '{self._ns()}'") from None
+            raise
+        return _snapshot_ref(found).lineage
+
+    # --- service level -------------------------------------------------------------------------------
+    def current_service_level(self, volume: VolumeRef) -> str | None:
+        return None
+
+    def change_service_level(self, volume: VolumeRef, level: str) -> bool:
+        return False
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+def _message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body).get("message", exc.reason)
+    except (TypeError, ValueError):
+        return str(exc.reason)
+
+
+def _retry_after(exc: ApiException) -> float | None:
+    value = (exc.headers or {}).get("Retry-After") if exc.headers else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _last_event(lines: list[str], kind: str, what: str) -> dict[str, Any]:
+    for line in reversed(lines):
+        event = parse_output_line(line).event
+        if event and event.get("event") == kind:
+            return dict(event)
+    tail = "\n".join(lines[-LOG_TAIL:])
+    raise RuntimeError(f"{what} finished without reporting '{kind}'; its log ends:\n{tail}")
+
+
+def _mpijob_state(job: dict) -> str:
+    types = {c["type"] for c in (job.get("status") or {}).get("conditions", []) if c.get("status") == "True"}
+    if "Succeeded" in types:
+        return "succeeded"
+    if "Failed" in types:
+        return "failed"
+    return "running"
+
+
+def _last_condition(job: dict) -> dict:
+    conditions = (job.get("status") or {}).get("conditions", [])
+    return conditions[-1] if conditions else {}
+
+
+def _snapshot_ref(snapshot: dict) -> SnapshotRef:
+    metadata = snapshot["metadata"]
+    lineage = json.loads((metadata.get("annotations") or {}).get(LINEAGE_ANNOTATION, "{}"))
+    lineage.setdefault("created_at", metadata.get("creationTimestamp"))
+    ready = bool((snapshot.get("status") or {}).get("readyToUse"))
+    lineage["ready"] = ready
+    return SnapshotRef(name=metadata["name"], volume=snapshot["spec"]["source"].get("persistentVolumeClaimName", ""),
+                       ready=ready, location=f"{metadata.get('namespace')}/{metadata['name']}", lineage=lineage)

@@ -1,0 +1,89 @@
+"""The cluster objects laneflow creates, rendered by pure functions and compared with reviewed golden files.
+
+Regenerate after an intended change: ``LANEFLOW_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_k8s_manifests.py``
+and review the diff of tests/golden/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.k8s.manifests import (
+    ClusterLayout,
+    label_value,
+    object_labels,
+    render_data_job,
+    render_mpijob,
+    render_pvc,
+    render_snapshot,
+)
+from tasks.names import InvalidName
+
+GOLDEN = Path(__file__).parent / "golden"
+LAYOUT = ClusterLayout(namespace="lanes", image="registry.example.org/laneflow-train:0.1.0",
+                       data_image="registry.example.org/laneflow-data:0.1.0", storage_class="azure-netapp-files",
+                       snapshot_class="csi-anf-snapclass", volume_size="500Gi", gpus_per_worker=2)
+RUNAI = ClusterLayout(**{**LAYOUT.__dict__, "runai_project": "perception"})
+LABELS = object_labels(LAYOUT, "train-7d2eaa95c8df", {"flow-run": "7d2eaa95-c8df-43a7-b772-5e3435d03a6e"})
+SETTINGS = {"epochs": "30", "batch_size": "8", "lr": "0.15", "max_steps": "0", "num_workers": "4",
+            "eval_split": "val"}
+
+
+def check_golden(name: str, manifest: dict) -> None:
+    path = GOLDEN / f"{name}.yaml"
+    rendered = yaml.safe_dump(manifest, sort_keys=True)
+    if os.environ.get("LANEFLOW_UPDATE_GOLDEN"):
+        path.write_text(rendered)
+    assert path.is_file(), f"{path} missing: render it with LANEFLOW_UPDATE_GOLDEN=1 and review it"
+    assert yaml.safe_load(path.read_text()) == json.loads(json.dumps(manifest))
+
+
+def test_mpijob_matches_golden_and_runs_horovodrun_on_gpu_workers() -> None:
+    job = render_mpijob("train-7d2eaa95c8df", LAYOUT, "tusimple", "tusimple", 4, "datasets/4d561454fb71df42",
+                        "runs/train-7d2eaa95c8df", SETTINGS, LABELS)
+    check_golden("mpijob", job)
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    assert launcher["command"][:5] == ["horovodrun", "-np", "4", "--hostfile", "/etc/mpi/hostfile"]
+    worker = job["spec"]["mpiReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 2 and job["spec"]["slotsPerWorker"] == 2
+    assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in \
+        worker["template"]["spec"]["volumes"]
+    assert worker["template"]["metadata"]["labels"]["training.kubeflow.org/job-role"] == "worker"
+
+
+def test_runai_variant_sets_scheduler_project_label_and_namespace() -> None:
+    labels = object_labels(RUNAI, "train-1", {})
+    job = render_mpijob("train-1", RUNAI, "tusimple", "tusimple", 2, "datasets/x", "runs/train-1", SETTINGS, labels)
+    check_golden("mpijob-runai", job)
+    assert job["metadata"]["namespace"] == "runai-perception" and job["metadata"]["labels"]["project"] == "perception"
+    for role in ("Launcher", "Worker"):
+        template = job["spec"]["mpiReplicaSpecs"][role]["template"]
+        assert template["spec"]["schedulerName"] == "runai-scheduler"
+        assert template["metadata"]["labels"]["project"] == "perception"
+
+
+def test_pvc_snapshot_restore_and_data_job_match_golden() -> None:
+    check_golden("pvc", render_pvc("tusimple", LAYOUT, LABELS))
+    check_golden("pvc-from-snapshot", render_pvc("restored", LAYOUT, LABELS, from_snapshot="tusimple-train-1"))
+    check_golden("volumesnapshot", render_snapshot("tusimple-train-1", LAYOUT, "tusimple", LABELS,
+                                                   {"laneflow.io/lineage": '{"run": "train-1"}'}))
+    check_golden("data-job", render_data_job("prepare-7d2eaa95c8df", LAYOUT, "tusimple",
+                                             "https://mirror.example.org/train_set.zip", "a" * 64, LABELS))
+
+
+def test_every_object_is_labelled_as_ours_and_names_are_checked_first() -> None:
+    assert LABELS["app.kubernetes.io/managed-by"] == "laneflow"
+    assert all(len(value) <= 63 for value in LABELS.values())
+    assert label_value("x" * 80 + "!") == "x" * 63
+    with pytest.raises(InvalidName):
+        render_mpijob("Train_1", LAYOUT, "c", "tusimple", 2, "d", "r", {}, LABELS)
+    with pytest.raises(InvalidName):
+        render_pvc("-bad", LAYOUT, LABELS)
+    with pytest.raises(ValueError, match="multiple of gpus_per_worker"):
+        render_mpijob("train-1", LAYOUT, "c", "tusimple", 3, "d", "r", {}, LABELS)
