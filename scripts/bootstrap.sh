@@ -43,14 +43,23 @@ scripts/install_horovod.sh "$VENV/bin/python"
 echo "bootstrap: installing laneflow and its dependencies"
 quiet_pip install -q -c scripts/constraints.txt -e '.[dev]' || die "could not install laneflow's dependencies"
 
-# The UI test drives Debian's headless Chromium. Installed when we may (root + apt); otherwise that one
-# test skips and says why.
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "bootstrap: installing chromium (Debian package, for the Prefect UI test)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ||
-        { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null; } ||
-        echo "bootstrap: warning: could not install chromium; the Prefect UI test will be skipped" >&2
+# Test tools from Debian: headless Chromium (the Prefect UI test) and kubectl (renders the kustomize
+# base). Installed when we may (root + apt); otherwise those tests skip and say why.
+apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null 2>&1 &&
+          DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1; }
+}
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    if ! command -v chromium >/dev/null 2>&1; then
+        echo "bootstrap: installing chromium (Debian package, for the Prefect UI test)"
+        apt_install chromium || echo "bootstrap: warning: could not install chromium; the UI test will skip" >&2
+    fi
+    if ! command -v kubectl >/dev/null 2>&1; then
+        echo "bootstrap: installing kubectl (for the kustomize test)"
+        apt_install kubectl || apt_install kubernetes-client ||
+            echo "bootstrap: warning: could not install kubectl; the kustomize test will skip" >&2
+    fi
 fi
 
 "$VENV/bin/python" - <<'PY' || die "the environment does not import (see above)"

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"training        : {result['steps']} steps")
     print(f"{metrics['split']:<5} metrics   : accuracy {metrics['accuracy']:.4f}, FP {metrics['fp']:.4f}, "
           f"FN {metrics['fn']:.4f} on {metrics['images']} images")
-    print(f"lineage         : .venv/bin/laneflow lineage {result['snapshot'] or result['run']}")
+    print(f"lineage         : LANEFLOW_HOME={os.environ['LANEFLOW_HOME']} PREFECT_API_URL={api} "
+          f".venv/bin/laneflow lineage {result['snapshot'] or result['run']}")
     print(f"Prefect UI      : {api.removesuffix('/api')}  (the server keeps running; `make stop-server` stops it)")
     return 0
 

@@ -59,6 +59,10 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{key} {counts.get(key)}" for key in ("read", "kept", "quarantined"))
+
+
 def render_lineage_markdown(lineage: dict) -> str:
     """The lineage as markdown (the UI artifact and the CLI print exactly this)."""
     metrics = lineage.get("metrics") or {}
@@ -73,7 +77,7 @@ def render_lineage_markdown(lineage: dict) -> str:
         f"| platform / volume | {lineage.get('platform')} / `{lineage.get('volume')}` |",
         f"| dataset version | `{lineage.get('dataset_version')}` |",
         f"| archive sha256 | `{lineage.get('archive_sha256')}` |",
-        f"| dataset records | {_cell(lineage.get('dataset_counts'))} |",
+        f"| dataset records | {_counts(lineage.get('dataset_counts') or {})} |",
         f"| code version | `{lineage.get('code_version')}` |",
         f"| snapshot | `{lineage.get('snapshot') or 'none'}` |",
         "",
