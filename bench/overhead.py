@@ -15,19 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
-from flows.local_server import server_env, start_server
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from flows.local_server import free_port, server_env, start_server
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ gap between it and ``-np 2`` is what Horovod's communication costs.
 This machine's speed drifts by +-20% from minute to minute, so one pair of runs proves little: the bench
 interleaves ``--rounds`` rounds (np1, np2, pair) and reports every round's ratio and their median.
 
-    .venv/bin/python bench/scaling.py [--steps 40] [--batch-size 4] [--rounds 3]
+    .venv/bin/python bench/scaling.py [--steps 30] [--batch-size 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def independent_pair(data: Path, tmp: Path, steps: int, batch_size: int) -> floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print(f"cpu-demo, batch {args.batch_size} per process, 1 thread per process, {args.steps} steps, "

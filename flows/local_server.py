@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,13 @@ from pathlib import Path
 
 DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now (for throwaway servers: tests, benches)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def api_url(port: int) -> str:

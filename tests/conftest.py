@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,12 +59,6 @@ def dataset_copy(synthetic_source: Path, tmp_path: Path) -> Path:
     return target
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real ``prefect server start`` (SQLite, UI included) on a free loopback port, for the whole session.
@@ -75,7 +68,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     """
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
 
-    from flows.local_server import server_env, start_server
+    from flows.local_server import free_port, server_env, start_server
 
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()

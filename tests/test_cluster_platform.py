@@ -14,9 +14,10 @@ import pytest
 import yaml
 from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCredentials
 
+from flows.restore import restore
 from flows.train import train_pipeline
 from tasks.names import InvalidName
-from tasks.platforms import ClusterPlatform, VolumeRef
+from tasks.platforms import ClusterPlatform, TrainingSpec, VolumeRef
 from tests.k8s_emulator import Cluster, Fault, KubernetesEmulator
 from tests.test_pipeline import params_for
 
@@ -123,6 +124,14 @@ def test_train_pipeline_runs_green_on_the_cluster_platform(prefect_server: dict,
     assert "patched to ReadWriteMany and verified" in message
     assert used_permissions(cluster) == rbac_permissions()
 
+    # restore: a new claim whose dataSource is the snapshot; nothing downloaded, the snapshot's run is there.
+    restored = restore(result["snapshot"], volume="restored", platform=name, changes={"max_steps": 1})
+    claim = cluster.objects["persistentvolumeclaims"][("lanes", "restored")]
+    assert claim["spec"]["dataSource"] == {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot",
+                                           "name": result["snapshot"]}
+    assert restored["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}
+    assert (cluster.claim_dir("lanes", "restored") / result["run_dir"] / "model.pt").is_file()
+
 
 def test_faults_per_call_type_end_in_success_with_one_of_each(prefect_server: dict, laneflow_home: Path,
                                                               synthetic_archive: tuple[Path, str],
@@ -186,3 +195,36 @@ def test_failed_mpijob_fails_the_flow_with_log_tail_and_pod_reasons(prefect_serv
     message = str(state.result(raise_on_failure=False))
     assert "MPIJobFailed" in message and "CUDA error: out of memory" in message and "OOMKilled" in message
     assert cluster.count("volumesnapshots") == 0
+
+
+def test_runai_variant_schedules_the_same_mpijob_in_the_project_namespace(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], emulator: tuple) -> None:
+    emu, cluster = emulator
+    name = saved(emu, "emu-runai", runai_project="perception")
+    train_pipeline(params_for(synthetic_archive, platform=name, volume="tusimple", snapshot=False))
+    ((namespace, _), job), = cluster.objects["mpijobs"].items()
+    assert namespace == "runai-perception" and job["metadata"]["labels"]["project"] == "perception"
+    for role in ("Launcher", "Worker"):
+        template = job["spec"]["mpiReplicaSpecs"][role]["template"]
+        assert template["spec"]["schedulerName"] == "runai-scheduler"
+        assert template["metadata"]["labels"]["project"] == "perception"
+    assert list(cluster.objects["persistentvolumeclaims"]) == [("runai-perception", "tusimple")]
+
+
+def test_an_mpijob_of_that_name_that_is_not_ours_is_refused(emulator: tuple) -> None:
+    emu, cluster = emulator
+    custom = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config_dict(emu.kubeconfig()))
+    cluster.fail_mpijobs = True  # the stranger's job must not really run anything here
+    stranger = {"apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": {"name": "train-0123456789ab"},
+                "spec": {"mpiReplicaSpecs": {
+                    "Launcher": {"replicas": 1, "template": {"metadata": {"labels": {}}, "spec": {"containers": [
+                        {"name": "l", "image": "x", "command": ["true"]}]}}},
+                    "Worker": {"replicas": 1, "template": {"metadata": {"labels": {}}, "spec": {
+                        "containers": [{"name": "w", "image": "x"}],
+                        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c"}}]}}}}}}
+    create_rwo_claim(emu, "c")
+    custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", stranger)
+    spec = TrainingSpec(job_name="train-0123456789ab", volume=VolumeRef(name="c", location="lanes/c"),
+                        data_dir="datasets/x", run_dir="runs/train-0123456789ab", preset="cpu-demo", workers=1)
+    with pytest.raises(FileExistsError, match="was not created by laneflow"):
+        cluster_platform(emu).submit_training(spec)

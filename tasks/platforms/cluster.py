@@ -245,7 +245,8 @@ class ClusterPlatform(Platform):
         return object_labels(self.layout(), run, extra or {})
 
     def prepare_dataset(self, volume: VolumeRef, source_url: str, sha256: str, log: LogSink) -> dict[str, Any]:
-        name = f"prepare-{sha256.lower()[:16]}"
+        # One Job per volume and archive: a retry adopts it; another volume (a restore) gets its own.
+        name = validate_name(f"prepare-{volume.name[:36].rstrip('-')}-{sha256.lower()[:16]}", "job")
         body = render_data_job(name, self.layout(), volume.name, source_url, sha256,
                                self._job_labels(name, {"volume": volume.name}))
         lines = self._run_job(body, log, timeout_s=12 * 3600)
