@@ -45,6 +45,9 @@ class TrainParams(BaseModel):
     eval_split: Literal["val", "test"] = Field("test", description="split the evaluate stage scores")
     snapshot: bool = Field(True, description="capture dataset + run as a snapshot with lineage")
     promote: bool = Field(False, description="move the volume to a faster service level while training")
+    images_per_second_per_worker: float = Field(
+        200.0, gt=0, description="for choosing the service level: images/s one worker reads (from an earlier run)")
+    bytes_per_image: int = Field(262_144, gt=0, description="for choosing the service level: bytes per image read")
     platform: str = Field("local", description="platform block name; 'local' needs no setup")
     volume: str = Field("tusimple", description="volume (folder or PVC) holding datasets and runs")
     timeout_minutes: float = Field(24 * 60, gt=0, description="give up on training after this long")

@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.concurrency.sync import concurrency
 from prefect.events import emit_event
 from prefect.runtime import flow_run as current_run
+from prefect.transactions import transaction
 
 from flows.params import TrainParams
 from tasks.lineage import build_lineage, code_version
@@ -32,6 +33,7 @@ from tasks.pipeline import (
     wait_for_training,
 )
 from tasks.platforms import TrainingSpec, VolumeRef, load_platform
+from tasks.service_level import ThroughputNeed
 
 GPU_LIMIT = "gpu"
 
@@ -57,30 +59,34 @@ def train_pipeline(params: TrainParams) -> dict[str, Any]:
     logger.info("run %s on platform %s (%s)", run, params.platform, type(platform).__name__)
 
     volume = ensure_dataset_volume(platform, params.volume)
-    previous_level = promote_service_level(platform, volume, params.promote)
-    dataset = prepare_dataset(platform, volume, params.source.url, params.source.sha256)
-    ensure_shared_access(platform, volume)
-    spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
-                        preset=params.preset, workers=params.workers, settings=params.trainer_settings(),
-                        labels={"flow-run": str(current_run.id), "dataset-version": dataset["dataset_version"]})
-    with concurrency(GPU_LIMIT, occupy=1):
-        submit_training(platform, spec)
-        outcome = wait_for_training(platform, spec, params.timeout_minutes * 60)
-    evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
+    need = ThroughputNeed(workers=params.workers, images_per_second_per_worker=params.images_per_second_per_worker,
+                          bytes_per_image=params.bytes_per_image)
+    # Inside the transaction: if anything after the promotion fails, its rollback demotes the volume.
+    with transaction():
+        previous_level = promote_service_level(platform, volume, params.promote, need, run)
+        dataset = prepare_dataset(platform, volume, params.source.url, params.source.sha256)
+        ensure_shared_access(platform, volume)
+        spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
+                            preset=params.preset, workers=params.workers, settings=params.trainer_settings(),
+                            labels={"flow-run": str(current_run.id), "dataset-version": dataset["dataset_version"]})
+        with concurrency(GPU_LIMIT, occupy=1):
+            submit_training(platform, spec)
+            outcome = wait_for_training(platform, spec, params.timeout_minutes * 60)
+        evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
 
-    snapshot = snapshot_name(volume.name, run) if params.snapshot else None
-    lineage = build_lineage(
-        run=run, flow_run_id=str(current_run.id), flow_run_name=current_run.name, platform=params.platform,
-        volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
-        training={"steps": outcome.steps, "resumed_from": outcome.resumed_from, "duration_s": outcome.duration_s,
-                  "trainer_eval": outcome.eval},
-        evaluation=evaluation, snapshot=snapshot)
-    if snapshot:
-        capture_snapshot(platform, volume, snapshot, spec.data_dir, spec.run_dir, lineage)
-    else:
-        logger.info("snapshot off for this run")
-    publish_artifacts(platform, volume, spec.run_dir, outcome, evaluation, lineage)
-    demote_service_level(platform, volume, previous_level)
+        snapshot = snapshot_name(volume.name, run) if params.snapshot else None
+        lineage = build_lineage(
+            run=run, flow_run_id=str(current_run.id), flow_run_name=current_run.name, platform=params.platform,
+            volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
+            training={"steps": outcome.steps, "resumed_from": outcome.resumed_from,
+                      "duration_s": outcome.duration_s, "trainer_eval": outcome.eval},
+            evaluation=evaluation, snapshot=snapshot)
+        if snapshot:
+            capture_snapshot(platform, volume, snapshot, spec.data_dir, spec.run_dir, lineage)
+        else:
+            logger.info("snapshot off for this run")
+        publish_artifacts(platform, volume, spec.run_dir, outcome, evaluation, lineage)
+        demote_service_level(platform, volume, previous_level)
     emit_event("laneflow.training.finished", resource={"prefect.resource.id": f"laneflow.run.{run}",
                                                        "prefect.resource.name": run},
                payload={"metrics": evaluation, "dataset_version": dataset["dataset_version"], "snapshot": snapshot})

@@ -19,13 +19,16 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
+from prefect.transactions import get_transaction
 
 from tasks.lineage import render_lineage_markdown
 from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, TrainingOutcome, TrainingSpec, VolumeRef
 from tasks.report import data_uri, metrics_rows, step_series, thumbnail_jpeg, training_curve_png
 from tasks.retry import RETRY_POLICY
+from tasks.service_level import SERVICE_LEVELS, ThroughputNeed, choose_service_level, render_tier_markdown
 
 HOUR = 3600
+LEVEL_ORDER = [name for name, _ in SERVICE_LEVELS]
 # Side effects live on the volume and the platform, never in Prefect's result cache.
 _TASK = {**RETRY_POLICY, "cache_policy": NO_CACHE}
 
@@ -34,26 +37,68 @@ def _resource(kind: str, name: str) -> dict[str, str]:
     return {"prefect.resource.id": f"laneflow.{kind}.{name}", "prefect.resource.name": name}
 
 
-@task(name="promote_service_level", task_run_name="promote-{volume.name}", timeout_seconds=HOUR, **_TASK)
-def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool) -> str | None:
-    """Note the volume's service level before training (``None`` where levels do not apply)."""
+@task(name="promote_service_level", task_run_name="promote-{volume.name}", timeout_seconds=2 * HOUR, **_TASK)
+def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, need: ThroughputNeed,
+                          run: str) -> str | None:
+    """Move the volume to the cheapest level that feeds this run, inside the flow's transaction.
+
+    Returns the level it had, which ``demote_service_level`` restores after training; if anything after
+    this fails, the transaction's rollback restores it instead.
+    """
     logger = get_run_logger()
     level = platform.current_service_level(volume)
     if level is None:
         logger.info("service level: not applicable on %s; nothing to promote", type(platform).__name__)
-    elif not wanted:
+        return None
+    transaction = get_transaction()
+    if transaction is not None:  # what the rollback hook needs
+        transaction.set("platform", platform)
+        transaction.set("volume", volume)
+        transaction.set("previous_level", level)
+    if not wanted:
         logger.info("service level stays %s (promotion is off for this run)", level)
+        return level
+    quota_tib, ceiling = platform.service_level_limits(volume) or (0.0, "Ultra")
+    choice = choose_service_level(need, quota_tib, ceiling)
+    create_markdown_artifact(markdown=render_tier_markdown(choice, need), key=f"service-level-{run}",
+                             description=f"service level chosen for {run}")
+    logger.info("service level: %s", choice.reason)
+    if choice.level is None or LEVEL_ORDER.index(choice.level) <= LEVEL_ORDER.index(level):
+        logger.info("service level stays %s", level)
+        return level
+    if platform.change_service_level(volume, choice.level):
+        _level_changed(volume, level, choice.level, "promoted for training")
     return level
 
 
-@task(name="demote_service_level", task_run_name="demote-{volume.name}", timeout_seconds=HOUR, **_TASK)
+def _level_changed(volume: VolumeRef, before: str, after: str, why: str) -> None:
+    get_run_logger().info("service level of %s: %s -> %s (%s)", volume.name, before, after, why)
+    emit_event("laneflow.service_level.changed", resource=_resource("volume", volume.name),
+               payload={"from": before, "to": after, "why": why})
+
+
+@promote_service_level.on_rollback
+def _demote_on_rollback(transaction: Any) -> None:
+    """Something after the promotion failed: put the volume back where it was."""
+    platform, volume, previous = (transaction.get("platform"), transaction.get("volume"),
+                                  transaction.get("previous_level"))
+    if previous is not None and platform.change_service_level(volume, previous):
+        emit_event("laneflow.service_level.changed", resource=_resource("volume", volume.name),
+                   payload={"to": previous, "why": "rollback after a failure"})
+
+
+@task(name="demote_service_level", task_run_name="demote-{volume.name}", timeout_seconds=2 * HOUR, **_TASK)
 def demote_service_level(platform: Platform, volume: VolumeRef, previous: str | None) -> bool:
     """Put the volume back to the level it had before training."""
     if previous is None:
         get_run_logger().info("service level: not applicable; nothing to demote")
         return False
+    current = platform.current_service_level(volume)
     changed = platform.change_service_level(volume, previous)
-    get_run_logger().info("service level %s %s", previous, "restored" if changed else "unchanged")
+    if changed:
+        _level_changed(volume, current or "?", previous, "training done")
+    else:
+        get_run_logger().info("service level stays %s", previous)
     return changed
 
 

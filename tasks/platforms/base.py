@@ -182,3 +182,7 @@ class Platform(Block):
     @abc.abstractmethod
     def change_service_level(self, volume: VolumeRef, level: str) -> bool:
         """Move the volume to ``level``; False when nothing had to change."""
+
+    def service_level_limits(self, volume: VolumeRef) -> tuple[float, str] | None:
+        """(quota in TiB, highest level allowed) for choosing a level; None where levels do not apply."""
+        return None

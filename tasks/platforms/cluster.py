@@ -14,10 +14,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import kubernetes
 import urllib3
@@ -25,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from prefect_kubernetes.credentials import KubernetesCredentials
 from pydantic import Field
 
+from tasks.anf import AnfVolume
 from tasks.k8s.manifests import (
     MANAGED_BY,
     MOUNT_PATH,
@@ -80,6 +82,11 @@ class ClusterPlatform(Platform):
     runai_project: str | None = Field(None, description="schedule with Run:ai in namespace runai-<project>")
     poll_interval_s: float = Field(5.0, gt=0, description="how often job state and logs are read")
     api_attempts: int = Field(6, ge=1, description="tries per API call on 429/5xx/connection errors")
+    snapshotter: Literal["csi", "anf"] = Field(
+        "csi", description="csi: VolumeSnapshots (lineage in labels/annotations); anf: ANF snapshots through Azure "
+                           "(lineage in the run's lineage.json on the volume), for volumes not snapshotted by CSI")
+    anf: AnfVolume | None = Field(None, description="the Azure NetApp Files volume behind the PVC, to change its "
+                                                    "service level around training")
 
     # --- plumbing ------------------------------------------------------------------------------------
     def layout(self) -> ClusterLayout:
@@ -397,8 +404,34 @@ class ClusterPlatform(Platform):
         return result
 
     # --- snapshots -----------------------------------------------------------------------------------
+    def _anf(self) -> AnfVolume:
+        if self.anf is None:
+            raise ValueError("snapshotter 'anf' needs the platform's 'anf' volume to be configured")
+        return self.anf
+
+    def _write_file(self, volume: VolumeRef, relative_path: str, data: str) -> None:
+        """Write a small text file onto the claim (a Job in the data image)."""
+        if relative_path.startswith("/") or ".." in relative_path.split("/"):
+            raise ValueError(f"path '{relative_path}' leaves volume '{volume.name}'")
+        name = f"write-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
+        script = ("import os, sys\n"
+                  "os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)\n"
+                  "open(sys.argv[1] + '.tmp', 'w').write(sys.argv[2])\n"
+                  "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
+        body = render_data_job(name, self.layout(), volume.name, "", "", self._job_labels(name))
+        body["spec"]["template"]["spec"]["containers"][0]["command"] = [
+            "python", "-c", script, f"{MOUNT_PATH}/{relative_path}", data]
+        self._run_job(body, lambda _: None, timeout_s=1800, delete_after=True)
+
     def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
                         lineage: dict[str, Any]) -> SnapshotRef:
+        if self.snapshotter == "anf":
+            # ANF snapshots carry no labels: the lineage goes into the run's record, inside the snapshot.
+            record = {**lineage, "snapshot": name, "data_dir": data_dir, "run_dir": run_dir, "volume": volume.name,
+                      "snapshotter": "anf", "ready": True}
+            self._write_file(volume, f"{run_dir}/lineage.json", json.dumps(record, sort_keys=True))
+            snapshot_id = self._anf().create_snapshot(name)
+            return SnapshotRef(name=name, volume=volume.name, ready=True, location=snapshot_id, lineage=record)
         _, _, custom = self._apis()
         group, version, plural = SNAPSHOTS
         labels = self._job_labels(lineage.get("run", name), {
@@ -416,6 +449,8 @@ class ClusterPlatform(Platform):
         return _snapshot_ref(snapshot)
 
     def wait_for_snapshot(self, snapshot: SnapshotRef, timeout_s: float) -> SnapshotRef:
+        if self.snapshotter == "anf":  # create_snapshot awaited the long-running operation already
+            return snapshot
         _, _, custom = self._apis()
         group, version, plural = SNAPSHOTS
         deadline = time.monotonic() + timeout_s
@@ -432,6 +467,9 @@ class ClusterPlatform(Platform):
             time.sleep(self.poll_interval_s)
 
     def list_snapshots(self) -> list[SnapshotRef]:
+        if self.snapshotter == "anf":
+            return [SnapshotRef(name=name, volume=self._anf().volume, ready=True, location=snapshot_id,
+                                lineage={"snapshot": name}) for name, snapshot_id in self._anf().list_snapshots()]
         _, _, custom = self._apis()
         group, version, plural = SNAPSHOTS
         found = self._call("list", "volumesnapshots", custom.list_namespaced_custom_object, group, version,
@@ -443,6 +481,9 @@ class ClusterPlatform(Platform):
         core, _, _ = self._apis()
         validate_name(snapshot_name, "snapshot")
         validate_name(volume_name, "volume")
+        if self.snapshotter == "anf":
+            raise ValueError(f"'{snapshot_name}' is an ANF snapshot: create a volume from it in Azure (or revert the "
+                             "volume) and adopt that volume; laneflow restores CSI VolumeSnapshots only")
         self.find_lineage(snapshot_name)  # KeyError naming it when it does not exist
         body = render_pvc(volume_name, self.layout(), {**MANAGED_BY}, from_snapshot=snapshot_name)
 
@@ -457,6 +498,12 @@ class ClusterPlatform(Platform):
         return VolumeRef(name=volume_name, location=f"{self._ns()}/{volume_name}", created=created)
 
     def find_lineage(self, name: str) -> dict[str, Any]:
+        if self.snapshotter == "anf":
+            match = re.match(r"^(?P<volume>.+)-(?P<run>[a-z]+-[0-9a-f]{12})$", name)
+            if match is None or name not in dict(self._anf().list_snapshots()):
+                raise KeyError(f"no ANF snapshot named '{name}' of volume '{self._anf().volume}'")
+            volume = VolumeRef(name=match["volume"], location=f"{self._ns()}/{match['volume']}")
+            return json.loads(self.read_file(volume, f"runs/{match['run']}/lineage.json"))
         _, _, custom = self._apis()
         group, version, plural = SNAPSHOTS
         try:
@@ -470,10 +517,13 @@ class ClusterPlatform(Platform):
 
     # --- service level -------------------------------------------------------------------------------
     def current_service_level(self, volume: VolumeRef) -> str | None:
-        return None
+        return self.anf.current_level() if self.anf else None
 
     def change_service_level(self, volume: VolumeRef, level: str) -> bool:
-        return False
+        return self.anf.change_level(level) if self.anf else False
+
+    def service_level_limits(self, volume: VolumeRef) -> tuple[float, str] | None:
+        return (self.anf.locate()[2], self.anf.ceiling) if self.anf else None
 
 
 # --- helpers ----------------------------------------------------------------------------------------

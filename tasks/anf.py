@@ -1,0 +1,158 @@
+"""Azure NetApp Files access: a volume's service level (by moving it between capacity pools) and snapshots.
+
+Configured by a Prefect block. Credentials: a service principal whose secret is a ``SecretStr`` (never
+logged, never in artifacts), or ``DefaultAzureCredential`` (managed identity, workload identity, CLI)
+when no secret is given. Long-running operations are awaited with a timeout; a failed one raises an
+error naming the operation and the volume. The Azure SDK itself retries 429 (honouring Retry-After)
+and 5xx.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+from prefect.blocks.core import Block
+from pydantic import Field, PrivateAttr, SecretStr
+
+from tasks.service_level import SERVICE_LEVELS
+
+DEFAULT_AUTHORITY = "login.microsoftonline.com"
+Level = Literal["Standard", "Premium", "Ultra"]
+
+
+class AnfError(RuntimeError):
+    """An ANF operation that failed for good; names the operation and the volume."""
+
+
+class AnfVolume(Block):
+    """One ANF volume and the capacity pools (one per service level) it may move between."""
+
+    _block_type_name: ClassVar[str] = "Laneflow ANF Volume"
+    _block_type_slug: ClassVar[str] = "laneflow-anf-volume"
+    _description: ClassVar[str] = "An Azure NetApp Files volume whose service level laneflow changes around training."
+
+    subscription_id: str
+    resource_group: str
+    account: str = Field(description="NetApp account name")
+    volume: str = Field(description="volume name (the PVC's backing volume)")
+    location: str = Field(description="Azure region, e.g. westeurope")
+    pool_ids: dict[Level, str] = Field(description="capacity pool resource id per service level")
+    ceiling: Level = Field("Ultra", description="never promote above this level")
+    tenant_id: str | None = Field(None, description="service principal tenant (with client_id and client_secret)")
+    client_id: str | None = None
+    client_secret: SecretStr | None = Field(None, description="service principal secret; empty: "
+                                                              "DefaultAzureCredential")
+    authority_host: str = Field(DEFAULT_AUTHORITY, description="Entra ID host (sovereign clouds differ)")
+    arm_endpoint: str = Field("https://management.azure.com", description="Azure Resource Manager endpoint")
+    ca_bundle: str | None = Field(None, description="CA bundle to trust instead of the system's")
+    operation_timeout_s: float = Field(3600, gt=0, description="wait at most this long for a pool change")
+    _management_client: Any = PrivateAttr(None)
+
+    # --- clients -------------------------------------------------------------------------------------
+    def _verify(self) -> str | bool:
+        return self.ca_bundle or True
+
+    def _credential(self) -> Any:
+        from azure.identity import ClientSecretCredential, DefaultAzureCredential
+
+        if self.client_secret is None:
+            return DefaultAzureCredential()
+        if not (self.tenant_id and self.client_id):
+            raise ValueError("client_secret is set but tenant_id or client_id is missing: set all three, "
+                             "or none to use DefaultAzureCredential")
+        return ClientSecretCredential(self.tenant_id, self.client_id, self.client_secret.get_secret_value(),
+                                      authority=self.authority_host,
+                                      disable_instance_discovery=self.authority_host != DEFAULT_AUTHORITY,
+                                      connection_verify=self._verify())
+
+    def _client(self) -> Any:
+        """One client (and credential, so one token) per block instance."""
+        if self._management_client is None:
+            self._management_client = self._new_client()
+        return self._management_client
+
+    def _new_client(self) -> Any:
+        from azure.mgmt.netapp import NetAppManagementClient
+
+        return NetAppManagementClient(self._credential(), self.subscription_id, base_url=self.arm_endpoint,
+                                      connection_verify=self._verify(), retry_backoff_factor=0.5,
+                                      credential_scopes=[f"{self.arm_endpoint.rstrip('/')}/.default"])
+
+    @staticmethod
+    def pool_name(pool_id: str) -> str:
+        return pool_id.rstrip("/").rsplit("/", 1)[-1]
+
+    # --- operations ----------------------------------------------------------------------------------
+    def locate(self) -> tuple[str, str, float]:
+        """(pool name, service level, quota in TiB) of the volume, looked up in the configured pools."""
+        client = self._client()
+        for pool_id in self.pool_ids.values():
+            pool = self.pool_name(pool_id)
+            try:
+                found = client.volumes.get(self.resource_group, self.account, pool, self.volume)
+            except ResourceNotFoundError:
+                continue
+            level = getattr(found.service_level, "value", found.service_level)
+            return pool, str(level), found.usage_threshold / 1024 ** 4
+        raise AnfError(f"volume '{self.volume}' is in none of the configured capacity pools "
+                       f"({', '.join(self.pool_name(p) for p in self.pool_ids.values())}); check pool_ids")
+
+    def current_level(self) -> str:
+        return self.locate()[1]
+
+    def change_level(self, level: str) -> bool:
+        """Move the volume to ``level``'s pool (no data moves); False when it is already there."""
+        if level not in self.pool_ids:
+            known = ", ".join(self.pool_ids)
+            raise ValueError(f"no capacity pool configured for service level '{level}' (configured: {known})")
+        from azure.mgmt.netapp.models import PoolChangeRequest
+
+        pool, current, _ = self.locate()
+        if current == level:
+            return False
+        operation = f"pool change of volume '{self.volume}' from {current} ({pool}) to {level}"
+        try:
+            poller = self._client().volumes.begin_pool_change(
+                self.resource_group, self.account, pool, self.volume,
+                PoolChangeRequest(new_pool_resource_id=self.pool_ids[level]))
+            poller.result(timeout=self.operation_timeout_s)
+        except HttpResponseError as exc:
+            raise AnfError(f"{operation} failed: {_reason(exc)}") from None
+        if not poller.done():
+            raise AnfError(f"{operation} did not finish within {self.operation_timeout_s:.0f} s")
+        return True
+
+    def create_snapshot(self, name: str) -> str:
+        """An ANF snapshot of the volume (adopted when one of that name exists); returns its resource id."""
+        from azure.mgmt.netapp.models import Snapshot
+
+        pool, _, _ = self.locate()
+        client = self._client()
+        try:
+            return client.snapshots.get(self.resource_group, self.account, pool, self.volume, name).id
+        except ResourceNotFoundError:
+            pass
+        try:
+            poller = client.snapshots.begin_create(self.resource_group, self.account, pool, self.volume, name,
+                                                   Snapshot(location=self.location))
+            return poller.result(timeout=self.operation_timeout_s).id
+        except HttpResponseError as exc:
+            raise AnfError(f"snapshot '{name}' of volume '{self.volume}' failed: {_reason(exc)}") from None
+
+
+    def list_snapshots(self) -> list[tuple[str, str]]:
+        """(name, resource id) of the volume's snapshots."""
+        pool, _, _ = self.locate()
+        found = self._client().snapshots.list(self.resource_group, self.account, pool, self.volume)
+        return [(snapshot.name.rsplit("/", 1)[-1], snapshot.id) for snapshot in found]
+
+
+def _reason(exc: HttpResponseError) -> str:
+    error = getattr(exc, "error", None)
+    if error is not None and getattr(error, "message", None):
+        return f"{error.code}: {error.message}"
+    return str(exc.message).splitlines()[0]
+
+
+LEVEL_ORDER = [name for name, _ in SERVICE_LEVELS]

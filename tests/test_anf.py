@@ -1,0 +1,146 @@
+"""Azure NetApp Files: the real azure-mgmt-netapp client (and azure-identity) over TLS against an ARM
+emulator on 127.0.0.1 with a throwaway CA; promotion around training, rollback on failure, no secrets out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+from pydantic import SecretStr
+
+from flows.train import train_pipeline
+from tasks.anf import AnfError, AnfVolume
+from tests.arm_emulator import TOKEN, Arm, ArmEmulator
+from tests.k8s_emulator import KubernetesEmulator
+from tests.test_cluster_platform import cluster_platform
+from tests.test_pipeline import params_for
+
+SECRET = "s3cret-client-value-9d1e"
+SUB, RG, ACCOUNT = "0000-sub", "rg-lanes", "anf-lanes"
+POOLS = f"/subscriptions/{SUB}/resourceGroups/{RG}/providers/Microsoft.NetApp/netAppAccounts/{ACCOUNT}/capacityPools"
+
+
+@pytest.fixture
+def arm(tmp_path: Path) -> Iterator[tuple[ArmEmulator, Arm]]:
+    emulator = ArmEmulator(tmp_path / "arm")
+    with emulator as state:
+        state.pools = {"pool-standard": "Standard", "pool-premium": "Premium", "pool-ultra": "Ultra"}
+        state.volumes["tusimple"] = {"pool": "pool-standard", "level": "Standard", "quota": 2 * 1024 ** 4}
+        yield emulator, state
+
+
+def anf_volume(emulator: ArmEmulator, **changes: object) -> AnfVolume:
+    base = emulator.arm.base
+    fields = {"subscription_id": SUB, "resource_group": RG, "account": ACCOUNT, "volume": "tusimple",
+              "location": "westeurope",
+              "pool_ids": {level: f"{POOLS}/pool-{level.lower()}" for level in ("Standard", "Premium", "Ultra")},
+              "tenant_id": "tenant-1", "client_id": "laneflow-sp", "client_secret": SecretStr(SECRET),
+              "authority_host": base.removeprefix("https://"), "arm_endpoint": base,
+              "ca_bundle": str(emulator.ca_file), **changes}
+    return AnfVolume(**fields)
+
+
+def pool_changes(state: Arm) -> int:
+    return sum(1 for method, path, _ in state.requests if method == "POST" and path.endswith("/poolChange"))
+
+
+def test_pool_change_is_a_polled_long_running_operation_with_retries(arm: tuple) -> None:
+    emulator, state = arm
+    volume = anf_volume(emulator)
+    assert volume.locate() == ("pool-standard", "Standard", 2.0)
+    state.faults["pool_change"] += [429, 500]
+    assert volume.change_level("Premium") is True
+    assert state.volumes["tusimple"]["pool"] == "pool-premium" and volume.current_level() == "Premium"
+    polls = [path for method, path, _ in state.requests if path.startswith("/operations/")]
+    assert len(polls) >= 2  # 202 + Azure-AsyncOperation, polled until Succeeded
+    assert pool_changes(state) == 3  # 429, 500, then accepted
+    assert volume.change_level("Premium") is False  # already there: no call
+    assert pool_changes(state) == 3
+    headers = [h for method, path, h in state.requests if path.startswith("/subscriptions/")]
+    assert all(h.get("Authorization") == f"Bearer {TOKEN}" for h in headers)
+    assert state.secrets_seen == [SECRET]  # the secret went to the token endpoint only, once
+
+
+def test_a_failed_operation_names_the_operation_and_the_volume(arm: tuple) -> None:
+    emulator, state = arm
+    state.fail_operations.add("pool_change")
+    with pytest.raises(AnfError, match=r"pool change of volume 'tusimple' from Standard \(pool-standard\) to Ultra "
+                                       r"failed: PoolChangeFailed"):
+        anf_volume(emulator).change_level("Ultra")
+    assert state.volumes["tusimple"]["pool"] == "pool-standard"
+
+
+def test_anf_snapshot_and_configuration_errors(arm: tuple) -> None:
+    emulator, state = arm
+    volume = anf_volume(emulator)
+    snapshot_id = volume.create_snapshot("tusimple-train-1")
+    assert snapshot_id.endswith("/volumes/tusimple/snapshots/tusimple-train-1")
+    assert volume.create_snapshot("tusimple-train-1") == snapshot_id  # adopted, not created twice
+    assert sum(1 for method, _, _ in state.requests if method == "PUT") == 1
+    with pytest.raises(ValueError, match="no capacity pool configured for service level 'Ultra'"):
+        anf_volume(emulator, pool_ids={"Standard": f"{POOLS}/pool-standard"}).change_level("Ultra")
+    with pytest.raises(AnfError, match="in none of the configured capacity pools"):
+        anf_volume(emulator, volume="elsewhere").locate()
+    assert SECRET not in repr(volume) and SECRET not in str(volume.model_dump())
+
+
+def _everything_published(flow_run_id: object) -> str:
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join([*(log.message for log in logs), *(str(a.data) for a in artifacts)])
+
+
+@pytest.mark.slow
+def test_training_failure_after_promotion_rolls_the_volume_back(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], arm: tuple, tmp_path: Path,
+        capfd: pytest.CaptureFixture) -> None:
+    from prefect.logging.handlers import APILogWorker
+
+    emulator, state = arm
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s as cluster:
+        cluster.fail_mpijobs = True
+        cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf", overwrite=True)
+        # 2 workers x 200 img/s x 256 KiB x 1.25 = 125 MiB/s; 2 TiB: Standard 32, Premium 128 -> Premium.
+        state_of_run = train_pipeline(params_for(synthetic_archive, platform="emu-anf", volume="tusimple",
+                                                 promote=True), return_state=True)
+    assert state_of_run.is_failed()
+    assert pool_changes(state) == 2  # promoted to Premium, then rolled back
+    assert state.volumes["tusimple"]["pool"] == "pool-standard"
+    APILogWorker.drain_all(timeout=30)
+    published = _everything_published(state_of_run.state_details.flow_run_id)
+    assert "Premium gives 128.0 MiB/s" in published  # the tier reasoning artifact
+    captured = capfd.readouterr()
+    for text in (published, captured.out, captured.err):
+        assert SECRET not in text and TOKEN not in text
+
+
+
+@pytest.mark.slow
+def test_promoted_for_training_demoted_after_and_snapshotted_through_anf(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], arm: tuple,
+        tmp_path: Path) -> None:
+    from tasks.platforms import ClusterPlatform
+
+    emulator, state = arm
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s as cluster:
+        cluster_platform(k8s, anf=anf_volume(emulator), snapshotter="anf").save("emu-anf-ok", overwrite=True)
+        result = train_pipeline(params_for(synthetic_archive, platform="emu-anf-ok", volume="tusimple",
+                                           promote=True))
+        assert cluster.count("volumesnapshots") == 0  # the ANF snapshotter, not CSI
+        platform = ClusterPlatform.load("emu-anf-ok")
+        lineage = platform.find_lineage(result["snapshot"])
+        listed = [ref.name for ref in platform.list_snapshots()]
+        with pytest.raises(ValueError, match="is an ANF snapshot"):
+            platform.restore_snapshot(result["snapshot"], "restored")
+    assert pool_changes(state) == 2 and state.volumes["tusimple"]["pool"] == "pool-standard"
+    assert list(state.snapshots) == [result["snapshot"]] == listed
+    assert lineage["run"] == result["run"] and lineage["dataset_version"] == result["dataset_version"]
+    assert lineage["metrics"] == result["metrics"] and lineage["snapshotter"] == "anf"
+    assert SECRET not in _everything_published(result["flow_run_id"])
