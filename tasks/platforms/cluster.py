@@ -259,21 +259,25 @@ class ClusterPlatform(Platform):
         lines = self._run_job(body, log, timeout_s=12 * 3600)
         return _last_event(lines, "prepared", f"dataset job {name}")
 
-    def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
+    def _file_job(self, kind: str, volume: VolumeRef, relative_path: str, script: str, *args: str) -> list[str]:
+        """Run ``python -c script /data/<relative_path> *args`` in a throwaway Job on the claim; its log lines."""
         if relative_path.startswith("/") or ".." in relative_path.split("/"):
             raise ValueError(f"path '{relative_path}' leaves volume '{volume.name}'")
-        name = f"read-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
+        name = f"{kind}-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
+        body = render_data_job(name, self.layout(), volume.name, "", "", self._job_labels(name))
+        body["spec"]["template"]["spec"]["containers"][0]["command"] = [
+            "python", "-c", script, f"{MOUNT_PATH}/{relative_path}", *args]
+        return self._run_job(body, lambda _: None, timeout_s=1800, delete_after=True)
+
+    def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
         script = ("import base64, json, sys\n"
                   "data = open(sys.argv[1], 'rb').read()\n"
                   "print(json.dumps({'event': 'file', 'base64': base64.b64encode(data).decode()}))\n")
-        body = render_data_job(name, self.layout(), volume.name, "", "", self._job_labels(name))
-        body["spec"]["template"]["spec"]["containers"][0]["command"] = ["python", "-c", script,
-                                                                        f"{MOUNT_PATH}/{relative_path}"]
         try:
-            lines = self._run_job(body, lambda _: None, timeout_s=1800, delete_after=True)
+            lines = self._file_job("read", volume, relative_path, script)
         except RuntimeError as exc:
             raise FileNotFoundError(f"{relative_path} could not be read from volume '{volume.name}': {exc}") from None
-        return base64.b64decode(_last_event(lines, "file", f"reader job {name}")["base64"])
+        return base64.b64decode(_last_event(lines, "file", f"reader job for {relative_path}")["base64"])
 
     # --- launcher ------------------------------------------------------------------------------------
     def _mpijob_body(self, spec: TrainingSpec) -> dict:
@@ -411,17 +415,11 @@ class ClusterPlatform(Platform):
 
     def _write_file(self, volume: VolumeRef, relative_path: str, data: str) -> None:
         """Write a small text file onto the claim (a Job in the data image)."""
-        if relative_path.startswith("/") or ".." in relative_path.split("/"):
-            raise ValueError(f"path '{relative_path}' leaves volume '{volume.name}'")
-        name = f"write-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
         script = ("import os, sys\n"
                   "os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)\n"
                   "open(sys.argv[1] + '.tmp', 'w').write(sys.argv[2])\n"
                   "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
-        body = render_data_job(name, self.layout(), volume.name, "", "", self._job_labels(name))
-        body["spec"]["template"]["spec"]["containers"][0]["command"] = [
-            "python", "-c", script, f"{MOUNT_PATH}/{relative_path}", data]
-        self._run_job(body, lambda _: None, timeout_s=1800, delete_after=True)
+        self._file_job("write", volume, relative_path, script, data)
 
     def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
                         lineage: dict[str, Any]) -> SnapshotRef:
