@@ -1,46 +1,87 @@
-"""An in-process Kubernetes API emulator on 127.0.0.1 for contract tests of the cluster platform.
+"""An in-process Kubernetes API server on 127.0.0.1 that also plays the controllers, for contract tests.
 
-It speaks the real REST paths the ``kubernetes`` client uses, and plays the controllers too:
-- PVCs bind to a new PV (a folder on this machine); a PVC with a VolumeSnapshot dataSource starts as a
-  copy of the snapshot;
-- batch Jobs and MPIJobs run their container's command on this machine, with ``/data`` mapped to the
-  claim's folder and ``horovodrun --hostfile`` turned into ``horovodrun -H localhost:N --gloo``; their
-  output becomes the pod's log; conditions follow the process (Created, Running, Succeeded/Failed);
-- VolumeSnapshots copy the claim's folder and turn ``readyToUse``.
-Faults are queued per call type (``("POST", "mpijobs")``): 429 with Retry-After, 500, a connection
-reset before or after the call took effect, 403. Every request is recorded.
+It speaks the REST paths the real ``kubernetes`` client uses and is as strict as the real server
+(``tests/k8s_schemas.py``): every object is checked against the published schemas and refused the way
+the API server refuses it, unknown fields are dropped with a warning (or refused under
+``fieldValidation=Strict``), MPIJob CRD defaults are stored, and — when RBAC is loaded — every request
+is authorized against the Roles and ClusterRoles bound to the caller's service account.
+
+The controllers behave as their upstream source says (each model cites the file it follows):
+
+- PVCs bind to a new PV (a folder here); a PVC restored from a VolumeSnapshot is provisioned only from
+  a ready snapshot (kubernetes-csi/external-provisioner ``pkg/controller/controller.go``).
+- The Job controller (kubernetes ``pkg/controller/job``): ``restartPolicy: Never`` keeps a failed pod
+  and counts it; ``OnFailure`` restarts the container in place (a new, empty log) and counts restarts;
+  past ``backoffLimit`` the Job fails ``BackoffLimitExceeded`` and, for ``OnFailure``, its pods are
+  deleted; ``activeDeadlineSeconds`` fails it ``DeadlineExceeded``. Pods need their service account.
+- The MPI operator (kubeflow/mpi-operator v0.8 ``pkg/controller/mpi_job_controller.go``,
+  ``pkg/apis/kubeflow/v2beta1/default.go``, ``pkg/apis/kubeflow/validation/validation.go``): defaults in
+  memory (launcher ``restartPolicy: OnFailure``), validates in the controller — a refused job gets one
+  Warning event ``ValidationError`` and no condition — creates worker pods (Ready after an image pull)
+  and the launcher as a batch Job ``<job>-launcher`` (at once under ``AtStartup``, after every worker is
+  Ready under ``WaitForWorkersReady``); its conditions follow the launcher Job (``BackoffLimitExceeded/
+  <pod reason>``, ``DeadlineExceeded``) and evicted workers (``MPIJobEvicted``). A launcher started
+  before its workers are reachable fails the way horovodrun's SSH check does.
+- The snapshot controller (kubernetes-csi/external-snapshotter v8.6 ``pkg/common-controller``): retries,
+  keeps only the last error in ``status.error`` and clears it when ``readyToUse`` turns true.
+- The kubelet's logs (kubernetes ``pkg/kubelet/kuberuntime/logs/logs.go``): ``timestamps`` in
+  RFC3339NanoFixed, ``sinceSeconds`` inclusive, rotation at ``log_max_bytes`` after which a plain read
+  returns only the current file, and ``follow`` streams that carry on across rotations (PR #115702)
+  and end when the container exits.
+
+Containers really run here: a container's command runs on this machine with ``/data`` mapped to the
+claim's folder and ``horovodrun --hostfile`` turned into ``horovodrun -H localhost:N --gloo``.
+Faults are queued per call type (``("POST", "mpijobs")``): 429 with Retry-After, 500, a reset before
+or after the call took effect, 403. Every request is recorded with its namespace and RBAC verb.
 """
 
 from __future__ import annotations
 
+import calendar
+import contextlib
 import copy
 import json
 import os
+import random
 import re
 import shutil
+import signal
+import string
 import subprocess
 import sys
 import threading
 import time
 import urllib.parse
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-ROUTES = [
-    (re.compile(r"^/api/v1/persistentvolumes(?:/(?P<name>[^/]+))?$"), "persistentvolumes", False),
-    (re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/persistentvolumeclaims(?:/(?P<name>[^/]+))?$"),
-     "persistentvolumeclaims", True),
-    (re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)/log$"), "pods/log", True),
-    (re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods(?:/(?P<name>[^/]+))?$"), "pods", True),
-    (re.compile(r"^/apis/batch/v1/namespaces/(?P<ns>[^/]+)/jobs(?:/(?P<name>[^/]+))?$"), "jobs", True),
-    (re.compile(r"^/apis/kubeflow.org/v2beta1/namespaces/(?P<ns>[^/]+)/mpijobs(?:/(?P<name>[^/]+))?$"),
-     "mpijobs", True),
-    (re.compile(r"^/apis/snapshot.storage.k8s.io/v1/namespaces/(?P<ns>[^/]+)/volumesnapshots"
-                r"(?:/(?P<name>[^/]+))?$"), "volumesnapshots", True),
-]
+from tests.k8s_schemas import Rejection, apply_crd_defaults, check, invalid, not_supported, required
+
+# resource -> (group, version, kind, namespaced)
+RESOURCES: dict[str, tuple[str, str, str, bool]] = {
+    "persistentvolumes": ("", "v1", "PersistentVolume", False),
+    "persistentvolumeclaims": ("", "v1", "PersistentVolumeClaim", True),
+    "pods": ("", "v1", "Pod", True),
+    "pods/log": ("", "v1", "Pod", True),
+    "events": ("", "v1", "Event", True),
+    "serviceaccounts": ("", "v1", "ServiceAccount", True),
+    "jobs": ("batch", "v1", "Job", True),
+    "mpijobs": ("kubeflow.org", "v2beta1", "MPIJob", True),
+    "volumesnapshots": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshot", True),
+    "volumesnapshotclasses": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshotClass", False),
+    "storageclasses": ("storage.k8s.io", "v1", "StorageClass", False),
+}
+_ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
+                    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log))?$")
+STORAGE_CLASS = "azure-netapp-files"
+SNAPSHOT_CLASS = "csi-anf-snapclass"
+OPERATOR = "mpi-job-controller"
+_JOB_GROUP_LABELS = ("training.kubeflow.org/operator-name", "training.kubeflow.org/job-name",
+                     "training.kubeflow.org/job-role")
 
 
 @dataclass
@@ -50,19 +91,70 @@ class Fault:
     after_effect: bool = False  # reset after the call took effect (the client never hears the answer)
 
 
+@dataclass(frozen=True)
+class Request:
+    method: str
+    resource: str
+    namespace: str | None
+    name: str | None
+    verb: str
+
+
+@dataclass
+class ContainerLog:
+    """One container instance's log as the kubelet keeps it: files rotated at a size, newest current."""
+
+    lines: list[tuple[str, str]] = field(default_factory=list)  # (RFC3339NanoFixed stamp, text)
+    current_from: int = 0  # index of the first line of the current file
+    current_bytes: int = 0
+    rotations: int = 0
+    running: bool = True
+
+
 @dataclass
 class Cluster:
     root: Path
     objects: dict[str, dict[tuple[str, str], dict]] = field(default_factory=lambda: defaultdict(dict))
     faults: dict[tuple[str, str], list[Fault]] = field(default_factory=lambda: defaultdict(list))
-    requests: list[tuple[str, str, bool]] = field(default_factory=list)  # (method, kind, names an object)
-    logs: dict[tuple[str, str], list[str]] = field(default_factory=dict)
-    processes: dict[tuple[str, str], subprocess.Popen] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    logs: dict[tuple[str, str], ContainerLog] = field(default_factory=dict)
+    processes: dict[tuple[str, str], subprocess.Popen] = field(default_factory=dict)  # (ns, pod)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    changed: threading.Condition = field(init=False)
     initial_pv_modes: list[str] = field(default_factory=lambda: ["ReadWriteOnce"])
-    fail_mpijobs: bool = False  # MPIJob launchers exit 1 at once, workers report OOMKilled
+    #: MPIJob launchers print a CUDA out-of-memory error and exit 1; worker 0 reports OOMKilled.
+    fail_mpijobs: bool = False
+    #: How long worker pods pull their image before they are Ready; launcher pods pull for a fifth of it.
+    image_pull_s: float = 1.0
+    #: The kubelet's containerLogMaxSize (10 MiB by default upstream).
+    log_max_bytes: int = 10 * 1024 * 1024
+    #: Cut every follow stream after this many lines (a dropped connection), when set.
+    cut_streams_after_lines: int | None = None
+    #: The snapshot controller's first N attempts per snapshot fail with an update conflict.
+    snapshot_conflicts: int = 0
+    #: Snapshots never become ready: every attempt fails with this error.
+    snapshot_error: str | None = None
+    #: Called with (cluster, namespace, pod, line) for each log line; tests use it to evict, say.
+    on_log_line: Callable[[Cluster, str, str, str], None] | None = None
+    #: The caller, as an RBAC subject; requests are authorized once `load` brought RBAC objects.
+    user: tuple[str, str] = ("laneflow", "laneflow-flows")
+    rbac_enforced: bool = False
+    #: The MPI operator's in-memory view of each MPIJob (defaulted spec), by (namespace, name).
+    operator_specs: dict[tuple[str, str], dict] = field(default_factory=dict)
     version: int = 0
+    url: str = ""
 
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)
+        # What an administrator applied before laneflow ran (deployments/base): the ANF classes.
+        self.objects["storageclasses"][("", STORAGE_CLASS)] = {
+            "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": STORAGE_CLASS},
+            "provisioner": "csi.trident.netapp.io"}
+        self.objects["volumesnapshotclasses"][("", SNAPSHOT_CLASS)] = {
+            "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+            "metadata": {"name": SNAPSHOT_CLASS}, "driver": "csi.trident.netapp.io", "deletionPolicy": "Retain"}
+
+    # --- for tests ----------------------------------------------------------------------------------
     def claim_dir(self, namespace: str, claim: str) -> Path:
         pvc = self.objects["persistentvolumeclaims"][(namespace, claim)]
         return self.root / "pv" / pvc["spec"]["volumeName"]
@@ -73,9 +165,60 @@ class Cluster:
     def count(self, kind: str) -> int:
         return len(self.objects[kind])
 
+    def load(self, documents: list[dict]) -> None:
+        """Apply manifests as an administrator would (``kubectl apply``): validated, stored; RBAC from now on."""
+        with self.lock:
+            for document in documents:
+                stored = check(document, "Strict").obj
+                resource = _resource_of(stored["kind"])
+                namespaced = stored["kind"] not in ("ClusterRole", "ClusterRoleBinding", "Namespace",
+                                                    "StorageClass", "VolumeSnapshotClass", "PersistentVolume")
+                key = (stored["metadata"].get("namespace", "default") if namespaced else "",
+                       stored["metadata"]["name"])
+                self.objects[resource][key] = stored
+            self.rbac_enforced = True
+
+    def events_for(self, name: str) -> list[dict]:
+        return [e for e in self.objects["events"].values() if e["involvedObject"]["name"] == name]
+
+    def evict(self, namespace: str, pod: str, message: str = "The node was low on resource: memory.") -> None:
+        """The kubelet evicts a pod: its processes die, it ends Failed with reason Evicted."""
+        with self.lock:
+            obj = self.objects["pods"].get((namespace, pod))
+            if obj is None:
+                return
+            obj["status"].update({"phase": "Failed", "reason": "Evicted", "message": message})
+            _kill(self, namespace, pod)
+            _sync_owner(self, obj)
+
+    def permissions_used(self, namespace: str | None = None) -> set[tuple[str, str]]:
+        """(verb, resource) of every request (in ``namespace``, or cluster-scoped with None and all)."""
+        return {(r.verb, r.resource) for r in self.requests if namespace is None or r.namespace == namespace}
+
+
+def _resource_of(kind: str) -> str:
+    for resource, (_, _, known, _) in RESOURCES.items():
+        if known == kind and resource != "pods/log":
+            return resource
+    return kind.lower() + "s"
+
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _stamp() -> str:
+    """RFC3339NanoFixed, as the kubelet prefixes log lines (``pkg/kubelet/types/constants.go``)."""
+    ns = time.time_ns()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
+
+
+def _stamp_seconds(stamp: str) -> float:
+    return calendar.timegm(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) + int(stamp[20:29]) / 1e9
+
+
+def _suffix() -> str:
+    return "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
 
 
 def _merge(target: dict, patch: dict) -> dict:
@@ -89,6 +232,24 @@ def _merge(target: dict, patch: dict) -> dict:
     return target
 
 
+def _status_body(code: int, reason: str, message: str, **extra: Any) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code, **extra}
+
+
+def _selector_matches(labels: dict, selector: str) -> bool:
+    for part in filter(None, selector.split(",")):
+        key, _, value = part.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+_EVENT_FIELDS = {"involvedObject.kind": ("involvedObject", "kind"), "involvedObject.name": ("involvedObject", "name"),
+                 "involvedObject.namespace": ("involvedObject", "namespace"),
+                 "involvedObject.uid": ("involvedObject", "uid"), "reason": ("reason",), "type": ("type",)}
+
+
 class _Handler(BaseHTTPRequestHandler):
     cluster: Cluster
     protocol_version = "HTTP/1.1"
@@ -98,64 +259,122 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- plumbing ----------------------------------------------------------------------------------
     def _send(self, status: int, body: Any, content_type: str = "application/json",
-              headers: dict[str, str] | None = None) -> None:
+              headers: list[tuple[str, str]] | None = None) -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
-        for key, value in (headers or {}).items():
+        for key, value in headers or []:
             self.send_header(key, value)
         self.end_headers()
         self.wfile.write(data)
 
-    def _status(self, code: int, reason: str, message: str) -> None:
-        self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
-                          "reason": reason, "code": code})
-
     def _reset(self) -> None:
         self.close_connection = True
-        self.connection.shutdown(2)
-
-    def _route(self) -> tuple[str, str | None, str | None, dict[str, list[str]]] | None:
-        parsed = urllib.parse.urlsplit(self.path)
-        for pattern, kind, _ in ROUTES:
-            match = pattern.match(parsed.path)
-            if match:
-                groups = match.groupdict()
-                return kind, groups.get("ns"), groups.get("name"), urllib.parse.parse_qs(parsed.query)
-        return None
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(2)
 
     def _handle(self, method: str) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        route = self._route()
-        if route is None:
-            self._status(404, "NotFound", f"no route for {self.path}")
+        parsed = urllib.parse.urlsplit(self.path)
+        match = _ROUTE.match(parsed.path)
+        resource = None
+        if match:
+            resource = match["resource"] + ("/log" if match["sub"] else "")
+        if match is None or resource not in RESOURCES:
+            self._send(404, _status_body(404, "NotFound", f"the server could not find the requested resource "
+                                                          f"({parsed.path})"))
             return
-        kind, namespace, name, query = route
+        namespace, name = match["ns"], match["name"]
+        query = urllib.parse.parse_qs(parsed.query)
+        verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method) or \
+            ("watch" if query.get("watch") == ["true"] else "get" if name else "list")
         cluster = self.cluster
-        cluster.requests.append((method, kind, name is not None))
-        queue = cluster.faults.get((method, kind))
+        cluster.requests.append(Request(method, resource, namespace, name, verb))
+        queue = cluster.faults.get((method, resource))
         fault = queue.pop(0) if queue else None
         if fault and not fault.after_effect:
-            if fault.status == 0:
-                self._reset()
-                return
-            headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else None
-            reason = {403: "Forbidden", 429: "TooManyRequests"}.get(fault.status, "InternalError")
-            message = (f'{kind} is forbidden: User "system:serviceaccount:lanes:laneflow" cannot {method.lower()} '
-                       f'resource "{kind}"' if fault.status == 403 else f"injected {fault.status}")
-            data = json.dumps({"kind": "Status", "status": "Failure", "message": message, "reason": reason,
-                               "code": fault.status}).encode()
-            self._send(fault.status, data, headers=headers)
+            self._fault(fault, resource, verb, namespace)
             return
-        body = json.loads(raw) if raw else None
+        denied = self._authorize(verb, resource, namespace, name)
+        if denied:
+            self._send(403, denied)
+            return
+        try:
+            body = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            self._send(400, _status_body(400, "BadRequest", "the request body is not valid JSON"))
+            return
+        if resource == "pods/log":
+            self._pod_log(namespace, name, query)
+            return
         with cluster.lock:
-            status, answer, content_type = self._apply(method, kind, namespace, name, query, body)
+            try:
+                status, answer, warnings = self._apply(method, resource, namespace, name, query, body)
+            except Rejection as rejection:
+                status, answer, warnings = rejection.code, rejection.body, []
+            cluster.changed.notify_all()
         if fault and fault.after_effect:
             self._reset()
             return
-        self._send(status, answer, content_type)
+        self._send(status, answer, headers=[("Warning", f'299 - {json.dumps(w)}') for w in warnings])
+
+    def _fault(self, fault: Fault, resource: str, verb: str, namespace: str | None) -> None:
+        if fault.status == 0:
+            self._reset()
+            return
+        headers = [("Retry-After", str(fault.retry_after))] if fault.retry_after is not None else None
+        if fault.status == 403:
+            self._send(403, self._forbidden(verb, resource, namespace, None))
+            return
+        reason = {429: "TooManyRequests"}.get(fault.status, "InternalError")
+        self._send(fault.status, _status_body(fault.status, reason, f"injected {fault.status}"), headers=headers)
+
+    def _forbidden(self, verb: str, resource: str, namespace: str | None, name: str | None) -> dict:
+        group = RESOURCES[resource][0]
+        who = f"system:serviceaccount:{self.cluster.user[0]}:{self.cluster.user[1]}"
+        what = f'{resource.split("/")[0]} "{name}"' if name else resource.split("/")[0]
+        where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
+        return _status_body(403, "Forbidden", f'{what} is forbidden: User "{who}" cannot {verb} resource '
+                                              f'"{resource}" in API group "{group}"{where}')
+
+    def _authorize(self, verb: str, resource: str, namespace: str | None, name: str | None) -> dict | None:
+        """RBAC as kube-apiserver evaluates it: any rule of any Role/ClusterRole bound to the caller."""
+        cluster = self.cluster
+        if not cluster.rbac_enforced:
+            return None
+        group = RESOURCES[resource][0]
+        sa_namespace, sa_name = cluster.user
+
+        def bound(binding: dict) -> bool:
+            return any(s.get("kind") == "ServiceAccount" and s.get("name") == sa_name
+                       and s.get("namespace", binding["metadata"].get("namespace")) == sa_namespace
+                       for s in binding.get("subjects") or [])
+
+        def allows(role: dict | None) -> bool:
+            for rule in (role or {}).get("rules") or []:
+                if (group in rule.get("apiGroups", []) or "*" in rule.get("apiGroups", [])) and \
+                        (resource in rule.get("resources", []) or "*" in rule.get("resources", [])) and \
+                        (verb in rule.get("verbs", []) or "*" in rule.get("verbs", [])) and \
+                        (not rule.get("resourceNames") or name in rule["resourceNames"]):
+                    return True
+            return False
+
+        with cluster.lock:
+            for binding in cluster.objects["clusterrolebindings"].values():
+                if bound(binding) and allows(cluster.objects["clusterroles"].get(("", binding["roleRef"]["name"]))):
+                    return None
+            if namespace:
+                for (ns, _), binding in cluster.objects["rolebindings"].items():
+                    if ns != namespace or not bound(binding):
+                        continue
+                    ref = binding["roleRef"]
+                    role = cluster.objects["roles"].get((ns, ref["name"])) if ref["kind"] == "Role" else \
+                        cluster.objects["clusterroles"].get(("", ref["name"]))
+                    if allows(role):
+                        return None
+        return self._forbidden(verb, resource, namespace, name)
 
     def do_GET(self) -> None:
         self._handle("GET")
@@ -166,96 +385,177 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:
         self._handle("PATCH")
 
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
     def do_DELETE(self) -> None:
         self._handle("DELETE")
 
     # --- semantics ---------------------------------------------------------------------------------
-    def _apply(self, method: str, kind: str, namespace: str | None, name: str | None, query: dict,
-               body: Any) -> tuple[int, Any, str]:
+    def _apply(self, method: str, resource: str, namespace: str | None, name: str | None, query: dict,
+               body: Any) -> tuple[int, Any, list[str]]:
         cluster = self.cluster
-        store = cluster.objects[kind]
+        group, _, kind, namespaced = RESOURCES[resource]
+        store = cluster.objects[resource]
         key = (namespace or "", name or "")
-        if kind == "pods/log":
-            lines = cluster.logs.get((namespace, name))
-            if lines is None:
-                return 404, _status_body(404, "NotFound", f'pods "{name}" not found'), "application/json"
-            return 200, "".join(lines).encode(), "text/plain"
+        not_found = _status_body(404, "NotFound", f'{resource}{"." + group if group else ""} "{name}" not found',
+                                 details={"name": name, "group": group, "kind": resource})
         if method == "GET" and name is None:
-            selector = dict(part.split("=", 1) for part in query.get("labelSelector", [""])[0].split(",") if part)
-            items = [o for (ns, _), o in store.items() if ns == (namespace or "")
-                     and all(o["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())]
-            return 200, {"kind": "List", "apiVersion": "v1", "metadata": {}, "items": items}, "application/json"
+            return 200, self._list(resource, namespace, query), []
         if method == "GET":
-            if key not in store:
-                return 404, _status_body(404, "NotFound", f'{kind} "{name}" not found'), "application/json"
-            return 200, store[key], "application/json"
+            return (200, store[key], []) if key in store else (404, not_found, [])
         if method == "POST":
-            obj = copy.deepcopy(body)
+            checked = check(body, (query.get("fieldValidation") or [None])[0])
+            obj = checked.obj
+            if obj["kind"] != kind:
+                raise Rejection(400, _status_body(400, "BadRequest", f"the API version in the data "
+                                                                      f"({obj['apiVersion']}) does not match the "
+                                                                      f"expected kind {kind}"))
             obj_key = (namespace or "", obj["metadata"]["name"])
             if obj_key in store:
-                return 409, _status_body(409, "AlreadyExists", f'{kind} "{obj_key[1]}" already exists'), \
-                    "application/json"
-            cluster.version += 1
-            obj["metadata"].update({"namespace": namespace, "uid": f"uid-{cluster.version}",
-                                    "resourceVersion": str(cluster.version), "creationTimestamp": _now()})
-            if namespace is None:
-                obj["metadata"].pop("namespace")
+                return 409, _status_body(409, "AlreadyExists", f'{resource}{"." + group if group else ""} '
+                                                               f'"{obj_key[1]}" already exists',
+                                         details={"name": obj_key[1], "group": group, "kind": resource}), []
+            apply_crd_defaults(obj)
+            _stamp_metadata(cluster, obj, namespace if namespaced else None)
             store[obj_key] = obj
-            _controllers[kind](cluster, obj)
-            return 201, obj, "application/json"
+            _CONTROLLERS.get(resource, lambda *_: None)(cluster, obj)
+            return 201, obj, checked.warnings
         if method == "PATCH":
             if key not in store:
-                return 404, _status_body(404, "NotFound", f'{kind} "{name}" not found'), "application/json"
+                return 404, not_found, []
             if isinstance(body, list):
-                raise NotImplementedError("JSON patch is not used by laneflow")
-            _merge(store[key], body)
+                return 415, _status_body(415, "UnsupportedMediaType", "JSON patch is not served here"), []
+            patched = _merge(copy.deepcopy(store[key]), body)
+            checked = check(patched, (query.get("fieldValidation") or [None])[0], on_create=False)
             cluster.version += 1
-            store[key]["metadata"]["resourceVersion"] = str(cluster.version)
-            return 200, store[key], "application/json"
+            checked.obj["metadata"]["resourceVersion"] = str(cluster.version)
+            store[key] = checked.obj
+            return 200, checked.obj, checked.warnings
         if method == "DELETE":
-            obj = store.pop(key, None)
+            obj = store.get(key)
             if obj is None:
-                return 404, _status_body(404, "NotFound", f'{kind} "{name}" not found'), "application/json"
-            process = cluster.processes.pop((namespace, name), None)
-            if process and process.poll() is None:
-                process.kill()
-            return 200, _status_body(200, "", "deleted") | {"status": "Success"}, "application/json"
-        return 405, _status_body(405, "MethodNotAllowed", method), "application/json"
+                return 404, not_found, []
+            _delete(cluster, resource, obj)
+            return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                         "details": {"name": name, "group": group, "kind": resource,
+                                     "uid": obj["metadata"]["uid"]}}, []
+        return 405, _status_body(405, "MethodNotAllowed", method), []
+
+    def _list(self, resource: str, namespace: str | None, query: dict) -> dict:
+        store = self.cluster.objects[resource]
+        labels = query.get("labelSelector", [""])[0]
+        fields = query.get("fieldSelector", [""])[0]
+        wanted = []
+        for part in filter(None, fields.split(",")):
+            key, _, value = part.partition("=")
+            if resource != "events" or key not in _EVENT_FIELDS:
+                raise Rejection(400, _status_body(400, "BadRequest", f'field label not supported: {key}'))
+            wanted.append((_EVENT_FIELDS[key], value))
+
+        def field_value(obj: dict, path: tuple[str, ...]) -> Any:
+            for part in path:
+                obj = (obj or {}).get(part)
+            return obj
+
+        items = [copy.deepcopy(o) for (ns, _), o in store.items() if namespace is None or ns == namespace
+                 if _selector_matches(o["metadata"].get("labels") or {}, labels)
+                 and all(str(field_value(o, path)) == value for path, value in wanted)]
+        _, version, kind, _ = RESOURCES[resource]
+        api_version = f"{RESOURCES[resource][0]}/{version}" if RESOURCES[resource][0] else version
+        return {"kind": f"{kind}List", "apiVersion": api_version,
+                "metadata": {"resourceVersion": str(self.cluster.version)}, "items": items}
+
+    # --- the kubelet's log endpoint ----------------------------------------------------------------
+    def _pod_log(self, namespace: str, name: str, query: dict) -> None:
+        cluster = self.cluster
+
+        def flag(key: str) -> bool:
+            return query.get(key, ["false"])[0] == "true"
+
+        since_s = float(query.get("sinceSeconds", ["0"])[0]) if "sinceSeconds" in query else None
+        since = time.time() - since_s if since_s is not None else None
+        with cluster.lock:
+            pod = cluster.objects["pods"].get((namespace, name))
+            log = cluster.logs.get((namespace, name))
+            if pod is None:
+                self._send(404, _status_body(404, "NotFound", f'pods "{name}" not found'))
+                return
+            if log is None:
+                container = (pod.get("spec", {}).get("containers") or [{"name": "main"}])[0]["name"]
+                self._send(400, _status_body(400, "BadRequest", f'container "{container}" in pod "{name}" is '
+                                                                 "waiting to start: ContainerCreating"))
+                return
+            start = log.current_from
+            while since is not None and start < len(log.lines) and _stamp_seconds(log.lines[start][0]) < since:
+                start += 1
+
+        def render(stamp: str, text: str) -> bytes:
+            return ((stamp + " " if flag("timestamps") else "") + text).encode()
+
+        if not flag("follow"):
+            with cluster.lock:
+                body = b"".join(render(*line) for line in log.lines[start:])
+            self._send(200, body, "text/plain")
+            return
+        # follow: chunked, new lines as they come, across rotations, until the container stops.
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        sent, position = 0, start
+        try:
+            while True:
+                with cluster.lock:
+                    if cluster.logs.get((namespace, name)) is not log:
+                        break  # the container was restarted or the pod deleted
+                    fresh = log.lines[position:]
+                    position = len(log.lines)
+                    if not fresh:
+                        if not log.running:
+                            break
+                        cluster.changed.wait(timeout=0.5)
+                        continue
+                for line in fresh:
+                    if cluster.cut_streams_after_lines is not None and sent >= cluster.cut_streams_after_lines:
+                        self._reset()
+                        return
+                    data = render(*line)
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    sent += 1
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.close_connection = True
 
 
-def _status_body(code: int, reason: str, message: str) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason,
-            "code": code}
-
-
-# --- controllers -----------------------------------------------------------------------------------
-
-def _bind_pvc(cluster: Cluster, pvc: dict) -> None:
-    namespace, name = pvc["metadata"]["namespace"], pvc["metadata"]["name"]
-    pv_name = f"pvc-{pvc['metadata']['uid']}"
-    folder = cluster.root / "pv" / pv_name
-    source = pvc["spec"].get("dataSource")
-    if source and source.get("kind") == "VolumeSnapshot":
-        shutil.copytree(cluster.root / "snapshots" / namespace / source["name"], folder, symlinks=True)
+def _stamp_metadata(cluster: Cluster, obj: dict, namespace: str | None) -> None:
+    cluster.version += 1
+    metadata = obj["metadata"]
+    metadata.update({"uid": f"uid-{cluster.version:06d}", "resourceVersion": str(cluster.version),
+                     "creationTimestamp": _now()})
+    if namespace:
+        metadata["namespace"] = namespace
     else:
-        folder.mkdir(parents=True)
-    modes = list(pvc["spec"].get("accessModes") or cluster.initial_pv_modes)
-    cluster.objects["persistentvolumes"][("", pv_name)] = {
-        "apiVersion": "v1", "kind": "PersistentVolume",
-        "metadata": {"name": pv_name, "resourceVersion": "1", "uid": f"uid-{pv_name}"},
-        "spec": {"accessModes": modes, "capacity": pvc["spec"]["resources"]["requests"],
-                 "claimRef": {"namespace": namespace, "name": name},
-                 "storageClassName": pvc["spec"].get("storageClassName"), "csi": {"driver": "csi.trident.netapp.io",
-                                                                                  "volumeHandle": pv_name}},
-        "status": {"phase": "Bound"}}
-    pvc["spec"]["volumeName"] = pv_name
-    pvc["status"] = {"phase": "Bound", "accessModes": modes}
+        metadata.pop("namespace", None)
 
 
-def _container_status(name: str, image: str, code: int, reason: str) -> dict:
-    return {"name": name, "image": image, "imageID": f"{image}@sha256:{'0' * 64}", "ready": False,
-            "restartCount": 0, "state": {"terminated": {"exitCode": code, "reason": reason}}}
+def _record_event(cluster: Cluster, obj: dict, kind: str, reason: str, message: str, component: str) -> None:
+    """A core/v1 Event as client-go's recorder makes it (tools/record/event.go makeEvent)."""
+    metadata = obj["metadata"]
+    namespace = metadata.get("namespace", "default")
+    name = f"{metadata['name']}.{time.time_ns():x}"
+    event = {"apiVersion": "v1", "kind": "Event",
+             "metadata": {"name": name, "namespace": namespace, "uid": f"event-{time.time_ns()}",
+                          "creationTimestamp": _now()},
+             "involvedObject": {"kind": obj["kind"], "apiVersion": obj["apiVersion"], "name": metadata["name"],
+                                "namespace": namespace, "uid": metadata.get("uid")},
+             "reason": reason, "message": message[:1024], "type": kind, "source": {"component": component},
+             "reportingComponent": component, "firstTimestamp": _now(), "lastTimestamp": _now(), "count": 1}
+    cluster.objects["events"][(namespace, name)] = event
 
+
+# --- processes ---------------------------------------------------------------------------------------
 
 def _container_command(cluster: Cluster, namespace: str, command: list[str], claim: str | None) -> list[str]:
     """The container's command as it runs here: /data is the claim's folder, horovodrun uses Gloo on localhost."""
@@ -269,18 +569,23 @@ def _container_command(cluster: Cluster, namespace: str, command: list[str], cla
     return [str(bin_dir / arg) if arg in ("horovodrun", "python") else arg for arg in argv]
 
 
-def _run_pod(cluster: Cluster, obj: dict, namespace: str, pod: str, labels: dict, command: list[str],
-             claim: str | None, on_exit: Any) -> None:
-    cluster.objects["pods"][(namespace, pod)] = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "namespace": namespace, "labels": labels},
-        "status": {"phase": "Running", "containerStatuses": []}}
-    cluster.logs[(namespace, pod)] = []
-    name = obj["metadata"]["name"]
-    if cluster.fail_mpijobs and obj["kind"] == "MPIJob":
-        argv = [sys.executable, "-c", "import sys; print('Traceback: CUDA error: out of memory', flush=True); "
-                                      "sys.exit(1)"]
-    else:
-        argv = _container_command(cluster, namespace, command, claim)
+def _append_log(cluster: Cluster, log: ContainerLog, text: str) -> None:
+    """A line into the container's current log file, rotating it first when it would grow past the limit."""
+    size = len(text.encode())
+    if log.current_bytes and log.current_bytes + size > cluster.log_max_bytes:
+        log.current_from, log.current_bytes = len(log.lines), 0
+        log.rotations += 1
+    log.lines.append((_stamp(), text))
+    log.current_bytes += size
+
+
+def _start_container(cluster: Cluster, pod: dict, argv: list[str], on_exit: Callable[[int], None]) -> None:
+    """Run the pod's container here; its output becomes the pod's log, its exit the container status."""
+    namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+    log = ContainerLog()
+    cluster.logs[(namespace, name)] = log
+    pod["status"].update({"phase": "Running", "startTime": pod["status"].get("startTime") or _now()})
+    _set_container_state(pod, {"running": {"startedAt": _now()}}, ready=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True)
@@ -289,97 +594,572 @@ def _run_pod(cluster: Cluster, obj: dict, namespace: str, pod: str, labels: dict
     def pump() -> None:
         for line in process.stdout:
             with cluster.lock:
-                cluster.logs[(namespace, pod)].append(line)
+                _append_log(cluster, log, line)
+                cluster.changed.notify_all()
+            if cluster.on_log_line is not None:
+                cluster.on_log_line(cluster, namespace, name, line)
         code = process.wait()
         with cluster.lock:
-            pod_obj = cluster.objects["pods"].get((namespace, pod))
-            if pod_obj:
-                pod_obj["status"] = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
-                    _container_status("main", "emulated", code, "Completed" if code == 0 else "Error")]}
-            on_exit(code)
+            log.running = False
+            if cluster.processes.get((namespace, name)) is process:
+                cluster.processes.pop((namespace, name))
+                on_exit(code)
+            cluster.changed.notify_all()
 
-    threading.Thread(target=pump, daemon=True).start()
+    threading.Thread(target=pump, daemon=True, name=f"container-{name}").start()
 
 
-def _condition(obj: dict, kind: str, reason: str = "", message: str = "") -> None:
-    conditions = obj.setdefault("status", {}).setdefault("conditions", [])
-    for condition in conditions:
-        condition["status"] = "False" if condition["type"] in ("Running",) and kind != "Running" else \
-            condition["status"]
-    conditions.append({"type": kind, "status": "True", "reason": reason, "message": message,
-                       "lastTransitionTime": _now()})
+def _set_container_state(pod: dict, state: dict, ready: bool, restarts: int | None = None) -> None:
+    container = pod["spec"]["containers"][0]
+    previous = (pod["status"].get("containerStatuses") or [{}])[0]
+    pod["status"]["containerStatuses"] = [{
+        "name": container["name"], "image": container.get("image", ""),
+        "imageID": f"{container.get('image', '')}@sha256:{'0' * 64}", "ready": ready,
+        "restartCount": previous.get("restartCount", 0) if restarts is None else restarts, "state": state}]
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False",
+                                    "lastTransitionTime": _now()}]
+
+
+def _kill(cluster: Cluster, namespace: str, pod: str) -> None:
+    process = cluster.processes.pop((namespace, pod), None)
+    if process and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    log = cluster.logs.get((namespace, pod))
+    if log:
+        log.running = False
+
+
+def _make_pod(cluster: Cluster, owner: dict, name: str, template: dict, extra_labels: dict) -> dict | None:
+    """A pod from a template, admitted as the API server admits it: its service account must exist."""
+    namespace = owner["metadata"]["namespace"]
+    spec = copy.deepcopy(template.get("spec") or {})
+    account = spec.get("serviceAccountName", "default")
+    if cluster.rbac_enforced and account != "default" and \
+            (namespace, account) not in cluster.objects["serviceaccounts"]:
+        component = OPERATOR if owner["kind"] == "MPIJob" else "job-controller"
+        reason = "MPIJobFailed" if owner["kind"] == "MPIJob" else "FailedCreate"
+        _record_event(cluster, owner, "Warning", reason,
+                      f'Error creating: pods "{name}" is forbidden: error looking up service account '
+                      f'{namespace}/{account}: serviceaccount "{account}" not found', component)
+        return None
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": namespace,
+                        "labels": {**((template.get("metadata") or {}).get("labels") or {}), **extra_labels},
+                        "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                                             "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"],
+                                             "controller": True}]},
+           "spec": spec, "status": {"phase": "Pending"}}
+    _stamp_metadata(cluster, pod, namespace)
+    _set_container_state(pod, {"waiting": {"reason": "ContainerCreating"}}, ready=False)
+    cluster.objects["pods"][(namespace, name)] = pod
+    return pod
+
+
+def _later(cluster: Cluster, delay_s: float, action: Callable[[], None]) -> None:
+    def run() -> None:
+        time.sleep(delay_s)
+        with cluster.lock:
+            action()
+            cluster.changed.notify_all()
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _owner_of(cluster: Cluster, obj: dict) -> dict | None:
+    for reference in obj["metadata"].get("ownerReferences") or []:
+        resource = _resource_of(reference["kind"])
+        owner = cluster.objects[resource].get((obj["metadata"].get("namespace", ""), reference["name"]))
+        if owner and owner["metadata"]["uid"] == reference["uid"]:
+            return owner
+    return None
+
+
+def _sync_owner(cluster: Cluster, obj: dict) -> None:
+    owner = _owner_of(cluster, obj)
+    if owner is None:
+        return
+    if owner["kind"] == "Job":
+        _sync_job(cluster, owner)
+    elif owner["kind"] == "MPIJob":
+        _sync_mpijob(cluster, owner)
+
+
+def _delete(cluster: Cluster, resource: str, obj: dict) -> None:
+    """Delete an object and, by owner references, what it owns (the garbage collector, at once)."""
+    namespace = obj["metadata"].get("namespace", "")
+    cluster.objects[resource].pop((namespace, obj["metadata"]["name"]), None)
+    cluster.operator_specs.pop((namespace, obj["metadata"]["name"]), None) if resource == "mpijobs" else None
+    if resource == "pods":
+        _kill(cluster, namespace, obj["metadata"]["name"])
+        cluster.logs.pop((namespace, obj["metadata"]["name"]), None)
+    uid = obj["metadata"]["uid"]
+    for child_resource in ("jobs", "pods"):
+        for child in list(cluster.objects[child_resource].values()):
+            if any(ref.get("uid") == uid for ref in child["metadata"].get("ownerReferences") or []):
+                _delete(cluster, child_resource, child)
+
+
+# --- PVCs and PVs --------------------------------------------------------------------------------------
+
+def _bind_pvc(cluster: Cluster, pvc: dict) -> None:
+    namespace, name = pvc["metadata"]["namespace"], pvc["metadata"]["name"]
+    pvc["status"] = {"phase": "Pending"}
+    source = pvc["spec"].get("dataSource")
+    if source and source.get("kind") == "VolumeSnapshot":
+        # external-provisioner getSnapshotSource: same namespace, bound and readyToUse, big enough.
+        snapshot = cluster.objects["volumesnapshots"].get((namespace, source["name"]))
+        problem = None
+        if snapshot is None or not (snapshot.get("status") or {}).get("boundVolumeSnapshotContentName"):
+            problem = f"snapshot {source['name']} not bound"
+        elif not snapshot["status"].get("readyToUse"):
+            problem = f"snapshot {source['name']} is not Ready"
+        if problem:
+            _record_event(cluster, pvc, "Warning", "ProvisioningFailed", f"failed to provision volume with "
+                          f"StorageClass \"{pvc['spec'].get('storageClassName')}\": error getting handle for "
+                          f"DataSource Type VolumeSnapshot by Name {source['name']}: {problem}",
+                          "csi.trident.netapp.io")
+            return
+    pv_name = f"pvc-{pvc['metadata']['uid']}"
+    folder = cluster.root / "pv" / pv_name
+    if source and source.get("kind") == "VolumeSnapshot":
+        shutil.copytree(cluster.root / "snapshots" / namespace / source["name"], folder, symlinks=True)
+    else:
+        folder.mkdir(parents=True)
+    modes = list(pvc["spec"].get("accessModes") or cluster.initial_pv_modes)
+    if pvc["spec"].get("storageClassName") is None:
+        modes = list(cluster.initial_pv_modes)
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume",
+          "metadata": {"name": pv_name},
+          "spec": {"accessModes": modes, "capacity": pvc["spec"]["resources"]["requests"],
+                   "claimRef": {"namespace": namespace, "name": name, "uid": pvc["metadata"]["uid"]},
+                   "persistentVolumeReclaimPolicy": "Retain",
+                   "storageClassName": pvc["spec"].get("storageClassName") or STORAGE_CLASS,
+                   "csi": {"driver": "csi.trident.netapp.io", "volumeHandle": pv_name}},
+          "status": {"phase": "Bound"}}
+    _stamp_metadata(cluster, pv, None)
+    cluster.objects["persistentvolumes"][("", pv_name)] = pv
+    pvc["spec"]["volumeName"] = pv_name
+    pvc["status"] = {"phase": "Bound", "accessModes": modes, "capacity": pvc["spec"]["resources"]["requests"]}
+
+
+# --- the Job controller ---------------------------------------------------------------------------------
+
+def _claim_of(pod_spec: dict) -> str | None:
+    return next((v["persistentVolumeClaim"]["claimName"] for v in pod_spec.get("volumes") or []
+                 if "persistentVolumeClaim" in v), None)
 
 
 def _start_job(cluster: Cluster, job: dict) -> None:
-    namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    spec = job["spec"]["template"]["spec"]
-    container = spec["containers"][0]
-    claim = next((v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes", [])
-                  if "persistentVolumeClaim" in v), None)
-    job["status"] = {"active": 1, "startTime": _now()}
+    job["status"] = {"active": 0, "failed": 0, "succeeded": 0, "startTime": _now()}
+    spec = job["spec"]
+    spec.setdefault("backoffLimit", 6)
+    spec.setdefault("completions", 1)
+    spec.setdefault("parallelism", 1)
+    deadline = spec.get("activeDeadlineSeconds")
+    if deadline:
+        _later(cluster, float(deadline), lambda: _job_deadline(cluster, job))
+    _new_job_pod(cluster, job)
 
-    def done(code: int) -> None:
-        if (namespace, name) not in cluster.objects["jobs"]:
+
+def _job_pod_labels(job: dict) -> dict:
+    name, uid = job["metadata"]["name"], job["metadata"]["uid"]
+    return {"job-name": name, "batch.kubernetes.io/job-name": name, "controller-uid": uid,
+            "batch.kubernetes.io/controller-uid": uid}
+
+
+def _new_job_pod(cluster: Cluster, job: dict) -> None:
+    template = job["spec"]["template"]
+    pod = _make_pod(cluster, job, f"{job['metadata']['name']}-{_suffix()}", template, _job_pod_labels(job))
+    if pod is None:
+        return
+    job["status"]["active"] = 1
+    namespace = job["metadata"]["namespace"]
+    launcher_of = _owner_of(cluster, job)
+    pull = cluster.image_pull_s / 5 if launcher_of is not None else 0.0
+    _later(cluster, pull, lambda: _run_job_container(cluster, job, pod, namespace))
+
+
+def _run_job_container(cluster: Cluster, job: dict, pod: dict, namespace: str) -> None:
+    if (namespace, pod["metadata"]["name"]) not in cluster.objects["pods"]:
+        return
+    mpijob = _owner_of(cluster, job)
+    command = pod["spec"]["containers"][0].get("command") or ["true"]
+    if mpijob is not None:
+        argv = _launcher_argv(cluster, mpijob, namespace, command)
+    else:
+        argv = _container_command(cluster, namespace, command, _claim_of(pod["spec"]))
+    _start_container(cluster, pod, argv, lambda code: _job_container_exited(cluster, job, pod, argv, code))
+
+
+def _job_container_exited(cluster: Cluster, job: dict, pod: dict, argv: list[str], code: int) -> None:
+    namespace = pod["metadata"]["namespace"]
+    if (namespace, pod["metadata"]["name"]) not in cluster.objects["pods"]:
+        return
+    reason = "Completed" if code == 0 else "Error"
+    terminated = {"terminated": {"exitCode": code, "reason": reason, "finishedAt": _now()}}
+    restart_policy = pod["spec"].get("restartPolicy", "Always")
+    if code != 0 and restart_policy == "OnFailure":
+        # The kubelet restarts the container in place: a new instance, a new (empty) log file.
+        restarts = pod["status"]["containerStatuses"][0].get("restartCount", 0) + 1
+        _set_container_state(pod, {"running": {"startedAt": _now()}}, ready=True, restarts=restarts)
+        pod["status"]["containerStatuses"][0]["lastState"] = terminated
+        if restarts > job["spec"]["backoffLimit"]:
+            _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
             return
-        job["status"] = {"succeeded": 1} if code == 0 else {"failed": 1}
-        job["status"]["conditions"] = [{"type": "Complete" if code == 0 else "Failed", "status": "True",
-                                        "reason": "" if code == 0 else "BackoffLimitExceeded"}]
+        _start_container(cluster, pod, argv, lambda again: _job_container_exited(cluster, job, pod, argv, again))
+        return
+    pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+    _set_container_state(pod, terminated, ready=False)
+    job["status"]["active"] = 0
+    if code == 0:
+        job["status"].update({"succeeded": 1, "completionTime": _now()})
+        job["status"]["conditions"] = [{"type": "Complete", "status": "True", "lastTransitionTime": _now()}]
+        _sync_owner(cluster, job)
+        return
+    job["status"]["failed"] = job["status"].get("failed", 0) + 1
+    if job["status"]["failed"] > job["spec"]["backoffLimit"]:
+        _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    else:
+        _new_job_pod(cluster, job)
 
-    _run_pod(cluster, job, namespace, f"{name}-pod", {**job["spec"]["template"]["metadata"].get("labels", {}),
-                                                      "job-name": name},
-             container["command"], claim, done)
+
+def _sync_job(cluster: Cluster, job: dict) -> None:
+    """A pod of the Job failed without its container exiting (evicted): count it, replace it or give up."""
+    uid = job["metadata"]["uid"]
+    pods = [p for p in cluster.objects["pods"].values()
+            if any(ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or [])]
+    if job["status"].get("conditions") or any(p["status"].get("phase") in ("Pending", "Running") for p in pods):
+        return
+    job["status"]["failed"] = sum(1 for p in pods if p["status"].get("phase") == "Failed")
+    job["status"]["active"] = 0
+    if job["status"]["failed"] > job["spec"]["backoffLimit"]:
+        _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    else:
+        _new_job_pod(cluster, job)
+
+
+def _fail_job(cluster: Cluster, job: dict, reason: str, message: str) -> None:
+    """The Job fails; its active pods are terminated and deleted (pkg/controller/job: deleteActivePods)."""
+    job["status"]["conditions"] = [{"type": "Failed", "status": "True", "reason": reason, "message": message,
+                                    "lastTransitionTime": _now()}]
+    job["status"]["active"] = 0
+    uid = job["metadata"]["uid"]
+    for pod in list(cluster.objects["pods"].values()):
+        owned = any(ref.get("uid") == uid for ref in pod["metadata"].get("ownerReferences") or [])
+        if owned and pod["status"].get("phase") in ("Pending", "Running"):
+            _delete(cluster, "pods", pod)
+    _sync_owner(cluster, job)
+
+
+def _job_deadline(cluster: Cluster, job: dict) -> None:
+    if (job["metadata"]["namespace"], job["metadata"]["name"]) in cluster.objects["jobs"] and \
+            not job["status"].get("conditions"):
+        _fail_job(cluster, job, "DeadlineExceeded", "Job was active longer than specified deadline")
+
+
+# --- the MPI operator ---------------------------------------------------------------------------------
+
+def _operator_defaults(spec: dict) -> dict:
+    """``SetDefaults_MPIJob`` (default.go L27-80), in memory only: the operator never writes spec back."""
+    spec = copy.deepcopy(spec)
+    spec.setdefault("runPolicy", {}).setdefault("cleanPodPolicy", "None")
+    spec.setdefault("slotsPerWorker", 1)
+    spec.setdefault("sshAuthMountPath", "/root/.ssh")
+    spec.setdefault("mpiImplementation", "OpenMPI")
+    spec.setdefault("launcherCreationPolicy", "AtStartup")
+    replicas = spec.get("mpiReplicaSpecs") or {}
+    if "Launcher" in replicas:
+        replicas["Launcher"].setdefault("restartPolicy", "OnFailure")
+        replicas["Launcher"].setdefault("replicas", 1)
+    if "Worker" in replicas:
+        replicas["Worker"].setdefault("restartPolicy", "Never")
+        replicas["Worker"].setdefault("replicas", 0)
+    return spec
+
+
+def _operator_validation(name: str, spec: dict) -> list:
+    """``ValidateMPIJob`` (validation.go): the rules the controller applies before creating anything."""
+    causes = []
+    replicas = spec.get("mpiReplicaSpecs") or {}
+    workers = replicas.get("Worker", {}).get("replicas", 0) if "Worker" in replicas else 0
+    host = f"{name}-worker-{max(workers, 1) - 1}"
+    problems = []
+    if len(host) > 63:
+        problems.append("must be no more than 63 characters")
+    if not re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", host):
+        problems.append("a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an "
+                        "alphabetic character, and end with an alphanumeric character (e.g. 'my-name',  or "
+                        "'abc-123', regex used for validation is '[a-z]([-a-z0-9]*[a-z0-9])?')")
+    if problems:
+        causes.append(invalid("metadata.name", name, f"will not able to create pod and service with invalid DNS "
+                                                     f"label {json.dumps(host)}: {', '.join(problems)}"))
+    if spec["slotsPerWorker"] < 0:
+        causes.append(invalid("spec.slotsPerWorker", spec["slotsPerWorker"], "must be greater than or equal to 0"))
+    policy = spec["runPolicy"]
+    if policy["cleanPodPolicy"] not in ("All", "None", "Running"):
+        causes.append(not_supported("spec.runPolicy.cleanPodPolicy", policy["cleanPodPolicy"],
+                                    ["All", "None", "Running"]))
+    for key in ("ttlSecondsAfterFinished", "activeDeadlineSeconds", "backoffLimit"):
+        if policy.get(key) is not None and policy[key] < 0:
+            causes.append(invalid(f"spec.runPolicy.{key}", policy[key], "must be greater than or equal to 0"))
+    if not spec["sshAuthMountPath"]:
+        causes.append(required("spec.sshAuthMountPath", "must have a mount path for SSH credentials"))
+    if "Launcher" not in replicas:
+        causes.append(required("spec.mpiReplicaSpecs[Launcher]", "must have Launcher replica spec"))
+    for role, replica in replicas.items():
+        where = f"spec.mpiReplicaSpecs[{role}]"
+        if replica["restartPolicy"] not in ("Never", "OnFailure"):
+            causes.append(not_supported(f"{where}.restartPolicy", replica["restartPolicy"], ["Never", "OnFailure"]))
+        if not (replica.get("template") or {}).get("spec", {}).get("containers"):
+            causes.append(required(f"{where}.template.spec.containers", "must define at least one container"))
+    if "Launcher" in replicas and replicas["Launcher"]["replicas"] != 1:
+        causes.append(invalid("spec.mpiReplicaSpecs[Launcher].replicas", replicas["Launcher"]["replicas"],
+                              "must be 1"))
+    if "Worker" in replicas and replicas["Worker"]["replicas"] <= 0:
+        causes.append(invalid("spec.mpiReplicaSpecs[Worker].replicas", replicas["Worker"]["replicas"],
+                              "must be greater than or equal to 1"))
+    return causes
+
+
+def _mpi_condition(job: dict, kind: str, status: str, reason: str, message: str) -> None:
+    """``updateMPIJobConditions``: unchanged when equal; else replaced and appended; a terminal condition
+    flips Running (and an earlier Failed) to False (mpi_job_controller_status.go)."""
+    conditions = job.setdefault("status", {}).setdefault("conditions", [])
+    for condition in conditions:
+        if condition["type"] == kind and condition["status"] == status and condition.get("reason") == reason:
+            return
+    if kind in ("Succeeded", "Failed"):
+        for condition in conditions:
+            if condition["type"] in ("Running", "Failed") and condition["status"] == "True":
+                condition["status"] = "False"
+    conditions[:] = [c for c in conditions if c["type"] != kind]
+    conditions.append({"type": kind, "status": status, "reason": reason, "message": message,
+                       "lastTransitionTime": _now(), "lastUpdateTime": _now()})
 
 
 def _start_mpijob(cluster: Cluster, job: dict) -> None:
     namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    replicas = job["spec"]["mpiReplicaSpecs"]
-    launcher = replicas["Launcher"]["template"]
-    worker = replicas["Worker"]["template"]
-    claim = next(v["persistentVolumeClaim"]["claimName"] for v in worker["spec"]["volumes"]
-                 if "persistentVolumeClaim" in v)
-    _condition(job, "Created", "MPIJobCreated")
-    _condition(job, "Running", "MPIJobRunning")
-    for index in range(replicas["Worker"]["replicas"]):
-        cluster.objects["pods"][(namespace, f"{name}-worker-{index}")] = {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {
-                "name": f"{name}-worker-{index}", "namespace": namespace,
-                "labels": {**worker["metadata"]["labels"], "training.kubeflow.org/job-name": name}},
-            "status": {"phase": "Running"}}
-
-    def done(code: int) -> None:
-        if (namespace, name) not in cluster.objects["mpijobs"]:
+    spec = _operator_defaults(job.get("spec") or {})
+    job["status"] = {}
+    causes = _operator_validation(name, spec)
+    if causes:
+        texts = [c.text() for c in causes]
+        aggregate = texts[0] if len(texts) == 1 else f"[{', '.join(texts)}]"
+        _record_event(cluster, job, "Warning", "ValidationError", f"Found validation errors: {aggregate}", OPERATOR)
+        job.pop("status")
+        return
+    _mpi_condition(job, "Created", "True", "MPIJobCreated", f"MPIJob {namespace}/{name} is created.")
+    _record_event(cluster, job, "Normal", "MPIJobCreated", f"MPIJob {namespace}/{name} is created.", OPERATOR)
+    job["status"]["startTime"] = _now()
+    cluster.operator_specs[(namespace, name)] = spec
+    replicas = spec["mpiReplicaSpecs"]
+    launcher = replicas["Launcher"]
+    if (launcher["template"].get("spec") or {}).get("restartPolicy"):
+        _record_event(cluster, job, "Warning", "SetPodTemplateRestartPolicy",
+                      "Restart policy in pod template overridden by restart policy in replica spec", OPERATOR)
+    base_labels = {"training.kubeflow.org/operator-name": "mpi-operator", "training.kubeflow.org/job-name": name}
+    worker = replicas.get("Worker")
+    for index in range(worker["replicas"] if worker else 0):
+        template = copy.deepcopy(worker["template"])
+        template.setdefault("spec", {})["restartPolicy"] = worker["restartPolicy"]
+        pod = _make_pod(cluster, job, f"{name}-worker-{index}", template, {
+            **base_labels, "training.kubeflow.org/job-role": "worker",
+            "training.kubeflow.org/replica-index": str(index)})
+        if pod is None:
             return
-        if code == 0:
-            _condition(job, "Succeeded", "MPIJobSucceeded", f"MPIJob {namespace}/{name} successfully completed.")
-        else:
-            _condition(job, "Failed", "MPIJobFailed", f"MPIJob {namespace}/{name} has failed")
-            for index in range(replicas["Worker"]["replicas"]):
-                pod = cluster.objects["pods"].get((namespace, f"{name}-worker-{index}"))
-                if pod:
-                    pod["status"] = {"phase": "Failed", "containerStatuses": [_container_status(
-                        "worker", "emulated", 137 if index == 0 else 1, "OOMKilled" if index == 0 else "Error")]}
+        _later(cluster, cluster.image_pull_s, lambda pod=pod: _worker_ready(cluster, pod))
+    if spec["launcherCreationPolicy"] == "AtStartup":
+        _create_launcher(cluster, job, spec)
+    _sync_mpijob(cluster, job)
 
-    _run_pod(cluster, job, namespace, f"{name}-launcher", {**launcher["metadata"]["labels"],
-                                                          "training.kubeflow.org/job-name": name},
-             launcher["spec"]["containers"][0]["command"], claim, done)
 
+def _worker_ready(cluster: Cluster, pod: dict) -> None:
+    if (pod["metadata"]["namespace"], pod["metadata"]["name"]) not in cluster.objects["pods"]:
+        return
+    if pod["status"].get("phase") == "Pending":
+        pod["status"].update({"phase": "Running", "startTime": _now()})
+        _set_container_state(pod, {"running": {"startedAt": _now()}}, ready=True)
+    _sync_owner(cluster, pod)
+
+
+def _create_launcher(cluster: Cluster, job: dict, spec: dict) -> None:
+    """``newLauncherJob`` (L1554-1674): a batch Job whose pod gets the replica's restartPolicy."""
+    namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    launcher = spec["mpiReplicaSpecs"]["Launcher"]
+    template = copy.deepcopy(launcher["template"])
+    template.setdefault("metadata", {}).setdefault("labels", {}).update({
+        "training.kubeflow.org/operator-name": "mpi-operator", "training.kubeflow.org/job-name": name,
+        "training.kubeflow.org/job-role": "launcher"})
+    template.setdefault("spec", {})["restartPolicy"] = launcher["restartPolicy"]
+    policy = spec["runPolicy"]
+    launcher_spec: dict[str, Any] = {"template": template, "podReplacementPolicy": "Failed"}
+    for key in ("backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished"):
+        if policy.get(key) is not None:
+            launcher_spec[key] = policy[key]
+    launcher_job = {"apiVersion": "batch/v1", "kind": "Job",
+                    "metadata": {"name": f"{name}-launcher", "namespace": namespace, "labels": {"app": name},
+                                 "ownerReferences": [{"apiVersion": job["apiVersion"], "kind": "MPIJob", "name": name,
+                                                      "uid": job["metadata"]["uid"], "controller": True}]},
+                    "spec": launcher_spec}
+    launcher_job = check(launcher_job, "Strict").obj
+    _stamp_metadata(cluster, launcher_job, namespace)
+    cluster.objects["jobs"][(namespace, launcher_job["metadata"]["name"])] = launcher_job
+    _start_job(cluster, launcher_job)
+
+
+def _workers(cluster: Cluster, job: dict) -> list[dict]:
+    uid = job["metadata"]["uid"]
+    return [p for p in cluster.objects["pods"].values()
+            if p["metadata"]["labels"].get("training.kubeflow.org/job-role") == "worker"
+            and any(ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or [])]
+
+
+def _launcher_job(cluster: Cluster, job: dict) -> dict | None:
+    return cluster.objects["jobs"].get((job["metadata"]["namespace"], f"{job['metadata']['name']}-launcher"))
+
+
+def _launcher_argv(cluster: Cluster, job: dict, namespace: str, command: list[str]) -> list[str]:
+    """What the launcher runs here; before its workers are reachable, horovodrun's SSH check fails."""
+    name = job["metadata"]["name"]
+    not_ready = [p["metadata"]["name"] for p in _workers(cluster, job)
+                 if (p["status"].get("conditions") or [{}])[0].get("status") != "True"]
+    if not_ready:
+        host = f"{not_ready[0]}.{name}.{namespace}.svc"
+        script = ("import sys\n"
+                  f"print('ssh: connect to host {host} port 22: Connection refused', flush=True)\n"
+                  f"print('ssh not successful for host {host}:', flush=True)\n"
+                  "print('RuntimeError: could not connect to some hosts via ssh', flush=True)\n"
+                  "sys.exit(1)\n")
+        return [sys.executable, "-c", script]
+    if cluster.fail_mpijobs:
+        return [sys.executable, "-c", "import sys, time; time.sleep(0.5); "
+                                      "print('Traceback: CUDA error: out of memory', flush=True); sys.exit(1)"]
+    spec = cluster.operator_specs[(namespace, name)]
+    claim = _claim_of(spec["mpiReplicaSpecs"]["Worker"]["template"]["spec"]) if "Worker" in \
+        spec["mpiReplicaSpecs"] else None
+    return _container_command(cluster, namespace, command, claim)
+
+
+def _sync_mpijob(cluster: Cluster, job: dict) -> None:
+    """``updateMPIJobStatus`` (L1094-1200), and the launcher's creation under WaitForWorkersReady."""
+    namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    spec = cluster.operator_specs.get((namespace, name))
+    if cluster.objects["mpijobs"].get((namespace, name)) is not job or spec is None:
+        return
+    workers = _workers(cluster, job)
+    launcher = _launcher_job(cluster, job)
+    ready = sum(1 for p in workers if (p["status"].get("conditions") or [{}])[0].get("status") == "True")
+    if launcher is None and not _finished(job) and ready == len(workers):
+        _create_launcher(cluster, job, spec)
+        launcher = _launcher_job(cluster, job)
+    launcher_running = 0
+    if launcher is not None:
+        conditions = {c["type"]: c for c in (launcher["status"].get("conditions") or [])}
+        launcher_pods = [p for p in cluster.objects["pods"].values()
+                         if p["metadata"]["labels"].get("job-name") == launcher["metadata"]["name"]]
+        launcher_running = sum(1 for p in launcher_pods if p["status"].get("phase") == "Running")
+        if "Complete" in conditions:
+            message = f"MPIJob {namespace}/{name} successfully completed."
+            job["status"].setdefault("completionTime", _now())
+            if not _finished(job):
+                _record_event(cluster, job, "Normal", "MPIJobSucceeded", message, OPERATOR)
+            _mpi_condition(job, "Succeeded", "True", "MPIJobSucceeded", message)
+        elif "Failed" in conditions:
+            failed = conditions["Failed"]
+            reason, message = failed.get("reason") or "MPIJobFailed", failed.get("message") or \
+                f"MPIJob {namespace}/{name} has failed"
+            if reason == "BackoffLimitExceeded":
+                failed_pods = sorted((p for p in launcher_pods if p["status"].get("phase") == "Failed"),
+                                     key=lambda p: p["metadata"]["creationTimestamp"])
+                last = failed_pods[-1]["status"] if failed_pods else {}
+                reason += "/" + last.get("reason", "")
+                message += ": " + last.get("message", "")
+            job["status"].setdefault("completionTime", _now())
+            _mpi_condition(job, "Failed", "True", reason, message)
+    evicted = sum(1 for p in workers if p["status"].get("phase") == "Failed" and p["status"].get("reason") == "Evicted")
+    if evicted:
+        message = f"{evicted}/{len(workers)} workers are evicted"
+        _mpi_condition(job, "Failed", "True", "MPIJobEvicted", message)
+        if launcher is not None:
+            for pod in list(cluster.objects["pods"].values()):
+                if pod["metadata"]["labels"].get("job-name") == launcher["metadata"]["name"]:
+                    _kill(cluster, namespace, pod["metadata"]["name"])
+    if not _finished(job) and launcher is not None and launcher_running >= 1 and \
+            all(p["status"].get("phase") == "Running" for p in workers):
+        _mpi_condition(job, "Running", "True", "MPIJobRunning", f"MPIJob {namespace}/{name} is running.")
+    if cluster.fail_mpijobs and _finished(job):  # the workers ran out of GPU memory (0) or lost their peer
+        for index, pod in enumerate(workers):
+            if pod["status"].get("phase") == "Running":
+                pod["status"]["phase"] = "Failed"
+                _set_container_state(pod, {"terminated": {"exitCode": 137 if index == 0 else 1,
+                                                          "reason": "OOMKilled" if index == 0 else "Error"}}, False)
+    if _finished(job) and job["status"].get("completionTime") and spec["runPolicy"]["cleanPodPolicy"] in \
+            ("Running", "All"):
+        for pod in workers:
+            if spec["runPolicy"]["cleanPodPolicy"] == "All" or pod["status"].get("phase") in ("Running", "Pending"):
+                _delete(cluster, "pods", pod)
+
+
+def _finished(job: dict) -> bool:
+    return any(c["type"] in ("Succeeded", "Failed") and c["status"] == "True"
+               for c in (job.get("status") or {}).get("conditions", []))
+
+
+# --- the snapshot controller ------------------------------------------------------------------------------
 
 def _snapshot(cluster: Cluster, snapshot: dict) -> None:
     namespace, name = snapshot["metadata"]["namespace"], snapshot["metadata"]["name"]
-    claim = snapshot["spec"]["source"]["persistentVolumeClaimName"]
+    snapshot["status"] = {"readyToUse": False}
+    attempts = {"n": 0}
+
+    def attempt() -> None:
+        if cluster.objects["volumesnapshots"].get((namespace, name)) is not snapshot:
+            return
+        attempts["n"] += 1
+        error = _snapshot_problem(cluster, snapshot, attempts["n"])
+        if error:
+            # updateSnapshotErrorStatusWithEvent: the last error, with an event; retried with back-off.
+            if (snapshot["status"].get("error") or {}).get("message") != error:
+                snapshot["status"]["error"] = {"message": error, "time": _now()}
+                _record_event(cluster, snapshot, "Warning", "SnapshotCreationFailed", error, "snapshot-controller")
+            _later(cluster, 0.3, attempt)
+            return
+        claim = snapshot["spec"]["source"]["persistentVolumeClaimName"]
+        target = cluster.root / "snapshots" / namespace / name
+        shutil.copytree(cluster.claim_dir(namespace, claim), target, symlinks=True,
+                        ignore=shutil.ignore_patterns("cache"))
+        snapshot["status"] = {"readyToUse": True, "creationTime": _now(), "restoreSize": "1Gi",
+                              "boundVolumeSnapshotContentName": f"snapcontent-{snapshot['metadata']['uid']}"}
+
+    _later(cluster, 0.05, attempt)
+
+
+def _snapshot_problem(cluster: Cluster, snapshot: dict, attempt: int) -> str | None:
+    namespace = snapshot["metadata"]["namespace"]
+    if cluster.snapshot_error:
+        return cluster.snapshot_error
+    class_name = snapshot["spec"].get("volumeSnapshotClassName")
+    if class_name and ("", class_name) not in cluster.objects["volumesnapshotclasses"]:
+        return (f"Failed to get snapshot class with error volumesnapshotclass.snapshot.storage.k8s.io "
+                f"\"{class_name}\" not found")
+    claim = snapshot["spec"]["source"].get("persistentVolumeClaimName")
     if (namespace, claim) not in cluster.objects["persistentvolumeclaims"]:
-        snapshot["status"] = {"readyToUse": False, "error": {"message": f'PVC "{claim}" not found',
-                                                             "time": _now()}}
-        return
-    target = cluster.root / "snapshots" / namespace / name
-    shutil.copytree(cluster.claim_dir(namespace, claim), target, symlinks=True,
-                    ignore=shutil.ignore_patterns("cache"))
-    snapshot["status"] = {"readyToUse": True, "creationTime": _now(), "restoreSize": "1Gi",
-                          "boundVolumeSnapshotContentName": f"snapcontent-{snapshot['metadata']['uid']}"}
+        return f"PVC source for snapshot {namespace}/{snapshot['metadata']['name']} is missing"
+    if attempt <= cluster.snapshot_conflicts:
+        content = f"snapcontent-{snapshot['metadata']['uid']}"
+        return (f"Failed to create snapshot: failed to add VolumeSnapshotBeingCreated annotation on the content "
+                f"{content}: \"snapshot controller failed to update {content} on API server: Operation cannot be "
+                f"fulfilled on volumesnapshotcontents.snapshot.storage.k8s.io \\\"{content}\\\": the object has "
+                "been modified; please apply your changes to the latest version and try again\"")
+    return None
 
 
-_controllers = defaultdict(lambda: lambda cluster, obj: None, {
-    "persistentvolumeclaims": _bind_pvc, "jobs": _start_job, "mpijobs": _start_mpijob, "volumesnapshots": _snapshot})
+_CONTROLLERS: dict[str, Callable[[Cluster, dict], None]] = {
+    "persistentvolumeclaims": _bind_pvc, "jobs": _start_job, "mpijobs": _start_mpijob, "volumesnapshots": _snapshot}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
 
 
 class KubernetesEmulator:
@@ -388,7 +1168,7 @@ class KubernetesEmulator:
     def __init__(self, root: Path) -> None:
         self.cluster = Cluster(root=root)
         handler = type("Handler", (_Handler,), {"cluster": self.cluster})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -401,12 +1181,13 @@ class KubernetesEmulator:
 
     def __enter__(self) -> Cluster:
         self.thread.start()
-        self.cluster.url = self.url  # type: ignore[attr-defined]
+        self.cluster.url = self.url
         return self.cluster
 
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
-        for process in self.cluster.processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, 9)
+        with self.cluster.lock:
+            for key in list(self.cluster.processes):
+                _kill(self.cluster, *key)
+            self.cluster.changed.notify_all()
