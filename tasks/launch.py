@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # the platforms import this module
 
 EXIT_CONFIG_ERROR = 2  # training.train: bad setting, missing data root, empty split, mismatched checkpoint
 EXIT_PREEMPTED = 75  # training.train: stopped on request after a checkpoint
+#: MPIJob ``Failed`` reasons a new attempt can fix: workers evicted (a node drained, pods preempted), or
+#: the launcher pod evicted — the operator appends the last failed launcher pod's reason to
+#: ``BackoffLimitExceeded`` (kubeflow/mpi-operator ``updateMPIJobFailedStatus``).
+EVICTED_REASONS = ("MPIJobEvicted", "BackoffLimitExceeded/Evicted")
 _PREFIX = re.compile(r"^\[(?P<rank>\d+)\]<(?P<stream>stdout|stderr)>:")
 _RANK_EXIT = re.compile(r"^Exit code: (?P<code>-?\d+)\s*$")
 
@@ -91,3 +95,18 @@ def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]
     if launcher_code == 0:
         return ExitReading(False, False, "the launcher exited 0 but training never reported 'done'")
     return ExitReading(False, False, f"training failed with exit code {code}")
+
+
+def read_mpijob_failure(reason: str, exit_lines: list[str], events: list[dict[str, Any]]) -> ExitReading:
+    """Classify a ``Failed`` MPIJob: the operator's condition reason first, then the launcher's output.
+
+    Reasons (kubeflow/mpi-operator ``pkg/controller/mpi_job_controller.go``): ``MPIJobEvicted`` (workers
+    evicted: resumable), ``DeadlineExceeded`` (``runPolicy.activeDeadlineSeconds`` passed: running it
+    again takes as long), ``BackoffLimitExceeded/<launcher pod reason>`` or ``MPIJobFailed`` (horovodrun
+    failed: its output and exit codes decide).
+    """
+    if reason.startswith(EVICTED_REASONS):
+        return ExitReading(False, True, "pods were evicted (a node drained or pods preempted); it can resume")
+    if reason.startswith("DeadlineExceeded"):
+        return ExitReading(False, False, "it ran longer than its active deadline (runPolicy.activeDeadlineSeconds)")
+    return read_exit(1, exit_lines, events)

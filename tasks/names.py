@@ -11,6 +11,8 @@ import re
 from uuid import UUID
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+#: RFC 1035 label: like DNS-1123 but starting with a letter (Services and MPI worker host names).
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 63
 
 
@@ -28,6 +30,26 @@ def validate_name(value: str, what: str) -> str:
         raise InvalidName(f"{what} name '{value}' is not a DNS-1123 label: use lowercase letters, digits and '-', "
                           "starting and ending with a letter or digit")
     return value
+
+
+def validate_mpijob_name(name: str, worker_replicas: int) -> str:
+    """``name`` if the MPI operator will accept it for a job with ``worker_replicas`` worker pods.
+
+    The operator (kubeflow/mpi-operator ``pkg/apis/kubeflow/validation/validation.go``,
+    ``validateMPIJobName``) requires ``<name>-worker-<replicas-1>`` to be a DNS-1035 label of at most 63
+    characters, because that is a pod host name and a Service's DNS name. It checks this in the
+    controller, not at admission: a refused job gets only a Warning event and would never start, so
+    the rule is checked here, before anything is submitted.
+    """
+    validate_name(name, "job")
+    host = f"{name}-worker-{max(worker_replicas, 1) - 1}"
+    if len(host) > MAX_NAME:
+        raise InvalidName(f"job name '{name}' is too long for the MPI operator: its last worker's host name "
+                          f"'{host}' has {len(host)} characters; at most {MAX_NAME} are allowed")
+    if not DNS_1035_LABEL.match(host):
+        raise InvalidName(f"job name '{name}' is refused by the MPI operator: worker host names like '{host}' must "
+                          "be DNS-1035 labels (start with a lowercase letter; lowercase letters, digits and '-')")
+    return name
 
 
 def run_name(flow_run_id: UUID | str, prefix: str = "train") -> str:

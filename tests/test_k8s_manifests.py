@@ -22,7 +22,8 @@ from tasks.k8s.manifests import (
     render_pvc,
     render_snapshot,
 )
-from tasks.names import InvalidName
+from tasks.names import InvalidName, validate_mpijob_name
+from tests.k8s_schemas import Rejection, check
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = ClusterLayout(namespace="lanes", image="registry.example.org/laneflow-train:0.1.0",
@@ -61,11 +62,13 @@ def test_runai_variant_sets_scheduler_project_label_and_namespace() -> None:
     labels = object_labels(RUNAI, "train-1", {})
     job = render_mpijob("train-1", RUNAI, "tusimple", "tusimple", 2, "datasets/x", "runs/train-1", SETTINGS, labels)
     check_golden("mpijob-runai", job)
-    assert job["metadata"]["namespace"] == "runai-perception" and job["metadata"]["labels"]["project"] == "perception"
+    assert job["metadata"]["namespace"] == "runai-perception"
+    # Current Run:ai selects the project by `runai/queue`; older versions read `project`: both are set.
+    assert job["metadata"]["labels"]["runai/queue"] == job["metadata"]["labels"]["project"] == "perception"
     for role in ("Launcher", "Worker"):
         template = job["spec"]["mpiReplicaSpecs"][role]["template"]
         assert template["spec"]["schedulerName"] == "runai-scheduler"
-        assert template["metadata"]["labels"]["project"] == "perception"
+        assert template["metadata"]["labels"]["runai/queue"] == "perception"
 
 
 def test_pvc_snapshot_restore_and_data_job_match_golden() -> None:
@@ -87,3 +90,61 @@ def test_every_object_is_labelled_as_ours_and_names_are_checked_first() -> None:
         render_pvc("-bad", LAYOUT, LABELS)
     with pytest.raises(ValueError, match="multiple of gpus_per_worker"):
         render_mpijob("train-1", LAYOUT, "c", "tusimple", 3, "d", "r", {}, LABELS)
+
+
+def test_launcher_never_restarts_and_waits_for_ready_workers() -> None:
+    job = render_mpijob("train-1", LAYOUT, "c", "tusimple", 4, "d", "r", SETTINGS, LABELS)
+    # On the replica spec (the operator copies it into the pod; one in the pod template is overridden).
+    assert job["spec"]["mpiReplicaSpecs"]["Launcher"]["restartPolicy"] == "Never"
+    assert "restartPolicy" not in job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
+    assert job["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 8])
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+@pytest.mark.parametrize("runai", [False, True])
+def test_every_rendered_object_is_valid_for_the_api_server(replicas: int, gpus: int, runai: bool) -> None:
+    """Held to the published schemas (core kinds: Kubernetes' OpenAPI; MPIJob and VolumeSnapshot: their
+    CRDs) under fieldValidation=Strict, so an unknown or misplaced field fails here, not on a cluster."""
+    layout = ClusterLayout(**{**LAYOUT.__dict__, "gpus_per_worker": gpus, "runai_project": "perception" if runai
+                              else None})
+    labels = object_labels(layout, "train-7d2eaa95c8df", {"flow-run": "7d2eaa95-c8df-43a7-b772-5e3435d03a6e",
+                                                           "dataset-version": "015713982decdf11"})
+    objects = [
+        render_mpijob("train-7d2eaa95c8df", layout, "tusimple", "tusimple", replicas * gpus, "datasets/x",
+                      "runs/train-7d2eaa95c8df", SETTINGS, labels),
+        render_pvc("tusimple", layout, labels),
+        render_pvc("restored", layout, labels, from_snapshot="tusimple-train-7d2eaa95c8df"),
+        render_snapshot("tusimple-train-7d2eaa95c8df", layout, "tusimple", labels,
+                        {"laneflow.io/lineage": json.dumps({"run": "train-7d2eaa95c8df", "metrics": {"accuracy": 1}})}),
+        render_data_job("prepare-tusimple-4d561454fb71df42", layout, "tusimple",
+                        "https://mirror.example.org/train_set.zip", "a" * 64, labels),
+    ]
+    for obj in objects:
+        assert check(obj, "Strict").warnings == []
+
+
+@pytest.mark.parametrize(("breakage", "status", "field"), [
+    (lambda job: job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0].pop("name"), 422,
+     "spec.mpiReplicaSpecs.Worker.template.spec.containers[0].name"),
+    (lambda job: job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"].update(completions=1), 400,
+     "spec.mpiReplicaSpecs.Worker.template.spec.completions"),
+    (lambda job: job["spec"].update(mpiImplementation="OpenMPI5"), 422, "spec.mpiImplementation"),
+    (lambda job: job["metadata"]["labels"].update({"laneflow.io/run": "x" * 64}), 422, "metadata.labels"),
+    (lambda job: job["metadata"].update(name="Train_1"), 422, "metadata.name"),
+])
+def test_a_broken_object_is_refused_as_the_api_server_refuses_it(breakage, status: int, field: str) -> None:
+    job = render_mpijob("train-1", LAYOUT, "c", "tusimple", 4, "d", "r", SETTINGS, LABELS)
+    breakage(job)
+    with pytest.raises(Rejection) as refused:
+        check(job, "Strict")
+    assert refused.value.code == status and field in refused.value.body["message"]
+
+
+def test_job_names_follow_the_mpi_operators_rule() -> None:
+    assert validate_mpijob_name("train-7d2eaa95c8df", 512) == "train-7d2eaa95c8df"
+    assert validate_mpijob_name("x" * 54, 10) == "x" * 54  # x...-worker-9: 63 characters
+    for name, replicas, problem in [("7d2eaa95c8df", 1, "DNS-1035"), ("x" * 54, 11, "64 characters"),
+                                    ("x" * 62, 1, "71 characters"), ("train.1", 1, "DNS-1123")]:
+        with pytest.raises(InvalidName, match=problem):
+            validate_mpijob_name(name, replicas)

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from flows.params import DataSource, SweepError, TrainParams, expand_sweep, params_from_record
 from tasks.champion import decide_champion
-from tasks.launch import horovodrun_command, parse_output_line, read_exit
+from tasks.k8s.logs import LogCursor, LogFormatError, parse_timestamp
+from tasks.launch import horovodrun_command, parse_output_line, read_exit, read_mpijob_failure
 from tasks.lineage import build_lineage, render_lineage_markdown
 from tasks.names import InvalidName, run_name, snapshot_name, validate_name
 from tasks.platforms import TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
@@ -27,6 +28,55 @@ SHA = "a" * 64
 
 def source() -> DataSource:
     return DataSource(url="https://mirror.example.org/train_set.zip?sig=secret", sha256=SHA)
+
+
+# --- following a container log ----------------------------------------------------------------------
+
+def test_log_timestamps_parse_at_nanosecond_precision() -> None:
+    assert parse_timestamp("2026-11-30T23:59:59.000000001Z") == (1796083199, 1)
+    assert parse_timestamp("2026-11-30T23:59:59.5Z") == (1796083199, 500_000_000)
+    assert parse_timestamp("2026-12-01T01:59:59.000000001+02:00") == (1796083199, 1)
+    with pytest.raises(LogFormatError):
+        parse_timestamp("not-a-time")
+
+
+def test_a_reconnect_drops_the_overlap_and_keeps_lines_sharing_a_timestamp() -> None:
+    lines = ["2026-11-30T10:00:00.100000000Z a\n", "2026-11-30T10:00:00.200000000Z b\n",
+             "2026-11-30T10:00:00.200000000Z c\n", "2026-11-30T10:00:01.000000000Z d\n"]
+    cursor = LogCursor()
+    cursor.start_reading()
+    assert [cursor.accept(line, 0.0) for line in lines[:3]] == ["a", "b", "c"]
+    # The stream was cut; the new one (sinceSeconds is whole seconds) starts before what we have.
+    cursor.start_reading()
+    assert [cursor.accept(line, 0.0) for line in lines] == [None, None, None, "d"]
+    # A line arriving later with the same timestamp as the last one delivered is new.
+    cursor.start_reading()
+    assert cursor.accept(lines[3], 0.0) is None
+    assert cursor.accept("2026-11-30T10:00:01.000000000Z e\n", 0.0) == "e"
+
+
+def test_the_reconnect_window_covers_the_last_line_on_either_clock() -> None:
+    cursor = LogCursor()
+    assert cursor.since_seconds(100.0) is None  # nothing yet: from the start
+    stamp = parse_timestamp("2026-11-30T10:00:00.500000000Z")[0]
+    cursor.start_reading()
+    cursor.accept("2026-11-30T10:00:00.500000000Z x", now=stamp + 30.0)  # read 30 s late (a reader behind)
+    assert cursor.since_seconds(stamp + 42.0) == 42 + 10  # from its stamp: 41.5 s ago, plus the margin
+    assert cursor.since_seconds(stamp + 32.0) == 32 + 10
+
+
+@pytest.mark.parametrize(("reason", "lines", "resumable", "why"), [
+    ("MPIJobEvicted", [], True, "evicted"),
+    ("BackoffLimitExceeded/Evicted", [], True, "evicted"),
+    ("DeadlineExceeded", [], False, "active deadline"),
+    ("BackoffLimitExceeded/", ["[1]<stderr>:Exit code: 2"], False, "exit code 2"),
+    ("BackoffLimitExceeded/", ["Exit code: -9"], True, "signal 9"),
+    ("MPIJobFailed", [], False, "exit code 1"),
+])
+def test_a_failed_mpijob_is_read_by_the_operators_reason_then_the_launcher_output(
+        reason: str, lines: list[str], resumable: bool, why: str) -> None:
+    reading = read_mpijob_failure(reason, lines, [])
+    assert not reading.succeeded and reading.resumable is resumable and why in reading.reason
 
 
 # --- names -------------------------------------------------------------------------------------------

@@ -11,12 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.launch import trainer_args
-from tasks.names import validate_name
+from tasks.names import validate_mpijob_name, validate_name
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "laneflow"}
 MOUNT_PATH = "/data"
 MPI_HOSTFILE = "/etc/mpi/hostfile"
 RUNAI_SCHEDULER = "runai-scheduler"
+#: Run:ai selects the project (its queue) by this label; ``project`` is the key older versions read.
+RUNAI_QUEUE_LABEL = "runai/queue"
+RUNAI_LEGACY_PROJECT_LABEL = "project"
 SNAPSHOT_GROUP = "snapshot.storage.k8s.io"
 LABEL_VALUE_MAX = 63
 
@@ -53,7 +56,8 @@ def object_labels(layout: ClusterLayout, run: str, labels: dict[str, str]) -> di
     merged = {**MANAGED_BY, "laneflow.io/run": label_value(run), **layout.extra_labels}
     merged.update({f"laneflow.io/{key}": label_value(value) for key, value in labels.items()})
     if layout.runai_project:
-        merged["project"] = layout.runai_project
+        merged[RUNAI_QUEUE_LABEL] = layout.runai_project
+        merged[RUNAI_LEGACY_PROJECT_LABEL] = layout.runai_project
     return merged
 
 
@@ -107,10 +111,21 @@ def render_data_job(name: str, layout: ClusterLayout, claim: str, source_url: st
 
 def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, workers: int, data_dir: str,
                   run_dir: str, settings: dict[str, str], labels: dict[str, str]) -> dict:
-    """The Horovod MPIJob (kubeflow.org/v2beta1): a launcher running horovodrun, GPU workers, the claim mounted."""
-    validate_name(name, "job")
+    """The Horovod MPIJob (kubeflow.org/v2beta1): a launcher running horovodrun, GPU workers, the claim mounted.
+
+    Two settings differ from the operator's defaults (kubeflow/mpi-operator
+    ``pkg/apis/kubeflow/v2beta1/default.go`` and ``pkg/controller/mpi_job_controller.go``):
+    - the Launcher replica's ``restartPolicy: Never``: the default ``OnFailure`` restarts horovodrun in
+      place and, at the backoff limit, the Job controller deletes the pod with the log that says why
+      training failed. It is set on the replica spec, which the operator copies into the pod (a
+      restartPolicy in the pod template is overridden, with a Warning event);
+    - ``launcherCreationPolicy: WaitForWorkersReady``: the default ``AtStartup`` starts horovodrun while
+      workers may still be pulling a multi-GB image, and its SSH attempts fail the job.
+    """
     if workers % layout.gpus_per_worker:
         raise ValueError(f"workers={workers} is not a multiple of gpus_per_worker={layout.gpus_per_worker}")
+    replicas = workers // layout.gpus_per_worker
+    validate_mpijob_name(name, replicas)
     command = ["horovodrun", "-np", str(workers), "--hostfile", MPI_HOSTFILE, "python",
                *trainer_args(preset, settings, f"{MOUNT_PATH}/{data_dir}", f"{MOUNT_PATH}/{run_dir}")]
     volumes, mounts = _volume_mounts(claim, layout.shm_size)
@@ -126,11 +141,12 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
             "slotsPerWorker": layout.gpus_per_worker,
             "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
             "mpiImplementation": "OpenMPI",
+            "launcherCreationPolicy": "WaitForWorkersReady",
             "mpiReplicaSpecs": {
-                "Launcher": {"replicas": 1, "template": {
+                "Launcher": {"replicas": 1, "restartPolicy": "Never", "template": {
                     "metadata": {"labels": role_labels["launcher"]},
                     "spec": _pod_spec(layout, launcher, [])}},
-                "Worker": {"replicas": workers // layout.gpus_per_worker, "template": {
+                "Worker": {"replicas": replicas, "restartPolicy": "Never", "template": {
                     "metadata": {"labels": role_labels["worker"]},
                     "spec": _pod_spec(layout, worker, volumes)}},
             },

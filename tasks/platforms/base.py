@@ -62,7 +62,7 @@ class TrainingHandle(BaseModel):
 
     job_name: str
     spec: TrainingSpec
-    state: str = Field(description="running, succeeded, or failed")
+    state: str = Field(description="pending, running, succeeded, or failed")
     adopted: bool = Field(False, description="True when submit found the job already there")
     details: dict[str, Any] = Field(default_factory=dict)
 

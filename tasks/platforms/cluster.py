@@ -17,16 +17,18 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Literal, TypeVar
 
 import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 from prefect_kubernetes.credentials import KubernetesCredentials
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from tasks.anf import AnfVolume
+from tasks.k8s.logs import LogCursor, LogFormatError
 from tasks.k8s.manifests import (
     MANAGED_BY,
     MOUNT_PATH,
@@ -37,7 +39,7 @@ from tasks.k8s.manifests import (
     render_pvc,
     render_snapshot,
 )
-from tasks.launch import parse_output_line, read_exit
+from tasks.launch import parse_output_line, read_mpijob_failure
 from tasks.names import validate_name
 from tasks.platforms.base import (
     EventSink,
@@ -59,6 +61,28 @@ MPI = ("kubeflow.org", "v2beta1", "mpijobs")
 SNAPSHOTS = ("snapshot.storage.k8s.io", "v1", "volumesnapshots")
 LINEAGE_ANNOTATION = "laneflow.io/lineage"
 LOG_TAIL = 40
+#: A log stream is closed and reopened (from where it stopped) at least this often, so job state is
+#: re-read even while the log never goes quiet.
+STREAM_WINDOW_S = 60.0
+#: The MPI operator refuses an invalid job with a Warning event of this reason and sets no condition
+#: (kubeflow/mpi-operator pkg/controller/mpi_job_controller.go, syncHandler): it never starts.
+REFUSED_REASON = "ValidationError"
+#: Unknown fields in what laneflow sends are refused (400), never silently dropped (the server's default).
+STRICT = "Strict"
+
+
+class _ClientCache:
+    """One ``ApiClient`` (one connection pool) per platform instance. Prefect copies blocks (a
+    transaction keeps a deep copy for its rollback hook): a copy starts with no client of its own."""
+
+    def __init__(self) -> None:
+        self.client: kubernetes.client.ApiClient | None = None
+
+    def __deepcopy__(self, memo: dict) -> _ClientCache:
+        return _ClientCache()
+
+    def __reduce__(self) -> tuple:
+        return _ClientCache, ()
 
 
 class ClusterPlatform(Platform):
@@ -87,6 +111,7 @@ class ClusterPlatform(Platform):
                            "(lineage in the run's lineage.json on the volume), for volumes not snapshotted by CSI")
     anf: AnfVolume | None = Field(None, description="the Azure NetApp Files volume behind the PVC, to change its "
                                                     "service level around training")
+    _clients: _ClientCache = PrivateAttr(default_factory=lambda: _ClientCache())
 
     # --- plumbing ------------------------------------------------------------------------------------
     def layout(self) -> ClusterLayout:
@@ -115,7 +140,10 @@ class ClusterPlatform(Platform):
 
     def _apis(self) -> tuple[kubernetes.client.CoreV1Api, kubernetes.client.BatchV1Api,
                              kubernetes.client.CustomObjectsApi]:
-        client = self._api_client()
+        """The API groups laneflow calls, over one client (one connection pool) per platform instance."""
+        if self._clients.client is None:
+            self._clients.client = self._api_client()
+        client = self._clients.client
         return (kubernetes.client.CoreV1Api(client), kubernetes.client.BatchV1Api(client),
                 kubernetes.client.CustomObjectsApi(client))
 
@@ -169,7 +197,8 @@ class ClusterPlatform(Platform):
                 raise
         body = render_pvc(name, self.layout(), {**MANAGED_BY})
         _, created = self._create_or_adopt(
-            "persistentvolumeclaims", lambda: core.create_namespaced_persistent_volume_claim(self._ns(), body),
+            "persistentvolumeclaims",
+            lambda: core.create_namespaced_persistent_volume_claim(self._ns(), body, field_validation=STRICT),
             lambda: core.read_namespaced_persistent_volume_claim(name, self._ns()), lambda _: True, name)
         return VolumeRef(name=name, location=f"{self._ns()}/{name}", created=created)
 
@@ -189,7 +218,7 @@ class ClusterPlatform(Platform):
         if "ReadWriteMany" in (pv.spec.access_modes or []):
             return f"PV {pv_name} of {volume.location} is already ReadWriteMany"
         self._call("patch", "persistentvolumes", core.patch_persistent_volume, pv_name,
-                   {"spec": {"accessModes": ["ReadWriteMany"]}})
+                   {"spec": {"accessModes": ["ReadWriteMany"]}}, field_validation=STRICT)
         pv = self._call("get", "persistentvolumes", core.read_persistent_volume, pv_name)
         if "ReadWriteMany" not in (pv.spec.access_modes or []):
             raise RuntimeError(f"patched PV {pv_name} to ReadWriteMany but it reports {pv.spec.access_modes}; "
@@ -199,31 +228,36 @@ class ClusterPlatform(Platform):
     # --- jobs on the claim ---------------------------------------------------------------------------
     def _run_job(self, body: dict, log: LogSink, timeout_s: float, delete_after: bool = False) -> list[str]:
         """Run a batch Job to completion (adopting one of the same name), streaming its pod's log."""
-        _, batch, _ = self._apis()
-        core = kubernetes.client.CoreV1Api(batch.api_client)
+        core, batch, _ = self._apis()
         name = body["metadata"]["name"]
-        self._create_or_adopt("jobs", lambda: batch.create_namespaced_job(self._ns(), body),
+        self._create_or_adopt("jobs",
+                              lambda: batch.create_namespaced_job(self._ns(), body, field_validation=STRICT),
                               lambda: batch.read_namespaced_job(name, self._ns()),
                               lambda job: (job.metadata.labels or {}).get("app.kubernetes.io/managed-by") ==
                               "laneflow", name)
         seen: list[str] = []
+        cursor = LogCursor()
+
+        def collect(line: str) -> None:
+            seen.append(line)
+            log(line)
+
         deadline = time.monotonic() + timeout_s
         try:
             while True:
                 job = self._call("get", "jobs", batch.read_namespaced_job, name, self._ns())
-                lines = self._pod_log(core, f"job-name={name}")
-                for line in lines[len(seen):]:
-                    log(line)
-                seen = lines if len(lines) >= len(seen) else seen
                 status = job.status
-                if status and status.succeeded:
-                    return seen
-                if status and status.failed:
+                finished = bool(status and (status.succeeded or status.failed))
+                streamed = self._follow_log(core, f"job-name={name}", cursor, collect, deadline)
+                if finished:
+                    if status.succeeded:
+                        return seen
                     tail = "\n".join(seen[-LOG_TAIL:])
                     raise RuntimeError(f"job {self._ns()}/{name} failed; its log ends:\n{tail}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"job {self._ns()}/{name} did not finish within {timeout_s:.0f} s")
-                time.sleep(self.poll_interval_s)
+                if not streamed:
+                    time.sleep(self.poll_interval_s)
         finally:
             if delete_after:
                 self._delete_job(batch, name)
@@ -236,17 +270,45 @@ class ClusterPlatform(Platform):
             if exc.status != 404:
                 raise
 
-    def _pod_log(self, core: kubernetes.client.CoreV1Api, selector: str) -> list[str]:
+    def _follow_log(self, core: kubernetes.client.CoreV1Api, selector: str, cursor: LogCursor, sink: LogSink,
+                    deadline: float) -> bool:
+        """Stream the newest matching pod's log into ``sink`` from where ``cursor`` stopped.
+
+        Returns when the stream ends (the container exited, or the connection dropped), when it has
+        been quiet for a poll interval, or after ``STREAM_WINDOW_S``; False when there was no log to
+        read yet. The kubelet follows the log across rotations; what a reconnect sends again is
+        dropped by the cursor (tasks/k8s/logs.py).
+        """
         pods = self._call("list", "pods", core.list_namespaced_pod, self._ns(), label_selector=selector).items
         if not pods:
-            return []
+            return False
+        pod = max(pods, key=lambda p: (p.metadata.creation_timestamp is not None, p.metadata.creation_timestamp))
         try:
-            text = self._call("get", "pods/log", core.read_namespaced_pod_log, pods[0].metadata.name, self._ns())
+            response = self._call("get", "pods/log", core.read_namespaced_pod_log, pod.metadata.name, self._ns(),
+                                  follow=True, timestamps=True, since_seconds=cursor.since_seconds(time.time()),
+                                  _preload_content=False, _request_timeout=(30, self.poll_interval_s))
         except ApiException as exc:
-            if exc.status in (400, 404):  # container not started yet
-                return []
+            if exc.status in (400, 404):  # container not started yet, or the pod is gone
+                return False
             raise
-        return text.splitlines()
+        cursor.start_reading()
+        until = min(deadline, time.monotonic() + STREAM_WINDOW_S)
+        try:
+            for raw in _stream_lines(response):
+                try:
+                    text = cursor.accept(raw, time.time())
+                except LogFormatError:  # a line cut short by the end of the stream: it comes again whole
+                    continue
+                if text is not None:
+                    sink(text)
+                if time.monotonic() > until:
+                    break
+        except (urllib3.exceptions.HTTPError, ConnectionError):
+            pass  # idle past the read timeout, or cut: the next call resumes from the cursor
+        finally:
+            response.close()
+            response.release_conn()
+        return True
 
     def _job_labels(self, run: str, extra: dict[str, str] | None = None) -> dict[str, str]:
         return object_labels(self.layout(), run, extra or {})
@@ -296,7 +358,8 @@ class ClusterPlatform(Platform):
                 labels.get("laneflow.io/run") == spec.job_name
 
         job, created = self._create_or_adopt(
-            "mpijobs", lambda: custom.create_namespaced_custom_object(group, version, self._ns(), plural, body),
+            "mpijobs", lambda: custom.create_namespaced_custom_object(group, version, self._ns(), plural, body,
+                                                                      field_validation=STRICT),
             lambda: custom.get_namespaced_custom_object(group, version, self._ns(), plural, spec.job_name),
             ours, spec.job_name)
         state = _mpijob_state(job)
@@ -305,8 +368,8 @@ class ClusterPlatform(Platform):
             self.cancel_training(spec.job_name, spec.volume)
             self._wait_gone(custom, spec.job_name)
             job = self._call("create", "mpijobs", custom.create_namespaced_custom_object, group, version,
-                             self._ns(), plural, body)
-            created, state = True, "running"
+                             self._ns(), plural, body, field_validation=STRICT)
+            created, state = True, _mpijob_state(job)
         return TrainingHandle(job_name=spec.job_name, spec=spec, state=state, adopted=not created,
                               details={"namespace": self._ns(), "uid": job["metadata"].get("uid")})
 
@@ -331,44 +394,73 @@ class ClusterPlatform(Platform):
         name = handle.job_name
         selector = f"training.kubeflow.org/job-name={name},training.kubeflow.org/job-role=launcher"
         started = time.monotonic()
-        seen: list[str] = []
+        deadline = started + timeout_s
+        tail: deque[str] = deque(maxlen=LOG_TAIL)
+        exit_lines: list[str] = []
         events: list[dict[str, Any]] = []
+        warnings_seen: set[str] = set()
+        cursor = LogCursor()
+
+        def dispatch(raw: str) -> None:
+            parsed = parse_output_line(raw)
+            if parsed.event is not None and parsed.rank in (None, 0):
+                events.append(parsed.event)
+                on_event(parsed.event)
+                return
+            tail.append(parsed.text)
+            if "Exit code:" in parsed.text:
+                exit_lines.append(parsed.text)
+            on_log(parsed.text)
+
         try:
             while True:
                 job = self._call("get", "mpijobs", custom.get_namespaced_custom_object, group, version, self._ns(),
                                  plural, name)
-                lines = self._pod_log(core, selector)
-                for raw in lines[len(seen):]:
-                    parsed = parse_output_line(raw)
-                    if parsed.event is not None and parsed.rank in (None, 0):
-                        events.append(parsed.event)
-                        on_event(parsed.event)
-                    else:
-                        on_log(parsed.text)
-                seen = lines if len(lines) >= len(seen) else seen
                 state = _mpijob_state(job)
+                if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
+                    self._check_warnings(core, job, warnings_seen, on_log)
+                streamed = self._follow_log(core, selector, cursor, dispatch, deadline)
                 if state == "succeeded":
-                    return outcome_from_events(name, events, time.monotonic() - started, seen[-LOG_TAIL:])
+                    return outcome_from_events(name, events, time.monotonic() - started, list(tail))
                 if state == "failed":
                     break
-                if time.monotonic() - started > timeout_s:
+                if time.monotonic() > deadline:
                     self.cancel_training(name, handle.spec.volume)
                     raise TrainingFailed(f"MPIJob {name} did not finish within {timeout_s:.0f} s; it was deleted",
-                                         seen[-LOG_TAIL:])
-                time.sleep(self.poll_interval_s)
+                                         list(tail))
+                if not streamed:
+                    time.sleep(self.poll_interval_s)
         except (TrainingFailed, TransientPlatformError, PermissionError):
             raise
         except BaseException:  # task cancelled, flow run terminated: leave nothing running
             self.cancel_training(name, handle.spec.volume)
             raise
-        reasons = self._pod_reasons(core, name)
-        exit_lines = [line for line in seen if "Exit code:" in line]
-        reading = read_exit(1, exit_lines, events)
-        condition = _last_condition(job)
-        detail = f"{condition.get('reason', '')}: {condition.get('message', '')}; pods: {reasons or 'none found'}"
+        condition = _failed_condition(job)
+        reason = condition.get("reason", "")
+        detail = f"{reason}: {condition.get('message', '')}; pods: {self._pod_reasons(core, name) or 'none found'}"
+        reading = read_mpijob_failure(reason, exit_lines, events)
         if reading.resumable:
             raise TrainingInterrupted(f"MPIJob {name} stopped ({reading.reason}); {detail}")
-        raise TrainingFailed(f"MPIJob {name} failed ({reading.reason}); {detail}", seen[-LOG_TAIL:])
+        raise TrainingFailed(f"MPIJob {name} failed ({reading.reason}); {detail}", list(tail))
+
+    def _check_warnings(self, core: kubernetes.client.CoreV1Api, job: dict, seen: set[str], on_log: LogSink) -> None:
+        """Fail fast when the operator refused the job: it then only records a Warning event, no condition.
+
+        Other Warning events of a job that is not running yet (a pod it cannot create, a template
+        setting it overrides) go to the log once each.
+        """
+        name, uid = job["metadata"]["name"], job["metadata"].get("uid")
+        found = self._call("list", "events", core.list_namespaced_event, self._ns(),
+                           field_selector=f"involvedObject.kind=MPIJob,involvedObject.name={name},type=Warning").items
+        for event in found:
+            if uid and event.involved_object.uid not in (None, uid):
+                continue  # about an earlier job of the same name
+            if event.reason == REFUSED_REASON:
+                raise TrainingFailed(f"the MPI operator refused MPIJob {name}: {event.message}")
+            key = f"{event.reason}: {event.message}"
+            if key not in seen:
+                seen.add(key)
+                on_log(f"warning from the MPI operator: {key}")
 
     def _pod_reasons(self, core: kubernetes.client.CoreV1Api, name: str) -> str:
         pods = self._call("list", "pods", core.list_namespaced_pod, self._ns(),
@@ -440,13 +532,17 @@ class ClusterPlatform(Platform):
                                {LINEAGE_ANNOTATION: json.dumps(record, sort_keys=True)})
         snapshot, _ = self._create_or_adopt(
             "volumesnapshots",
-            lambda: custom.create_namespaced_custom_object(group, version, self._ns(), plural, body),
+            lambda: custom.create_namespaced_custom_object(group, version, self._ns(), plural, body,
+                                                           field_validation=STRICT),
             lambda: custom.get_namespaced_custom_object(group, version, self._ns(), plural, name),
             lambda found: found["metadata"].get("labels", {}).get("laneflow.io/run") == labels["laneflow.io/run"],
             name)
         return _snapshot_ref(snapshot)
 
     def wait_for_snapshot(self, snapshot: SnapshotRef, timeout_s: float) -> SnapshotRef:
+        """Until ``readyToUse``. ``status.error`` is only the last error the snapshot controller saw: it
+        retries and clears it on success (external-snapshotter's VolumeSnapshot CRD), so an error fails
+        the wait only when it is still there at the timeout."""
         if self.snapshotter == "anf":  # create_snapshot awaited the long-running operation already
             return snapshot
         _, _, custom = self._apis()
@@ -456,11 +552,13 @@ class ClusterPlatform(Platform):
             found = self._call("get", "volumesnapshots", custom.get_namespaced_custom_object, group, version,
                                self._ns(), plural, snapshot.name)
             status = found.get("status") or {}
-            if status.get("error"):
-                raise RuntimeError(f"VolumeSnapshot {snapshot.name} failed: {status['error'].get('message')}")
             if status.get("readyToUse"):
                 return _snapshot_ref(found)
             if time.monotonic() > deadline:
+                error = (status.get("error") or {}).get("message")
+                if error:
+                    raise RuntimeError(f"VolumeSnapshot {snapshot.name} failed: the snapshot controller still "
+                                       f"reports '{error}' after {timeout_s:.0f} s")
                 raise TimeoutError(f"VolumeSnapshot {snapshot.name} not ready within {timeout_s:.0f} s")
             time.sleep(self.poll_interval_s)
 
@@ -490,7 +588,8 @@ class ClusterPlatform(Platform):
             return bool(source and source.kind == "VolumeSnapshot" and source.name == snapshot_name)
 
         _, created = self._create_or_adopt(
-            "persistentvolumeclaims", lambda: core.create_namespaced_persistent_volume_claim(self._ns(), body),
+            "persistentvolumeclaims",
+            lambda: core.create_namespaced_persistent_volume_claim(self._ns(), body, field_validation=STRICT),
             lambda: core.read_namespaced_persistent_volume_claim(volume_name, self._ns()), restored_from_it,
             volume_name)
         return VolumeRef(name=volume_name, location=f"{self._ns()}/{volume_name}", created=created)
@@ -541,6 +640,18 @@ def _retry_after(exc: ApiException) -> float | None:
         return None
 
 
+def _stream_lines(response: Any) -> Iterator[str]:
+    """Complete lines of a streamed HTTP response; a line cut off by the end of the stream is kept."""
+    pending = b""
+    for chunk in response.stream(64 * 1024, decode_content=True):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    if pending:
+        yield pending.decode("utf-8", "replace")
+
+
 def _last_event(lines: list[str], kind: str, what: str) -> dict[str, Any]:
     for line in reversed(lines):
         event = parse_output_line(line).event
@@ -551,17 +662,19 @@ def _last_event(lines: list[str], kind: str, what: str) -> dict[str, Any]:
 
 
 def _mpijob_state(job: dict) -> str:
+    """succeeded, failed, running, or pending (refused, waiting for its workers, or not seen by the operator)."""
     types = {c["type"] for c in (job.get("status") or {}).get("conditions", []) if c.get("status") == "True"}
     if "Succeeded" in types:
         return "succeeded"
     if "Failed" in types:
         return "failed"
-    return "running"
+    return "running" if "Running" in types else "pending"
 
 
-def _last_condition(job: dict) -> dict:
+def _failed_condition(job: dict) -> dict:
+    """The job's ``Failed`` condition that holds (the operator flips earlier ones to False)."""
     conditions = (job.get("status") or {}).get("conditions", [])
-    return conditions[-1] if conditions else {}
+    return next((c for c in reversed(conditions) if c.get("type") == "Failed" and c.get("status") == "True"), {})
 
 
 def _snapshot_ref(snapshot: dict) -> SnapshotRef:
