@@ -47,6 +47,8 @@ class AnfVolume(Block):
     arm_endpoint: str = Field("https://management.azure.com", description="Azure Resource Manager endpoint")
     ca_bundle: str | None = Field(None, description="CA bundle to trust instead of the system's")
     operation_timeout_s: float = Field(3600, gt=0, description="wait at most this long for a pool change")
+    polling_interval_s: float = Field(10.0, ge=0, description="how often a long-running operation is polled when "
+                                                              "the service names no Retry-After")
     _management_client: Any = PrivateAttr(None)
 
     # --- clients -------------------------------------------------------------------------------------
@@ -77,6 +79,7 @@ class AnfVolume(Block):
 
         return NetAppManagementClient(self._credential(), self.subscription_id, base_url=self.arm_endpoint,
                                       connection_verify=self._verify(), retry_backoff_factor=0.5,
+                                      polling_interval=self.polling_interval_s,
                                       credential_scopes=[f"{self.arm_endpoint.rstrip('/')}/.default"])
 
     @staticmethod

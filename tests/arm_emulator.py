@@ -1,9 +1,27 @@
 """An Azure Resource Manager + Entra ID token endpoint emulator over TLS on 127.0.0.1 (a throwaway CA from
 ``trustme``), for contract tests of laneflow's ANF access with the real azure-mgmt-netapp client.
 
-It plays: OIDC discovery and the client-credentials token endpoint; ANF volumes (GET), pool changes
-(POST .../poolChange answered 202 + Azure-AsyncOperation, polled to Succeeded or Failed, after which the
-volume lives in the new pool) and snapshots (PUT, long-running). Faults are queued per operation name.
+It follows the Microsoft.NetApp REST spec (Azure/azure-rest-api-specs
+``specification/netapp/resource-manager/Microsoft.NetApp/NetApp/stable/2026-08-01/netapp.json``, the
+api-version azure-mgmt-netapp 18.0.0 defaults to) and what the real service answers:
+
+- ``Volumes_PoolChange``: ``POST .../volumes/{v}/poolChange`` with a required ``newPoolResourceId``;
+  ``202`` with ``Location`` (spec; ``...&operationResultResponseType=Location``, as in the spec's
+  ``examples/Volumes_PoolChange.json``) and ``Azure-AsyncOperation`` — real ANF sends both (Microsoft's
+  ANF docs, ``azure-netapp-files/configure-customer-managed-keys.md``), both at
+  ``/subscriptions/{sub}/providers/Microsoft.NetApp/locations/{location}/operationResults/{id}``;
+- ``Snapshots_Create``: ``PUT .../snapshots/{s}`` with a required ``location``; ``201`` with the
+  Snapshot (``provisioningState: Creating``) and the same two headers; final state via Location;
+- the operation resource: the Azure-AsyncOperation URL answers ``200`` with ``{id, name, status,
+  startTime, endTime, percentComplete, properties, error}`` (ARM RPC ``async-api-reference.md``);
+  the Location URL answers ``202`` while running, then the final result (the Snapshot for a create,
+  nothing for a pool change), or the error;
+- errors as ``{"error": {"code", "message"}}`` (common-types v6 ``ErrorResponse``); a missing
+  ``api-version`` is refused as ARM refuses it.
+
+Every request is also recorded as the RBAC action ARM checks for it (``Arm.actions``), so tests can
+hold the custom role in ``deployments/azure`` to what the code really calls. Faults are queued per
+operation name; ``fail_operations`` makes an operation's long-running part end Failed.
 """
 
 from __future__ import annotations
@@ -12,6 +30,7 @@ import json
 import re
 import ssl
 import threading
+import time
 import urllib.parse
 import uuid
 from collections import defaultdict
@@ -23,23 +42,38 @@ from typing import Any
 import trustme
 
 TOKEN = "emulated-bearer-token-5f1c2d"
+API_VERSION = "2026-08-01"
+PROVIDER = "Microsoft.NetApp"
 VOLUME = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft.NetApp/"
                     r"netAppAccounts/(?P<account>[^/]+)/capacityPools/(?P<pool>[^/]+)/volumes/(?P<volume>[^/]+)"
                     r"(?P<rest>/.*)?$")
+OPERATION = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/Microsoft.NetApp/locations/(?P<location>[^/]+)/"
+                       r"operationResults/(?P<id>[^/]+)$")
+#: The RBAC action ARM authorizes each operation with (Azure permissions for Storage, Microsoft.NetApp).
+ACTIONS = {
+    "get_volume": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/read",
+    "pool_change": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/poolChange/action",
+    "create_snapshot": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/snapshots/write",
+    "get_snapshot": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/snapshots/read",
+    "list_snapshots": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/snapshots/read",
+    "operation_result": f"{PROVIDER}/locations/operationresults/read",
+}
 
 
 @dataclass
 class Arm:
     base: str = ""
     location: str = "westeurope"
-    #: volume name -> (pool name, service level, quota bytes)
+    #: volume name -> {"pool", "level", "quota"}
     volumes: dict[str, dict[str, Any]] = field(default_factory=dict)
     pools: dict[str, str] = field(default_factory=dict)  # pool name -> service level
     snapshots: dict[str, dict] = field(default_factory=dict)
     operations: dict[str, dict] = field(default_factory=dict)
     faults: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # op -> statuses
     fail_operations: set[str] = field(default_factory=set)  # ops whose LRO ends Failed
+    polls_until_done: int = 2
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)  # (method, path, headers)
+    actions: list[str] = field(default_factory=list)  # the RBAC action of each ARM request
     secrets_seen: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -70,7 +104,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self, method: str) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        path = urllib.parse.urlsplit(self.path).path
+        parts = urllib.parse.urlsplit(self.path)
+        path, query = parts.path, urllib.parse.parse_qs(parts.query)
         arm = self.arm
         arm.requests.append((method, path, dict(self.headers)))
         if path.endswith("/.well-known/openid-configuration"):
@@ -90,8 +125,15 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.get("Authorization") != f"Bearer {TOKEN}":
             self._error(401, "AuthenticationFailed", "missing or wrong bearer token")
             return
-        if path.startswith("/operations/"):
-            self._operation(path.rsplit("/", 1)[-1])
+        if not query.get("api-version"):
+            self._error(400, "MissingApiVersionParameter", "The api-version query parameter (?api-version=) is "
+                                                           "required for all requests.")
+            return
+        operation = OPERATION.match(path)
+        if operation and method == "GET":
+            arm.actions.append(ACTIONS["operation_result"])
+            with arm.lock:
+                self._operation(operation["id"], query.get("operationResultResponseType") == ["Location"])
             return
         match = VOLUME.match(path)
         if not match:
@@ -103,76 +145,118 @@ class _Handler(BaseHTTPRequestHandler):
             op = "create_snapshot" if method == "PUT" else "get_snapshot"
         if op is None and rest == "/snapshots" and method == "GET":
             op = "list_snapshots"
-        queued = arm.faults.get(op or "")
+        if op is None:
+            self._error(405, "MethodNotAllowed", f"{method} {rest}")
+            return
+        arm.actions.append(ACTIONS[op])
+        queued = arm.faults.get(op)
         if queued:
             status = queued.pop(0)
             self._error(status, "Throttled" if status == 429 else "InternalServerError", f"injected {status}",
                         {"Retry-After": "1"} if status == 429 else None)
             return
+        try:
+            body = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            self._error(400, "InvalidRequestContent", "The request content was invalid and could not be deserialized.")
+            return
         with arm.lock:
-            self._resource(method, match, rest, op, json.loads(raw) if raw else None)
+            self._resource(match, rest, op, body)
 
-    def _resource(self, method: str, match: re.Match, rest: str, op: str | None, body: Any) -> None:
+    def _resource(self, match: re.Match, rest: str, op: str, body: Any) -> None:
         arm = self.arm
         volume = match["volume"]
         state = arm.volumes.get(volume)
         if state is None or state["pool"] != match["pool"]:
-            self._error(404, "ResourceNotFound", f"volume {match['pool']}/{volume} not found")
+            self._error(404, "ResourceNotFound", f"The Resource 'Microsoft.NetApp/netAppAccounts/{match['account']}/"
+                                                 f"capacityPools/{match['pool']}/volumes/{volume}' under resource "
+                                                 f"group '{match['rg']}' was not found.")
             return
         if op == "get_volume":
             self._send(200, _volume_body(arm, match, state))
             return
         if op == "pool_change":
-            target = body["newPoolResourceId"].rsplit("/", 1)[-1]
+            target_id = (body or {}).get("newPoolResourceId")
+            if not isinstance(target_id, str):  # PoolChangeRequest: `required: [newPoolResourceId]`
+                self._error(400, "InvalidRequestContent", "newPoolResourceId is required")
+                return
+            target = target_id.rstrip("/").rsplit("/", 1)[-1]
             if target not in arm.pools:
                 self._error(400, "InvalidPool", f"capacity pool {target} does not exist")
                 return
-            self._start_operation(op, lambda: state.update(pool=target, level=arm.pools[target]))
+            resource = match.string.split("/poolChange")[0]
+            self._start_operation(match["sub"], op, resource, "POOLCHANGE",
+                                  lambda: state.update(pool=target, level=arm.pools[target]), status=202)
             return
+        name = rest.rsplit("/", 1)[-1]
+        resource_id = f"{match.string.split('/snapshots')[0]}/snapshots/{name}"
         if op == "create_snapshot":
-            name = rest.rsplit("/", 1)[-1]
-            snapshot = {"id": f"{match.string.split('/snapshots/')[0]}/snapshots/{name}",
-                        "name": f"{match['account']}/{match['pool']}/{volume}/{name}", "location": arm.location,
+            if not isinstance(body, dict) or not body.get("location"):  # Snapshot: `required: [location]`
+                self._error(400, "InvalidRequestContent", "location is required")
+                return
+            snapshot = {"id": resource_id, "name": f"{match['account']}/{match['pool']}/{volume}/{name}",
+                        "location": arm.location,
                         "type": "Microsoft.NetApp/netAppAccounts/capacityPools/volumes/snapshots",
-                        "properties": {"snapshotId": str(uuid.uuid4()), "provisioningState": "Succeeded"}}
-            self._start_operation(op, lambda: arm.snapshots.__setitem__(name, snapshot), status=201,
-                                  body=snapshot)
+                        "properties": {"snapshotId": str(uuid.uuid4()), "provisioningState": "Creating",
+                                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+
+            def created() -> dict:
+                done = {**snapshot, "properties": {**snapshot["properties"], "provisioningState": "Succeeded"}}
+                arm.snapshots[name] = done
+                return done
+
+            self._start_operation(match["sub"], op, resource_id, "CREATE", created, status=201, body=snapshot)
             return
         if op == "list_snapshots":
             self._send(200, {"value": list(arm.snapshots.values())})
             return
-        if op == "get_snapshot":
-            name = rest.rsplit("/", 1)[-1]
-            if name in arm.snapshots:
-                self._send(200, arm.snapshots[name])
-            else:
-                self._error(404, "ResourceNotFound", f"snapshot {name} not found")
-            return
-        self._error(405, "MethodNotAllowed", f"{method} {rest}")
+        if name in arm.snapshots:
+            self._send(200, arm.snapshots[name])
+        else:
+            self._error(404, "ResourceNotFound", f"snapshot {name} not found")
 
-    def _start_operation(self, op: str, effect: Any, status: int = 202, body: Any = None) -> None:
-        operation = uuid.uuid4().hex
-        self.arm.operations[operation] = {"op": op, "effect": effect, "polls": 0}
-        self._send(status, body, {"Azure-AsyncOperation": f"{self.arm.base}/operations/{operation}",
-                                  "Retry-After": "0"})
+    def _start_operation(self, subscription: str, op: str, resource: str, action: str, effect: Any,
+                         status: int, body: Any = None) -> None:
+        operation = str(uuid.uuid4())
+        url = (f"{self.arm.base}/subscriptions/{subscription}/providers/{PROVIDER}/locations/{self.arm.location}/"
+               f"operationResults/{operation}?api-version={API_VERSION}")
+        self.arm.operations[operation] = {"op": op, "effect": effect, "polls": 0, "resource": resource,
+                                          "action": action, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        self._send(status, body, {"Azure-AsyncOperation": url,
+                                  "Location": f"{url}&operationResultResponseType=Location"})
 
-    def _operation(self, operation: str) -> None:
+    def _operation(self, operation: str, as_location: bool) -> None:
         record = self.arm.operations.get(operation)
         if record is None:
-            self._error(404, "NotFound", "no such operation")
+            self._error(404, "NotFound", f"operation {operation} not found")
             return
         record["polls"] += 1
-        if record["polls"] < 2:
-            self._send(200, {"id": operation, "status": "InProgress"}, {"Retry-After": "0"})
+        if record["polls"] >= self.arm.polls_until_done and "outcome" not in record:
+            if record["op"] in self.arm.fail_operations:
+                record["outcome"] = ("Failed", None)
+            else:
+                record["outcome"] = ("Succeeded", record["effect"]())
+        status, result = record.get("outcome", ("InProgress", None))
+        error = {"code": "PoolChangeFailed" if record["op"] == "pool_change" else "SnapshotFailed",
+                 "message": "the destination pool has no room for this volume" if record["op"] == "pool_change"
+                 else "the volume is busy"}
+        if as_location:
+            if status == "InProgress":
+                self._send(202, None, {"Location": self.path})
+            elif status == "Failed":
+                self._send(400, {"error": error})
+            else:
+                self._send(200, result)
             return
-        if record["op"] in self.arm.fail_operations:
-            self._send(200, {"id": operation, "status": "Failed", "error": {
-                "code": "PoolChangeFailed", "message": "the destination pool has no room for this volume"}})
-            return
-        if not record.get("done"):
-            record["effect"]()
-            record["done"] = True
-        self._send(200, {"id": operation, "status": "Succeeded"})
+        location = self.path.split("?")[0]
+        body = {"id": location, "name": operation, "status": status, "startTime": record["started"],
+                "percentComplete": 100.0 if status != "InProgress" else 50.0,
+                "properties": {"resourceName": record["resource"], "action": record["action"]}}
+        if status != "InProgress":
+            body["endTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ")
+        if status == "Failed":
+            body["error"] = error
+        self._send(200, body)
 
     def do_GET(self) -> None:
         self._handle("GET")

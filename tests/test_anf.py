@@ -3,6 +3,7 @@ emulator on 127.0.0.1 with a throwaway CA; promotion around training, rollback o
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from pydantic import SecretStr
 from flows.train import train_pipeline
 from tasks.anf import AnfError, AnfVolume
 from tests.arm_emulator import TOKEN, Arm, ArmEmulator
+from tests.conftest import PROJECT_ROOT
 from tests.k8s_emulator import KubernetesEmulator
 from tests.test_cluster_platform import cluster_platform
 from tests.test_pipeline import params_for
@@ -39,8 +41,18 @@ def anf_volume(emulator: ArmEmulator, **changes: object) -> AnfVolume:
               "pool_ids": {level: f"{POOLS}/pool-{level.lower()}" for level in ("Standard", "Premium", "Ultra")},
               "tenant_id": "tenant-1", "client_id": "laneflow-sp", "client_secret": SecretStr(SECRET),
               "authority_host": base.removeprefix("https://"), "arm_endpoint": base,
-              "ca_bundle": str(emulator.ca_file), **changes}
+              "ca_bundle": str(emulator.ca_file), "polling_interval_s": 0.05, **changes}
     return AnfVolume(**fields)
+
+
+ROLE = PROJECT_ROOT / "deployments" / "azure" / "laneflow-anf-role.json"
+#: Every Microsoft.NetApp action Azure knows (its source is the file's first line).
+REAL_OPERATIONS = Path(__file__).parent / "fixtures" / "azure-netapp-operations.txt"
+
+
+def role_actions() -> set[str]:
+    """The custom role's actions; Azure matches actions case-insensitively."""
+    return {action.lower() for action in json.loads(ROLE.read_text())["Actions"]}
 
 
 def pool_changes(state: Arm) -> int:
@@ -54,7 +66,7 @@ def test_pool_change_is_a_polled_long_running_operation_with_retries(arm: tuple)
     state.faults["pool_change"] += [429, 500]
     assert volume.change_level("Premium") is True
     assert state.volumes["tusimple"]["pool"] == "pool-premium" and volume.current_level() == "Premium"
-    polls = [path for method, path, _ in state.requests if path.startswith("/operations/")]
+    polls = [path for method, path, _ in state.requests if "/operationResults/" in path]
     assert len(polls) >= 2  # 202 + Azure-AsyncOperation, polled until Succeeded
     assert pool_changes(state) == 3  # 429, 500, then accepted
     assert volume.change_level("Premium") is False  # already there: no call
@@ -62,6 +74,28 @@ def test_pool_change_is_a_polled_long_running_operation_with_retries(arm: tuple)
     headers = [h for method, path, h in state.requests if path.startswith("/subscriptions/")]
     assert all(h.get("Authorization") == f"Bearer {TOKEN}" for h in headers)
     assert state.secrets_seen == [SECRET]  # the secret went to the token endpoint only, once
+
+
+def test_every_action_of_the_azure_role_is_a_real_netapp_operation() -> None:
+    real = {line.strip().lower() for line in REAL_OPERATIONS.read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+    assert len(real) > 100
+    unknown = role_actions() - real
+    # Azure refuses a whole custom role over one action it does not know (InvalidActionOrNotAction).
+    assert not unknown, f"not Microsoft.NetApp operations: {sorted(unknown)}"
+
+
+def test_the_azure_role_grants_exactly_what_laneflows_calls_need(arm: tuple) -> None:
+    emulator, state = arm
+    volume = anf_volume(emulator)
+    volume.change_level("Premium")  # get the volume, poolChange, poll operationResults
+    volume.change_level("Standard")
+    volume.create_snapshot("tusimple-train-1")  # get (adopt?), create, poll
+    volume.list_snapshots()
+    assert {action.lower() for action in state.actions} == role_actions()
+    # The operation status was polled where the service points: .../locations/<loc>/operationResults/<id>.
+    assert any(path.startswith(f"/subscriptions/{SUB}/providers/Microsoft.NetApp/locations/westeurope/"
+                               "operationResults/") for _, path, _ in state.requests)
 
 
 def test_a_failed_operation_names_the_operation_and_the_volume(arm: tuple) -> None:
