@@ -9,7 +9,7 @@ PORT ?= 4200
 
 .PHONY: demo serve stop-server test lint bench bench-accuracy bench-overhead install clean
 
-$(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt
+$(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt scripts/versions.env
 	VENV=$(VENV) scripts/bootstrap.sh
 	touch $(STAMP)
 

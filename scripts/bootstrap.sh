@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+# shellcheck source=versions.env
+. scripts/versions.env
+TORCH_SPEC=${TORCH_SPEC:-torch==$TORCH_VERSION}
 
 die() { echo "bootstrap: error: $*" >&2; exit 1; }
 
@@ -43,8 +45,8 @@ scripts/install_horovod.sh "$VENV/bin/python"
 echo "bootstrap: installing laneflow and its dependencies"
 quiet_pip install -q -c scripts/constraints.txt -e '.[dev]' || die "could not install laneflow's dependencies"
 
-# Test tools from Debian: headless Chromium (the Prefect UI test) and kubectl (renders the kustomize
-# base). Installed when we may (root + apt); otherwise those tests skip and say why.
+# Test tool from Debian: headless Chromium (the Prefect UI test). Installed when we may (root + apt);
+# otherwise that test skips and says why. (kubectl, for the kustomize tests, comes from PyPI with .[dev].)
 apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
         { apt-get update -q >/dev/null 2>&1 &&
@@ -54,11 +56,6 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     if ! command -v chromium >/dev/null 2>&1; then
         echo "bootstrap: installing chromium (Debian package, for the Prefect UI test)"
         apt_install chromium || echo "bootstrap: warning: could not install chromium; the UI test will skip" >&2
-    fi
-    if ! command -v kubectl >/dev/null 2>&1; then
-        echo "bootstrap: installing kubectl (for the kustomize test)"
-        apt_install kubectl || apt_install kubernetes-client ||
-            echo "bootstrap: warning: could not install kubectl; the kustomize test will skip" >&2
     fi
 fi
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Horovod 0.28.1 (PyTorch + Gloo, CPU) into the active Python environment.
+# Install Horovod (scripts/versions.env: 0.28.1; PyTorch + Gloo, CPU) into the active Python environment.
 #
 # Why a script: Horovod's last release does not build against current torch out of the box
 # (C++17 is required by torch headers, CMake >= 4 rejects its old policy). Building takes
@@ -12,7 +12,8 @@
 set -euo pipefail
 
 PY=${1:-python}
-HOROVOD_VERSION=0.28.1
+# shellcheck source=versions.env
+. "$(dirname "$0")/versions.env"
 CACHE=${LANEFLOW_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/laneflow/wheels}
 # A GPU build must never be mistaken for the CPU one: keep them in separate cache folders.
 FLAVOUR=${HOROVOD_GPU_OPERATIONS:+gpu-${HOROVOD_GPU_OPERATIONS,,}}
