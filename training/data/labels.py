@@ -14,10 +14,12 @@ from pathlib import PurePosixPath
 import cv2
 import numpy as np
 
-#: TuSimple's reference frame; masks are drawn with ``LINE_WIDTH_AT_REFERENCE`` px lines at this width.
+#: TuSimple's reference frame. Masks are drawn as the seed's ``gen_seg_label`` draws them: OpenCV
+#: ``cv2.line(mask, p[j], p[j+1], slot, thickness=15)`` at this size (OpenCV paints that 17 px across),
+#: the thickness scaled in proportion for other sizes.
 REFERENCE_WIDTH = 1280
 REFERENCE_HEIGHT = 720
-LINE_WIDTH_AT_REFERENCE = 15
+THICKNESS_AT_REFERENCE = 15
 #: Lane slots in the mask: 1..4 from left to right (0 is background).
 NUM_SLOTS = 4
 #: A lane needs this many labelled points for its slot to count as existing.
@@ -188,51 +190,47 @@ def existence_flags(slots: list[list[Point]]) -> tuple[int, ...]:
     return tuple(int(len(points) >= MIN_POINTS_FOR_EXISTENCE) for points in slots)
 
 
-def line_width_for(width: int) -> int:
-    """Mask line width in px for an image ``width`` px wide: 15 at 1280, scaled, odd, at least 1.
-
-    Odd, because a line centred on the lane covers the centre column plus equal margins.
-    """
-    scaled = LINE_WIDTH_AT_REFERENCE * width / REFERENCE_WIDTH
-    return max(1, 2 * round((scaled - 1) / 2) + 1)
+def thickness_for(width: int) -> int:
+    """The OpenCV line ``thickness`` for an image ``width`` px wide: the seed's 15 at 1280, in proportion."""
+    return max(1, round(THICKNESS_AT_REFERENCE * width / REFERENCE_WIDTH))
 
 
-def _opencv_thickness(line_width: int) -> int:
-    """OpenCV paints an even ``thickness`` t as t+1 px across (odd t as t+2): ask for one less."""
-    return max(1, line_width - 1)
+def _polylines(slots: list[list[Point]]) -> list[tuple[int, np.ndarray]]:
+    """(slot value, integer points) of each slot whose lane exists, in slot order (later slots paint over)."""
+    return [(slot + 1, np.round(np.asarray(points, dtype=np.float64)).astype(np.int32))
+            for slot, (points, exists) in enumerate(zip(slots, existence_flags(slots), strict=True)) if exists]
 
 
 def rasterize_band(slots: list[list[Point]], width: int, height: int, pad_left: int = 0) -> tuple[int, np.ndarray]:
     """The mask from its first possibly non-zero row down: ``(top, band)``; rows above ``top`` are 0.
 
     Lanes start below the horizon, so drawing (and later encoding) only this band saves ~40 % of
-    the work. Integer coordinates make the drawing translation-invariant: the band equals the
-    same rows of the full mask. ``pad_left`` zero columns are kept on the left of the band (a PNG
-    writer puts its per-row filter byte there without copying the mask).
+    the work. ``pad_left`` zero columns are kept on the left of the band (a PNG writer puts its per-row
+    filter byte there without copying the mask). The lanes are drawn into a view of the band that is
+    exactly ``width`` columns wide, so OpenCV clips them at the image's own left edge (not at the
+    padding's) and the band equals the same rows of ``rasterize_mask`` pixel for pixel.
     """
-    line_width = line_width_for(width)
-    thickness = _opencv_thickness(line_width)
-    polylines = [
-        (slot, np.round(np.asarray(points, dtype=np.float64)).astype(np.int32))
-        for slot, (points, exists) in enumerate(zip(slots, existence_flags(slots), strict=True))
-        if exists
-    ]
+    thickness = thickness_for(width)
+    polylines = _polylines(slots)
     if not polylines:
         return height, np.zeros((0, width + pad_left), dtype=np.uint8)
+    # A thick line paints at most about thickness/2 + 1 rows above its highest point; keep a margin.
     highest = min(int(line[:, 1].min()) for _, line in polylines)
-    top = min(height, max(0, highest - line_width))
+    top = min(height, max(0, highest - thickness - 2))
     band = np.zeros((height - top, width + pad_left), dtype=np.uint8)
-    offset = np.array([pad_left, -top], dtype=np.int32)
-    for slot, line in polylines:
-        cv2.polylines(band, [(line + offset).reshape(-1, 1, 2)], isClosed=False, color=slot + 1,
-                      thickness=thickness)
-    # Paint that spilled left of the image landed in the padding: it belongs to no pixel.
-    band[:, :pad_left] = 0
+    canvas = band[:, pad_left:]  # a strided view: OpenCV draws into it in place
+    offset = np.array([0, -top], dtype=np.int32)
+    for value, line in polylines:
+        cv2.polylines(canvas, [(line + offset).reshape(-1, 1, 2)], isClosed=False, color=value, thickness=thickness)
     return top, band
 
 
 def rasterize_mask(slots: list[list[Point]], width: int, height: int) -> np.ndarray:
-    """Draw each existing slot's lane as a polyline of value slot+1 into a uint8 ``height`` x ``width`` mask."""
+    """Draw each existing slot's lane as a polyline of value slot+1 into a uint8 ``height`` x ``width`` mask.
+
+    ``cv2.polylines`` paints exactly what consecutive ``cv2.line`` calls paint (each segment is the
+    same thick line, and a segment's start cap is the previous one's end cap).
+    """
     mask = np.zeros((height, width), dtype=np.uint8)
     top, band = rasterize_band(slots, width, height)
     mask[top:] = band

@@ -35,7 +35,7 @@ MANIFEST = "manifest.json"
 SCHEMA = "laneflow.tusimple-prepared/1"
 #: Everything that changes the produced masks; part of the dataset version.
 PARAMS = {
-    "line_width_at_1280": labels.LINE_WIDTH_AT_REFERENCE,
+    "opencv_thickness_at_1280": labels.THICKNESS_AT_REFERENCE,
     "min_points_for_existence": labels.MIN_POINTS_FOR_EXISTENCE,
     "slots": labels.NUM_SLOTS,
     "slot_rule": "angle-nearest-two-per-side",
