@@ -16,7 +16,7 @@ from prefect.variables import Variable
 
 from flows.params import TrainParams
 from flows.train import train_pipeline
-from tasks.champion import champion_record, decide_champion
+from tasks.champion import champion_record, decide_champion, selection_accuracy
 from tasks.pipeline import evaluate
 from tasks.platforms import VolumeRef, load_platform
 
@@ -34,7 +34,7 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
     champion = Variable.get(name, default=None)
     champion_accuracy = None
     if champion:
-        champion_accuracy = float(champion["metrics"]["accuracy"])
+        champion_accuracy = selection_accuracy(champion["metrics"])
         same_data = champion.get("dataset_version") == challenger["dataset_version"]
         same_split = champion["metrics"].get("split") == challenger["metrics"]["split"]
         if not (same_data and same_split) and champion.get("volume") == challenger["volume"]:
@@ -43,8 +43,8 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
             platform = load_platform(params.platform)
             rescored = evaluate(platform, VolumeRef(name=params.volume, location=""), champion["run_dir"],
                                 challenger["data_dir"], challenger["metrics"]["split"])
-            champion_accuracy = float(rescored["accuracy"])
-    decision = decide_champion(champion_accuracy, float(challenger["metrics"]["accuracy"]), min_improvement)
+            champion_accuracy = selection_accuracy(rescored)
+    decision = decide_champion(champion_accuracy, selection_accuracy(challenger["metrics"]), min_improvement)
     if decision.promote:
         Variable.set(name, champion_record(challenger), overwrite=True)
     event = "laneflow.champion.promoted" if decision.promote else "laneflow.champion.kept"
@@ -62,6 +62,8 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
         markdown=f"# Champion for volume `{params.volume}`: `{winner}`\n\n"
                  f"| | |\n|---|---|\n| challenger | `{challenger['run']}` ({decision.challenger_accuracy:.4f}) |\n"
                  f"| previous champion | {previous} |\n| decision | {'promoted' if decision.promote else 'kept'}: "
-                 f"{decision.reason} |\n| snapshot | `{challenger['snapshot']}` |\n")
+                 f"{decision.reason} |\n| snapshot | `{challenger['snapshot']}` |\n\n"
+                 "Accuracies are TuSimple accuracy without the benchmark's 200 ms run-time rule, so the decision "
+                 "does not depend on how busy the evaluating machine was.\n")
     logger.info("champion %s: %s", "promoted" if decision.promote else "kept", decision.reason)
     return {"champion": winner, "promoted": decision.promote, "reason": decision.reason, "challenger": challenger}

@@ -14,6 +14,16 @@ class Decision:
     challenger_accuracy: float
 
 
+def selection_accuracy(metrics: dict[str, Any]) -> float:
+    """The accuracy models are compared by: the TuSimple score without the 200 ms run-time rule.
+
+    The official rule scores an image that took over 200 ms as a complete miss; that measures the
+    machine as much as the model (a busy CPU pushes every image over it), so champions and
+    leaderboards never use it. Records from before this score existed fall back to ``accuracy``.
+    """
+    return float(metrics.get("untimed_accuracy", metrics["accuracy"]))
+
+
 def decide_champion(champion_accuracy: float | None, challenger_accuracy: float,
                     min_improvement: float = 0.0) -> Decision:
     """Promote when there is no champion yet, or the challenger beats it by more than ``min_improvement``.

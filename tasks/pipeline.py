@@ -178,8 +178,9 @@ def evaluate(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str,
     """TuSimple accuracy, FP and FN of the run's final model on ``split``."""
     logger = get_run_logger()
     result = platform.evaluate(volume, run_dir, data_dir, split, logger.debug)
-    logger.info("%s: accuracy %.4f, FP %.4f, FN %.4f on %d images", split, result["accuracy"], result["fp"],
-                result["fn"], result["images"])
+    logger.info("%s: accuracy %.4f (official), %.4f without the 200 ms rule (%s of %d images over it); FP %.4f, "
+                "FN %.4f", split, result["accuracy"], result.get("untimed_accuracy", result["accuracy"]),
+                result.get("over_time_limit", "?"), result["images"], result["fp"], result["fn"])
     return result
 
 

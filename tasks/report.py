@@ -26,10 +26,15 @@ def step_series(events: list[dict[str, Any]]) -> list[dict[str, float]]:
 
 def metrics_rows(training: dict[str, Any], evaluation: dict[str, Any], steps: list[dict[str, Any]]) -> list[dict]:
     """The metrics table: TuSimple scores, then how training went."""
-    rows = [{"metric": f"{evaluation.get('split', 'eval')} {name}", "value": round(float(evaluation[name]), 4)}
-            for name in ("accuracy", "fp", "fn") if name in evaluation]
-    if "images" in evaluation:
-        rows.append({"metric": f"{evaluation.get('split', 'eval')} images", "value": evaluation["images"]})
+    split = evaluation.get("split", "eval")
+    names = {"accuracy": "accuracy (official)", "fp": "FP (official)", "fn": "FN (official)",
+             "untimed_accuracy": "accuracy without the 200 ms rule (model selection)",
+             "untimed_fp": "FP without the 200 ms rule", "untimed_fn": "FN without the 200 ms rule"}
+    rows = [{"metric": f"{split} {label}", "value": round(float(evaluation[name]), 4)}
+            for name, label in names.items() if name in evaluation]
+    for name, label in (("images", "images"), ("over_time_limit", "images over 200 ms")):
+        if name in evaluation:
+            rows.append({"metric": f"{split} {label}", "value": evaluation[name]})
     if steps:
         rows += [
             {"metric": "final loss", "value": round(float(steps[-1]["loss"]), 4)},

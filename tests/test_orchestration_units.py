@@ -13,7 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 from flows.params import DataSource, SweepError, TrainParams, expand_sweep, params_from_record
-from tasks.champion import decide_champion
+from flows.sweep import leaderboard
+from tasks.champion import decide_champion, selection_accuracy
 from tasks.k8s.logs import LogCursor, LogFormatError, parse_timestamp
 from tasks.launch import horovodrun_command, parse_output_line, read_exit, read_mpijob_failure
 from tasks.lineage import build_lineage, render_lineage_markdown
@@ -197,9 +198,13 @@ def test_curve_is_a_png_with_the_lines_drawn() -> None:
 
 def test_metrics_rows_and_thumbnail() -> None:
     rows = metrics_rows({"steps": 30, "resumed_from": 10, "duration_s": 12.5},
-                        {"split": "test", "accuracy": 0.91234, "fp": 0.1, "fn": 0.2, "images": 40}, STEPS)
+                        {"split": "test", "accuracy": 0.51234, "fp": 0.1, "fn": 0.2, "images": 40,
+                         "untimed_accuracy": 0.91234, "untimed_fp": 0.1, "untimed_fn": 0.2, "over_time_limit": 18},
+                        STEPS)
     table = {row["metric"]: row["value"] for row in rows}
-    assert table["test accuracy"] == 0.9123 and table["final loss"] == round(1 / 30, 4)
+    assert table["test accuracy (official)"] == 0.5123 and table["final loss"] == round(1 / 30, 4)
+    assert table["test accuracy without the 200 ms rule (model selection)"] == 0.9123
+    assert table["test images over 200 ms"] == 18
     assert table["resumed_from"] == 10 and table["mean img/s"] == 10.0
     wide = cv2.imencode(".png", np.zeros((720, 2560, 3), np.uint8))[1].tobytes()
     small = cv2.imdecode(np.frombuffer(thumbnail_jpeg(wide, 960), np.uint8), cv2.IMREAD_COLOR)
@@ -229,6 +234,21 @@ def test_champion_decisions() -> None:
     assert not decide_champion(0.80, 0.80).promote  # equal is not better
     assert not decide_champion(0.80, 0.805, min_improvement=0.01).promote
     assert "champion kept" in decide_champion(0.9, 0.5).reason
+
+
+def test_models_are_compared_without_the_run_time_rule() -> None:
+    busy = {"accuracy": 0.0, "fp": 0.0, "fn": 1.0, "untimed_accuracy": 0.93, "untimed_fp": 0.1, "untimed_fn": 0.05,
+            "over_time_limit": 40}
+    idle = {"accuracy": 0.81, "fp": 0.2, "fn": 0.2, "untimed_accuracy": 0.81, "untimed_fp": 0.2, "untimed_fn": 0.2,
+            "over_time_limit": 0}
+    assert selection_accuracy(busy) == 0.93 and selection_accuracy({"accuracy": 0.7}) == 0.7  # older records
+    params = [TrainParams(source=source(), lr=0.05), TrainParams(source=source(), lr=0.02)]
+    rows = [{"index": 0, "state": "Completed", "run": "train-a", "metrics": idle},
+            {"index": 1, "state": "Completed", "run": "train-b", "metrics": busy}]
+    table = leaderboard(rows, ["lr"], params)
+    assert [row["run"] for row in table] == ["train-b", "train-a"]  # the better model first, busy or not
+    assert table[0] == {"rank": 1, "run": "train-b", "state": "Completed", "lr": 0.02, "accuracy": 0.93,
+                        "official accuracy": 0.0, "images over 200 ms": 40, "fp": 0.1, "fn": 0.05}
 
 
 # --- parameters and sweeps ---------------------------------------------------------------------------
