@@ -49,11 +49,11 @@ def pipeline_figures(home: Path) -> None:
     from flows.cli import ensure_local_setup
     from flows.params import DataSource, TrainParams
     from flows.train import train_pipeline
-    from training.data.synthetic import cached_archive
+    from training.data.synthetic import cached_artifacts
 
     ensure_local_setup()
-    archive, sha256 = cached_archive(home / "source", train=160, val=24, test=40)
-    params = TrainParams(source=DataSource(url=archive.as_uri(), sha256=sha256), epochs=2, workers=2,
+    params = TrainParams(source=DataSource(artifacts=cached_artifacts(home / "source", train=160, val=24, test=40)),
+                         epochs=2, workers=2,
                          volume="bench")
     for attempt in ("first (cold dataset)", "second (dataset cached)"):
         started = time.perf_counter()

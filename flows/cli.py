@@ -78,17 +78,19 @@ def apply_deployments(env: dict[str, str]) -> None:
 
 def serve(home: Path, port: int) -> int:
     """Start (or reuse) the server, apply prefect.yaml, and run a worker until interrupted (Ctrl-C)."""
-    from training.data.synthetic import cached_archive
+    from training.data.synthetic import cached_artifacts
 
     home = home.resolve()
     print(f"laneflow serve: Prefect server on 127.0.0.1:{port} (first start takes a minute or two)...", flush=True)
     api = ensure_server(home, port)
-    archive, sha256 = cached_archive(home / "source", train=160, val=24, test=40)
+    train, test, labels = cached_artifacts(home / "source", train=160, val=24, test=40)
     env = {**os.environ, **server_env(home, port),
-           "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home")),
-           # Default data source of the deployments' parameter forms: the synthetic archive.
-           "LANEFLOW_SOURCE_URL": os.environ.get("LANEFLOW_SOURCE_URL", archive.as_uri()),
-           "LANEFLOW_SOURCE_SHA256": os.environ.get("LANEFLOW_SOURCE_SHA256", sha256)}
+           "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))}
+    # Default dataset of the deployments' parameter forms (prefect.yaml): the synthetic artifacts, unless
+    # the environment names others.
+    for prefix, artifact in (("LANEFLOW_TRAIN", train), ("LANEFLOW_TEST", test), ("LANEFLOW_TEST_LABEL", labels)):
+        env.setdefault(f"{prefix}_URL", artifact["url"])
+        env.setdefault(f"{prefix}_SHA256", artifact["sha256"])
     os.environ.update(env)
     ensure_local_setup()
     apply_deployments(env)

@@ -6,20 +6,23 @@ from __future__ import annotations
 import itertools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.names import validate_name
-from training.data.prepare import redact_url
+from training.data.sources import Artifact
 
 
-class DataSource(BaseModel):
-    """Where the TuSimple-format archive comes from; the checksum pins exactly which bytes."""
+class DatasetArtifact(BaseModel):
+    """One downloadable piece of the dataset; the checksum pins exactly which bytes."""
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str = Field(description="archive URL: https://, http:// or file:// (mirrors of train_set.zip work)",
+    url: str = Field(description="https://, http:// or file:// (mirrors work); stored under its file name",
                      min_length=1)
-    sha256: str = Field(description="sha256 of the archive (64 hex characters)", pattern=r"^[0-9a-fA-F]{64}$")
+    sha256: str = Field(description="sha256 of the artifact (64 hex characters)", pattern=r"^[0-9a-fA-F]{64}$")
+    kind: Literal["archive", "file"] = Field(
+        "archive", description="archive: a zip or tar extracted into the dataset (train_set.zip, test_set.zip); "
+                               "file: placed at the dataset's root as it is (test_label.json)")
 
     @field_validator("url")
     @classmethod
@@ -27,6 +30,26 @@ class DataSource(BaseModel):
         if not value.startswith(("https://", "http://", "file://")):
             raise ValueError("must start with https://, http:// or file://")
         return value
+
+
+class DataSource(BaseModel):
+    """The dataset's artifacts. TuSimple ships three: train_set.zip, test_set.zip and test_label.json; a
+    single archive with the label files inside (one train_set.zip mirror) is a dataset too."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    artifacts: list[DatasetArtifact] = Field(min_length=1, description="archives to extract and files to place")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_archive(cls, value: Any) -> Any:
+        """``{"url": ..., "sha256": ...}``, the one-archive form of earlier versions, is one archive artifact."""
+        if isinstance(value, dict) and "artifacts" not in value and {"url", "sha256"} & set(value):
+            return {"artifacts": [{**value, "kind": "archive"}]}
+        return value
+
+    def to_artifacts(self) -> list[Artifact]:
+        return [Artifact(item.url, item.sha256.lower(), item.kind) for item in self.artifacts]
 
 
 class TrainParams(BaseModel):
@@ -63,16 +86,22 @@ class TrainParams(BaseModel):
                 "max_steps": str(self.max_steps), "num_workers": str(self.loader_workers), "eval_split": "val"}
 
     def for_record(self) -> dict[str, Any]:
-        """Flat and safe to publish: the source URL loses query strings and credentials."""
+        """Flat and safe to publish: the artifacts' URLs lose query strings and credentials."""
         record = self.model_dump()
-        source = record.pop("source")
-        return {**record, "source_url": redact_url(source["url"]), "source_sha256": source["sha256"]}
+        record.pop("source")
+        artifacts = [{key: value for key, value in artifact.record().items() if key != "name"}
+                     for artifact in self.source.to_artifacts()]
+        return {**record, "source_artifacts": artifacts}
 
 
 def params_from_record(record: dict[str, Any], **changes: Any) -> TrainParams:
-    """Rebuild parameters from a lineage record (``for_record``), with ``changes`` on top."""
+    """Rebuild parameters from a lineage record (``for_record``; also an earlier version's one-archive
+    ``source_url``/``source_sha256``), with ``changes`` on top."""
     fields = {k: v for k, v in record.items() if k in TrainParams.model_fields and k != "source"}
-    source = {"url": record["source_url"], "sha256": record["source_sha256"]}
+    if "source_artifacts" in record:
+        source: dict[str, Any] = {"artifacts": record["source_artifacts"]}
+    else:
+        source = {"url": record["source_url"], "sha256": record["source_sha256"]}
     return TrainParams.model_validate({**fields, "source": source, **changes})
 
 

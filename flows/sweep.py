@@ -69,11 +69,11 @@ def sweep(base: TrainParams, grid: dict[str, list[Any]] | None = None, runs: lis
         client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, max_concurrent)
     logger.info("sweep of %d runs varying %s; at most %d training at once (limit '%s')", len(param_sets),
                 ", ".join(varied) or "nothing", max_concurrent, GPU_LIMIT)
-    # Prepare each distinct dataset once, so concurrent children never download the same archive.
-    for platform_name, volume_name, url, sha in sorted({(p.platform, p.volume, p.source.url, p.source.sha256)
-                                                        for p in param_sets}):
+    # Prepare each distinct dataset once, so concurrent children never download the same artifacts.
+    datasets = {(p.platform, p.volume, tuple(p.source.to_artifacts())) for p in param_sets}
+    for platform_name, volume_name, artifacts in sorted(datasets, key=repr):
         platform = load_platform(platform_name)
-        prepare_dataset(platform, ensure_dataset_volume(platform, volume_name), url, sha)
+        prepare_dataset(platform, ensure_dataset_volume(platform, volume_name), list(artifacts))
     futures = [run_child.submit(params, index, current_run.name) for index, params in enumerate(param_sets)]
     rows = [future.result() for future in futures]
     table = leaderboard(rows, varied, param_sets)

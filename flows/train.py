@@ -64,7 +64,7 @@ def train_pipeline(params: TrainParams) -> dict[str, Any]:
     # Inside the transaction: if anything after the promotion fails, its rollback demotes the volume.
     with transaction():
         previous_level = promote_service_level(platform, volume, params.promote, need, run)
-        dataset = prepare_dataset(platform, volume, params.source.url, params.source.sha256)
+        dataset = prepare_dataset(platform, volume, params.source.to_artifacts())
         ensure_shared_access(platform, volume)
         spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
                             preset=params.preset, workers=params.workers, settings=params.trainer_settings(),

@@ -1,6 +1,7 @@
 """The local demo: the whole ``train_pipeline`` on this machine, reported to a local Prefect server.
 
-Starts (or reuses) a Prefect server on 127.0.0.1, makes a synthetic TuSimple archive offline, and runs
+Starts (or reuses) a Prefect server on 127.0.0.1, makes synthetic TuSimple artifacts offline (train_set.zip,
+test_set.zip, test_label.json, as the benchmark ships them), and runs
 ``train_pipeline`` on the ``local`` platform with the ``cpu-demo`` preset: prepare -> horovodrun -np 2
 -> evaluate -> snapshot -> artifacts. Ends by printing the run's UI address and its metrics. Run it
 again and the dataset stage is a cache hit. Run through ``make demo``.
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from flows.local_server import DEFAULT_PORT, ensure_server, server_env, ui_url
-from training.data.synthetic import cached_archive
+from training.data.synthetic import cached_artifacts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     from flows.params import DataSource, TrainParams
     from flows.train import train_pipeline
 
-    archive, sha256 = cached_archive(workdir / "source", args.train, args.val, args.test, args.seed)
+    # As the benchmark ships TuSimple: train_set.zip, test_set.zip and test_label.json (made offline).
+    artifacts = cached_artifacts(workdir / "source", args.train, args.val, args.test, args.seed)
     ensure_local_setup()  # one training at a time on this machine (the `gpu` limit), a process work pool
-    params = TrainParams(source=DataSource(url=archive.as_uri(), sha256=sha256), preset="cpu-demo",
-                         epochs=args.epochs, workers=args.workers, volume="demo")
+    params = TrainParams(source=DataSource(artifacts=artifacts), preset="cpu-demo", epochs=args.epochs,
+                         workers=args.workers, volume="demo")
     state = train_pipeline(params, return_state=True)
     result = state.result(raise_on_failure=False)
     flow_run_id = state.state_details.flow_run_id

@@ -26,6 +26,7 @@ from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, Training
 from tasks.report import data_uri, metrics_rows, step_series, thumbnail_jpeg, training_curve_png
 from tasks.retry import RETRY_POLICY
 from tasks.service_level import SERVICE_LEVELS, ThroughputNeed, choose_service_level, render_tier_markdown
+from training.data.sources import Artifact
 
 HOUR = 3600
 LEVEL_ORDER = [name for name, _ in SERVICE_LEVELS]
@@ -109,11 +110,11 @@ def ensure_dataset_volume(platform: Platform, name: str) -> VolumeRef:
     return volume
 
 
-@task(name="prepare_dataset", task_run_name="prepare-dataset-{sha256:.16}", timeout_seconds=12 * HOUR, **_TASK)
-def prepare_dataset(platform: Platform, volume: VolumeRef, url: str, sha256: str) -> dict[str, Any]:
+@task(name="prepare_dataset", task_run_name="prepare-dataset-{volume.name}", timeout_seconds=12 * HOUR, **_TASK)
+def prepare_dataset(platform: Platform, volume: VolumeRef, artifacts: list[Artifact]) -> dict[str, Any]:
     """Download -> verify -> extract -> preprocess; each step is skipped when its output is already there."""
     logger = get_run_logger()
-    summary = platform.prepare_dataset(volume, url, sha256, logger.info)
+    summary = platform.prepare_dataset(volume, artifacts, logger.info)
     steps = summary.get("steps", {})
     if not any(steps.values()):
         logger.info("dataset cache hit: version %s already prepared on %s", summary["dataset_version"], volume.name)

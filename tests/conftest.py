@@ -12,7 +12,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import pytest
 
 from tests.http_server import FileServer, RunningServer
-from training.data.synthetic import generate, pack_archive
+from training.data.synthetic import generate, pack_archive, pack_artifacts
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: Kept after the run (screenshots); CI can collect it.
@@ -49,6 +49,13 @@ def synthetic_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def synthetic_archive(synthetic_source: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     archive = tmp_path_factory.mktemp("archive") / "train_set.zip"
     return archive, pack_archive(synthetic_source, archive)
+
+
+@pytest.fixture(scope="session")
+def synthetic_artifacts(synthetic_source: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    """The same dataset as TuSimple ships it: train_set.zip, test_set.zip and test_label.json (url, sha256, kind)."""
+    packed = pack_artifacts(synthetic_source, tmp_path_factory.mktemp("artifacts"))
+    return [{"url": Path(item["path"]).as_uri(), "sha256": item["sha256"], "kind": item["kind"]} for item in packed]
 
 
 @pytest.fixture

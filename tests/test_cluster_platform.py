@@ -26,6 +26,7 @@ from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted
 from tests.conftest import PROJECT_ROOT
 from tests.k8s_emulator import Cluster, Fault, KubernetesEmulator
 from tests.test_pipeline import params_for
+from training.data.sources import Artifact
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parent / "golden"
@@ -114,7 +115,7 @@ def prepared(emulator: tuple, synthetic_archive: tuple[Path, str]) -> tuple[Clus
     platform = cluster_platform(emu)
     volume = platform.ensure_volume("data")
     archive, sha256 = synthetic_archive
-    summary = platform.prepare_dataset(volume, archive.as_uri(), sha256, lambda _: None)
+    summary = platform.prepare_dataset(volume, [Artifact(archive.as_uri(), sha256)], lambda _: None)
     return platform, volume, summary["dataset_dir"]
 
 

@@ -22,11 +22,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_server: dict, synthetic_archive: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory
+def deployed(prefect_server: dict, synthetic_artifacts: list[dict], tmp_path_factory: pytest.TempPathFactory
              ) -> dict[str, str]:
-    archive, sha256 = synthetic_archive
-    env = {**os.environ, **prefect_server, "LANEFLOW_SOURCE_URL": archive.as_uri(),
-           "LANEFLOW_SOURCE_SHA256": sha256, "LANEFLOW_HOME": str(tmp_path_factory.mktemp("worker-home"))}
+    env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(tmp_path_factory.mktemp("worker-home"))}
+    for prefix, artifact in zip(("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL"), synthetic_artifacts,
+                                strict=True):
+        env[f"{prefix}_URL"], env[f"{prefix}_SHA256"] = artifact["url"], artifact["sha256"]
     ensure_local_setup()
     apply_deployments(env)
     return env
@@ -44,8 +45,12 @@ def test_prefect_yaml_creates_the_four_deployments(deployed: dict) -> None:
     form = schema["definitions"]["TrainParams"]["properties"]
     assert form["lr"]["type"] == "number" and form["lr"]["exclusiveMinimum"] == 0
     assert form["epochs"]["type"] == "integer" and form["preset"]["enum"] == ["cpu-demo", "tusimple"]
-    assert schema["definitions"]["DataSource"]["properties"]["sha256"]["pattern"] == "^[0-9a-fA-F]{64}$"
-    assert deployments["train"].parameters["params"]["source"]["sha256"] == deployed["LANEFLOW_SOURCE_SHA256"]
+    assert schema["definitions"]["DatasetArtifact"]["properties"]["sha256"]["pattern"] == "^[0-9a-fA-F]{64}$"
+    assert schema["definitions"]["DatasetArtifact"]["properties"]["kind"]["enum"] == ["archive", "file"]
+    artifacts = deployments["train"].parameters["params"]["source"]["artifacts"]
+    assert [(a["sha256"], a["kind"]) for a in artifacts] == [
+        (deployed["LANEFLOW_TRAIN_SHA256"], "archive"), (deployed["LANEFLOW_TEST_SHA256"], "archive"),
+        (deployed["LANEFLOW_TEST_LABEL_SHA256"], "file")]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from tasks.k8s.manifests import (
 )
 from tasks.names import InvalidName, validate_mpijob_name
 from tests.k8s_schemas import Rejection, check
+from training.data.sources import Artifact
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = ClusterLayout(namespace="lanes", image="registry.example.org/laneflow-train:0.1.0",
@@ -31,6 +32,9 @@ LAYOUT = ClusterLayout(namespace="lanes", image="registry.example.org/laneflow-t
                        snapshot_class="csi-anf-snapclass", volume_size="500Gi", gpus_per_worker=2)
 RUNAI = ClusterLayout(**{**LAYOUT.__dict__, "runai_project": "perception"})
 LABELS = object_labels(LAYOUT, "train-7d2eaa95c8df", {"flow-run": "7d2eaa95-c8df-43a7-b772-5e3435d03a6e"})
+ARTIFACTS = [Artifact("https://mirror.example.org/tusimple/train_set.zip", "a" * 64),
+             Artifact("https://mirror.example.org/tusimple/test_set.zip", "b" * 64),
+             Artifact("https://mirror.example.org/tusimple/test_label.json", "c" * 64, "file")]
 SETTINGS = {"epochs": "30", "batch_size": "8", "lr": "0.15", "max_steps": "0", "num_workers": "4",
             "eval_split": "val"}
 
@@ -76,8 +80,7 @@ def test_pvc_snapshot_restore_and_data_job_match_golden() -> None:
     check_golden("pvc-from-snapshot", render_pvc("restored", LAYOUT, LABELS, from_snapshot="tusimple-train-1"))
     check_golden("volumesnapshot", render_snapshot("tusimple-train-1", LAYOUT, "tusimple", LABELS,
                                                    {"laneflow.io/lineage": '{"run": "train-1"}'}))
-    check_golden("data-job", render_data_job("prepare-7d2eaa95c8df", LAYOUT, "tusimple",
-                                             "https://mirror.example.org/train_set.zip", "a" * 64, LABELS))
+    check_golden("data-job", render_data_job("prepare-7d2eaa95c8df", LAYOUT, "tusimple", ARTIFACTS, LABELS))
 
 
 def test_every_object_is_labelled_as_ours_and_names_are_checked_first() -> None:
@@ -117,8 +120,7 @@ def test_every_rendered_object_is_valid_for_the_api_server(replicas: int, gpus: 
         render_pvc("restored", layout, labels, from_snapshot="tusimple-train-7d2eaa95c8df"),
         render_snapshot("tusimple-train-7d2eaa95c8df", layout, "tusimple", labels,
                         {"laneflow.io/lineage": json.dumps({"run": "train-7d2eaa95c8df", "metrics": {"accuracy": 1}})}),
-        render_data_job("prepare-tusimple-4d561454fb71df42", layout, "tusimple",
-                        "https://mirror.example.org/train_set.zip", "a" * 64, labels),
+        render_data_job("prepare-tusimple-4d561454fb71df42", layout, "tusimple", ARTIFACTS, labels),
     ]
     for obj in objects:
         assert check(obj, "Strict").warnings == []

@@ -12,6 +12,7 @@ import pytest
 
 from tasks.platforms import LocalPlatform, TrainingFailed, TrainingSpec, VolumeRef, load_platform
 from tasks.platforms.local import _group_alive
+from training.data.sources import Artifact
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.slow
 def prepared(laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> tuple[LocalPlatform, VolumeRef, str]:
     platform = LocalPlatform()
     volume = platform.ensure_volume("unit")
-    summary = platform.prepare_dataset(volume, synthetic_archive[0].as_uri(), synthetic_archive[1], lambda _: None)
+    summary = platform.prepare_dataset(volume, [Artifact(synthetic_archive[0].as_uri(), synthetic_archive[1])],
+                                       lambda _: None)
     return platform, volume, summary["dataset_dir"]
 
 

@@ -23,6 +23,7 @@ from tasks.platforms import TrainingFailed, TrainingInterrupted, TrainingSpec, V
 from tasks.report import metrics_rows, step_series, thumbnail_jpeg, training_curve_png
 from tasks.retry import is_transient
 from training.data.fetch import ChecksumMismatch, TransientFetchError
+from training.data.sources import Artifact, dataset_key
 
 SHA = "a" * 64
 
@@ -216,12 +217,14 @@ def test_metrics_rows_and_thumbnail() -> None:
 def test_lineage_markdown_has_every_fact_and_no_secret() -> None:
     params = TrainParams(source=source())
     lineage = build_lineage(run="train-1", flow_run_id="f", flow_run_name="happy-fox", platform="local",
-                            volume="v", dataset={"dataset_version": "dv1", "archive_sha256": SHA,
-                                                 "counts": {"read": 3, "kept": 3, "quarantined": 0}},
+                            volume="v", dataset={"dataset_version": "dv1", "counts": {"read": 3, "kept": 3,
+                                                                                         "quarantined": 0},
+                                                 "artifacts": [{"name": "train_set.zip", "sha256": SHA,
+                                                                "kind": "archive"}]},
                             code="git:abc", parameters=params.for_record(), training={},
                             evaluation={"accuracy": 0.9}, snapshot="v-train-1")
     text = render_lineage_markdown(lineage)
-    for fact in ("train-1", "happy-fox", "dv1", SHA, "git:abc", "v-train-1", "0.9000", "cpu-demo"):
+    for fact in ("train-1", "happy-fox", "dv1", SHA, "train_set.zip", "git:abc", "v-train-1", "0.9000", "cpu-demo"):
         assert fact in text
     assert "secret" not in text and "secret" not in json.dumps(lineage)
 
@@ -269,9 +272,31 @@ def test_params_validate_with_field_names() -> None:
 def test_params_round_trip_through_a_lineage_record_without_the_secret() -> None:
     params = TrainParams(source=source(), epochs=7, lr=0.02)
     record = params.for_record()
-    assert record["source_url"] == "https://mirror.example.org/train_set.zip"
+    assert record["source_artifacts"] == [{"url": "https://mirror.example.org/train_set.zip", "sha256": SHA,
+                                           "kind": "archive"}]
     rebuilt = params_from_record(record, volume="restored")
-    assert (rebuilt.epochs, rebuilt.lr, rebuilt.volume, rebuilt.source.sha256) == (7, 0.02, "restored", SHA)
+    assert (rebuilt.epochs, rebuilt.lr, rebuilt.volume) == (7, 0.02, "restored")
+    assert rebuilt.source.to_artifacts() == [Artifact("https://mirror.example.org/train_set.zip", SHA)]
+    # A record from before datasets were lists of artifacts: one archive.
+    old = {**{k: v for k, v in record.items() if k != "source_artifacts"},
+           "source_url": "https://mirror.example.org/train_set.zip", "source_sha256": SHA}
+    assert params_from_record(old).source.to_artifacts() == rebuilt.source.to_artifacts()
+
+
+def test_a_dataset_is_a_list_of_artifacts_and_one_archive_still_works() -> None:
+    three = DataSource(artifacts=[{"url": "https://m.example/train_set.zip", "sha256": SHA},
+                                  {"url": "https://m.example/test_set.zip", "sha256": "b" * 64},
+                                  {"url": "https://m.example/test_label.json", "sha256": "c" * 64, "kind": "file"}])
+    assert [a.kind for a in three.to_artifacts()] == ["archive", "archive", "file"]
+    assert DataSource(url="https://m.example/train_set.zip", sha256=SHA).to_artifacts() == \
+        [Artifact("https://m.example/train_set.zip", SHA, "archive")]
+    with pytest.raises(ValidationError, match=r"artifacts\.1\.kind"):
+        DataSource(artifacts=[{"url": "https://m.example/a.zip", "sha256": SHA},
+                              {"url": "https://m.example/b", "sha256": SHA, "kind": "folder"}])
+    with pytest.raises(ValidationError, match="at least 1 item"):
+        DataSource(artifacts=[])
+    keys = {dataset_key(three.to_artifacts()), dataset_key(list(reversed(three.to_artifacts())))}
+    assert len(keys) == 1 and dataset_key([Artifact("https://m.example/train_set.zip", SHA)]) == SHA[:16]
 
 
 def test_sweep_expands_grid_then_runs() -> None:

@@ -63,8 +63,11 @@ def laneflow_events(timeout_s: float = 60.0) -> set[str]:
 
 
 def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_home: Path,
-                                                 synthetic_archive: tuple[Path, str]) -> None:
-    state = train_pipeline(params_for(synthetic_archive), return_state=True)
+                                                 synthetic_archive: tuple[Path, str],
+                                                 synthetic_artifacts: list[dict]) -> None:
+    # The dataset as TuSimple ships it: train_set.zip, test_set.zip and test_label.json.
+    source = DataSource(artifacts=synthetic_artifacts)
+    state = train_pipeline(params_for(synthetic_archive, source=source), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
     flow_run_id = state.state_details.flow_run_id
@@ -84,6 +87,8 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
     lineage = json.loads((snapshot / "lineage.json").read_text())
     assert lineage["ready"] is True and lineage["run"] == run
     assert lineage["dataset_version"] == result["dataset_version"]
+    assert [a["name"] for a in lineage["artifacts"]] == ["train_set.zip", "test_set.zip", "test_label.json"]
+    assert result["metrics"]["split"] == "test" and result["metrics"]["images"] == 3  # test images from test_set.zip
     assert lineage["metrics"]["accuracy"] == result["metrics"]["accuracy"]
     assert lineage["code_version"].startswith(("git:", "laneflow=="))
     assert (snapshot / "content" / "runs" / run / "model.pt").is_file()
@@ -101,7 +106,7 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
 
     assert {"laneflow.snapshot.created", "laneflow.training.finished"} <= laneflow_events()
 
-    second = train_pipeline(params_for(synthetic_archive, snapshot=False), return_state=True).result()
+    second = train_pipeline(params_for(synthetic_archive, source=source, snapshot=False), return_state=True).result()
     assert second["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}
     assert second["dataset_version"] == result["dataset_version"] and second["run"] != run
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import pytest
 
 from tests.http_server import Fault, FileServer
 from training.data.fetch import ChecksumMismatch
-from training.data.prepare import archive_name, prepare_dataset
+from training.data.prepare import Artifact, archive_name, prepare_dataset
+from training.data.sources import SourceError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,17 +25,17 @@ def test_prepare_over_http_then_everything_is_cached(file_server: FileServer, sy
     volume = tmp_path / "volume"
     url = file_server.url("train_set.zip") + "?sv=2024&sig=SECRET"
 
-    first = prepare_dataset(url, sha, volume, workers=2)
+    first = prepare_dataset([Artifact(url, sha)], volume, workers=2)
     assert (first.downloaded, first.extracted, first.preprocessed) == (True, True, True)
     assert first.counts["kept"] == 14
     assert first.root == volume / "datasets" / sha[:16]
     assert (volume / "downloads" / "train_set.zip").is_file()
     manifest = json.loads((first.root / "manifest.json").read_text())
-    assert manifest["sources"]["archive"]["sha256"] == sha
+    assert [a["sha256"] for a in manifest["sources"]["artifacts"]] == [sha]
     assert "SECRET" not in json.dumps(manifest)  # signed-URL tokens are not recorded
 
     requests = len(file_server.requests)
-    second = prepare_dataset(url, sha, volume, workers=2)
+    second = prepare_dataset([Artifact(url, sha)], volume, workers=2)
     assert (second.downloaded, second.extracted, second.preprocessed) == (False, False, False)
     assert second.dataset_version == first.dataset_version
     assert len(file_server.requests) == requests
@@ -43,7 +45,7 @@ def test_prepare_refuses_a_wrong_checksum_before_extracting(file_server: FileSer
     archive, _ = synthetic_archive
     file_server.files["train_set.zip"] = archive.read_bytes()
     with pytest.raises(ChecksumMismatch):
-        prepare_dataset(file_server.url("train_set.zip"), "f" * 64, tmp_path / "volume")
+        prepare_dataset([Artifact(file_server.url("train_set.zip"), "f" * 64)], tmp_path / "volume")
     assert not (tmp_path / "volume" / "datasets").exists()
 
 
@@ -67,9 +69,59 @@ def test_cli_prints_counts_and_version(synthetic_archive, tmp_path):
     assert summary["counts"]["read"] == 14 and len(summary["dataset_version"]) == 16
 
 
+def test_the_three_artifacts_as_tusimple_ships_them_make_one_dataset(file_server: FileServer, synthetic_artifacts,
+                                                                      tmp_path):
+    """train_set.zip, test_set.zip and test_label.json over HTTP: the test clips land beside the training
+    clips of the same dates, the test split finds every image, and the version covers all three."""
+    artifacts = []
+    for item in synthetic_artifacts:
+        name = item["url"].rsplit("/", 1)[-1]
+        file_server.files[name] = Path(item["url"].removeprefix("file://")).read_bytes()
+        artifacts.append(Artifact(file_server.url(name), item["sha256"], item["kind"]))
+    volume = tmp_path / "volume"
+    first = prepare_dataset(artifacts, volume, workers=2)
+    assert first.counts["by_split"]["test"] == {"read": 3, "kept": 3, "quarantined": 0}
+    assert first.counts["kept"] == 14 and first.counts["quarantined"] == 0
+    assert (first.root / "test_label.json").is_file() and (first.root / "test_tasks_0627.json").is_file()
+    assert {p.name for p in (first.root / "clips" / "0531").iterdir()} == {"1000", "1001", "1002", "20001"}
+    assert sorted(p.name for p in (volume / "downloads").iterdir()) == ["test_label.json", "test_set.zip",
+                                                                        "train_set.zip"]
+    manifest = json.loads((first.root / "manifest.json").read_text())
+    assert [a["name"] for a in manifest["sources"]["artifacts"]] == ["train_set.zip", "test_set.zip",
+                                                                      "test_label.json"]
+    again = prepare_dataset(list(reversed(artifacts)), volume, workers=2)  # the same dataset, in any order
+    assert (again.downloaded, again.extracted, again.preprocessed, again.root) == (False, False, False, first.root)
+    without_test = prepare_dataset(artifacts[:1], tmp_path / "other", workers=2)
+    assert without_test.counts["by_split"]["test"]["read"] == 0  # the archive alone has no test labels
+    assert without_test.dataset_version != first.dataset_version
+
+
+def test_artifacts_that_disagree_on_a_file_are_refused_naming_both(synthetic_artifacts, tmp_path):
+    train, test, _ = synthetic_artifacts
+    clash = tmp_path / "labels" / "label_data_0313.json"
+    clash.parent.mkdir()
+    clash.write_text("{}\n")
+    artifacts = [Artifact(**train), Artifact(**test),
+                 Artifact(clash.as_uri(), hashlib.sha256(clash.read_bytes()).hexdigest(), "file")]
+    with pytest.raises(ValueError, match=r"'label_data_0313\.json' is in both train_set\.zip and "
+                                         r"label_data_0313\.json with different contents"):
+        prepare_dataset(artifacts, tmp_path / "volume")
+    assert not (tmp_path / "volume" / "datasets").exists() or not any((tmp_path / "volume" / "datasets").iterdir())
+    with pytest.raises(SourceError, match=r"dataset artifact 2: 'train_set\.zip' is also the file name of artifact 1"):
+        prepare_dataset([Artifact(**train), Artifact(**train)], tmp_path / "volume")
+
+
+def test_cli_takes_several_artifacts(synthetic_artifacts, tmp_path):
+    args = [arg for item in synthetic_artifacts for arg in (f"--{item['kind']}", item["url"], item["sha256"])]
+    done = run_cli(*args, "--volume", str(tmp_path / "v"), "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["counts"]["by_split"]["test"]["kept"] == 3 and len(summary["artifacts"]) == 3
+
+
 def test_cli_errors_are_one_clear_line(synthetic_archive, tmp_path):
     archive, _ = synthetic_archive
     done = run_cli("--source", archive.as_uri(), "--sha256", "nothex", "--volume", str(tmp_path / "v"))
     assert done.returncode == 2
-    assert "error: checksum 'nothex' is not a sha256 hex digest" in done.stderr
+    assert "error: dataset artifact 1: checksum 'nothex' is not a sha256 hex digest" in done.stderr
     assert "Traceback" not in done.stderr

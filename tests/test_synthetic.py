@@ -102,3 +102,23 @@ def test_cli(tmp_path, capsys):
 def test_cli_refuses_bad_sizes(size: str, tmp_path):
     with pytest.raises(SystemExit):
         synthetic.main(["--out", str(tmp_path), "--size", size])
+
+
+def test_artifacts_are_packed_as_the_benchmark_ships_them(tmp_path):
+    synthetic.generate(tmp_path / "d", train=4, val=2, test=3, seed=2, width=320, height=180)
+    train, test, labels = synthetic.pack_artifacts(tmp_path / "d", tmp_path / "out")
+    assert [a["kind"] for a in (train, test, labels)] == ["archive", "archive", "file"]
+    with zipfile.ZipFile(train["path"]) as zf:
+        names = zf.namelist()
+    assert {"label_data_0313.json", "label_data_0601.json", "label_data_0531.json"} <= set(names)
+    assert "test_label.json" not in names and len([n for n in names if n.endswith(".jpg")]) == 6
+    with zipfile.ZipFile(test["path"]) as zf:
+        names = zf.namelist()
+        tasks = [json.loads(line) for line in zf.read("test_tasks_0627.json").decode().splitlines()]
+    test_images = sorted(n for n in names if n.endswith(".jpg"))
+    assert test_images == sorted(t["raw_file"] for t in tasks) and all(t["lanes"] == [] for t in tasks)
+    # Test clips share date folders with training clips (as in the public release), under other clip ids.
+    assert {n.split("/")[1] for n in test_images} == {"0530", "0531", "0601"}
+    assert (tmp_path / "out" / "test_label.json").read_bytes() == (tmp_path / "d" / "test_label.json").read_bytes()
+    again = synthetic.pack_artifacts(tmp_path / "d", tmp_path / "again")
+    assert [a["sha256"] for a in again] == [a["sha256"] for a in (train, test, labels)]  # deterministic

@@ -12,6 +12,7 @@ from typing import Any
 
 from tasks.launch import trainer_args
 from tasks.names import validate_mpijob_name, validate_name
+from training.data.sources import Artifact
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "laneflow"}
 MOUNT_PATH = "/data"
@@ -93,14 +94,15 @@ def _pod_spec(layout: ClusterLayout, container: dict, volumes: list[dict], resta
     return spec
 
 
-def render_data_job(name: str, layout: ClusterLayout, claim: str, source_url: str, sha256: str,
+def render_data_job(name: str, layout: ClusterLayout, claim: str, artifacts: list[Artifact],
                     labels: dict[str, str]) -> dict:
-    """A batch Job running the same prepare code as the local platform, on the claim."""
+    """A batch Job running the same prepare code as the local platform on the claim, for these artifacts
+    (``--archive URL SHA256`` / ``--file URL SHA256`` each)."""
     validate_name(name, "job")
     volumes, mounts = _volume_mounts(claim, None)
+    sources = [arg for artifact in artifacts for arg in (f"--{artifact.kind}", artifact.url, artifact.sha256)]
     container = {"name": "prepare", "image": layout.data_image,
-                 "command": ["python", "-m", "training.data.prepare", "--source", source_url, "--sha256", sha256,
-                             "--volume", MOUNT_PATH],
+                 "command": ["python", "-m", "training.data.prepare", *sources, "--volume", MOUNT_PATH],
                  "volumeMounts": mounts}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},

@@ -18,6 +18,8 @@ from typing import Any
 from prefect.blocks.core import Block
 from pydantic import BaseModel, Field
 
+from training.data.sources import Artifact
+
 
 class TransientPlatformError(RuntimeError):
     """Worth retrying: the same call can succeed later (preemption, lost worker, 429/5xx, reset)."""
@@ -120,10 +122,12 @@ class Platform(Block):
         """Make the volume mountable by every worker at once; returns what was done, for the log."""
 
     @abc.abstractmethod
-    def prepare_dataset(self, volume: VolumeRef, source_url: str, sha256: str, log: LogSink) -> dict[str, Any]:
-        """Download, verify, extract and preprocess onto the volume; a cached no-op when already there.
+    def prepare_dataset(self, volume: VolumeRef, artifacts: list[Artifact], log: LogSink) -> dict[str, Any]:
+        """Download, verify, extract and preprocess the dataset's artifacts onto the volume; a cached no-op
+        when already there.
 
-        Returns the preparation summary: dataset_dir (relative to the volume), dataset_version, counts, steps.
+        Returns the preparation summary: dataset_dir (relative to the volume), dataset_version, artifacts,
+        counts, steps.
         """
 
     @abc.abstractmethod

@@ -55,6 +55,7 @@ from tasks.platforms.base import (
     VolumeRef,
     outcome_from_events,
 )
+from training.data.sources import Artifact, dataset_key, validate_artifacts
 
 T = TypeVar("T")
 MPI = ("kubeflow.org", "v2beta1", "mpijobs")
@@ -313,10 +314,11 @@ class ClusterPlatform(Platform):
     def _job_labels(self, run: str, extra: dict[str, str] | None = None) -> dict[str, str]:
         return object_labels(self.layout(), run, extra or {})
 
-    def prepare_dataset(self, volume: VolumeRef, source_url: str, sha256: str, log: LogSink) -> dict[str, Any]:
-        # One Job per volume and archive: a retry adopts it; another volume (a restore) gets its own.
-        name = validate_name(f"prepare-{volume.name[:36].rstrip('-')}-{sha256.lower()[:16]}", "job")
-        body = render_data_job(name, self.layout(), volume.name, source_url, sha256,
+    def prepare_dataset(self, volume: VolumeRef, artifacts: list[Artifact], log: LogSink) -> dict[str, Any]:
+        # One Job per volume and dataset: a retry adopts it; another volume (a restore) gets its own.
+        key = dataset_key(validate_artifacts(artifacts))
+        name = validate_name(f"prepare-{volume.name[:36].rstrip('-')}-{key}", "job")
+        body = render_data_job(name, self.layout(), volume.name, artifacts,
                                self._job_labels(name, {"volume": volume.name}))
         lines = self._run_job(body, log, timeout_s=12 * 3600)
         return _last_event(lines, "prepared", f"dataset job {name}")
@@ -326,7 +328,7 @@ class ClusterPlatform(Platform):
         if relative_path.startswith("/") or ".." in relative_path.split("/"):
             raise ValueError(f"path '{relative_path}' leaves volume '{volume.name}'")
         name = f"{kind}-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
-        body = render_data_job(name, self.layout(), volume.name, "", "", self._job_labels(name))
+        body = render_data_job(name, self.layout(), volume.name, [], self._job_labels(name))
         body["spec"]["template"]["spec"]["containers"][0]["command"] = [
             "python", "-c", script, f"{MOUNT_PATH}/{relative_path}", *args]
         return self._run_job(body, lambda _: None, timeout_s=1800, delete_after=True)
@@ -488,7 +490,7 @@ class ClusterPlatform(Platform):
     def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
         run = run_dir.rstrip("/").rsplit("/", 1)[-1]
         name = validate_name(f"eval-{run}-{split}"[:63].rstrip("-"), "job")
-        body = render_data_job(name, self.layout(), volume.name, "", "", self._job_labels(run, {"split": split}))
+        body = render_data_job(name, self.layout(), volume.name, [], self._job_labels(run, {"split": split}))
         container = body["spec"]["template"]["spec"]["containers"][0]
         container["image"] = self.image
         container["command"] = ["python", "-m", "training.evaluate", "--run-dir", f"{MOUNT_PATH}/{run_dir}",

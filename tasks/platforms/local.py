@@ -45,6 +45,7 @@ from tasks.platforms.base import (
     VolumeRef,
     outcome_from_events,
 )
+from training.data.sources import Artifact
 
 LAUNCHER_RECORD = "launcher.json"
 LINEAGE_FILE = "lineage.json"
@@ -101,12 +102,12 @@ class LocalPlatform(Platform):
     def ensure_shared_access(self, volume: VolumeRef) -> str:
         return f"local volume {volume.location}: every process on this machine already shares it; nothing to do"
 
-    def prepare_dataset(self, volume: VolumeRef, source_url: str, sha256: str, log: LogSink) -> dict[str, Any]:
+    def prepare_dataset(self, volume: VolumeRef, artifacts: list[Artifact], log: LogSink) -> dict[str, Any]:
         from training.data.prepare import prepare_dataset  # the data stage's heavy imports stay out of flows
 
         base = self.volume_path(volume)
         with _forward_logs("laneflow", log):
-            prepared = prepare_dataset(source_url, sha256, base)
+            prepared = prepare_dataset(artifacts, base)
         summary = prepared.summary()
         summary["dataset_dir"] = str(prepared.root.relative_to(base))
         return summary

@@ -9,6 +9,7 @@ same archive again is skipped.
 
 from __future__ import annotations
 
+import filecmp
 import json
 import logging
 import os
@@ -116,6 +117,20 @@ def read_marker(target: Path) -> dict | None:
         return None
 
 
+def _unpack(archive: Path, into: Path) -> int:
+    """Extract a zip or tar into the empty folder ``into``, refusing unsafe entries; the entry count."""
+    kind = archive_kind(archive)
+    count = _extract_zip(archive, into) if kind == "zip" else _extract_tar(archive, into)
+    _check_links_stay_inside(into)
+    return count
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(staging, target)
+
+
 def extract(archive: str | Path, target: str | Path, archive_sha256: str) -> bool:
     """Extract ``archive`` into ``target``; returns False when it was already extracted from the same bytes."""
     archive, target = Path(archive), Path(target)
@@ -130,18 +145,107 @@ def extract(archive: str | Path, target: str | Path, archive_sha256: str) -> boo
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        kind = archive_kind(archive)
-        count = _extract_zip(archive, staging) if kind == "zip" else _extract_tar(archive, staging)
-        _check_links_stay_inside(staging)
+        count = _unpack(archive, staging)
         (staging / MARKER).write_text(json.dumps({"archive": archive.name, "archive_sha256": archive_sha256,
                                                    "entries": count}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        _replace_dir(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log.info("extracted %d entries from %s into %s", count, archive.name, target)
+    return True
+
+
+@dataclass(frozen=True)
+class Part:
+    """A verified download that goes into a dataset: an archive to extract, or a file to place."""
+
+    path: Path
+    sha256: str
+    kind: str  # "archive" | "file"
+
+
+#: Files that say "this folder is a TuSimple root" (``clips/`` beside the label or task files).
+_ROOT_MARKERS = ("clips", "label_data_0313.json", "label_data_0601.json", "label_data_0531.json",
+                 "test_label.json", "test_tasks_0627.json")
+
+
+def content_root(folder: Path) -> Path:
+    """Where an extracted archive's dataset content starts: the folder itself, or the single wrapping
+    folder(s) some mirrors add (``train_set/clips/...``) — never a ``clips`` folder itself."""
+    while True:
+        if any((folder / marker).exists() for marker in _ROOT_MARKERS):
+            return folder
+        children = [child for child in folder.iterdir() if child.name != MARKER]
+        if len(children) == 1 and children[0].is_dir() and not children[0].is_symlink():
+            folder = children[0]
+            continue
+        return folder
+
+
+def _merge(source: Path, target: Path, origin: str, owners: dict[str, str]) -> int:
+    """Move ``source``'s files into ``target``; a path two artifacts both hold must hold the same bytes."""
+    moved = 0
+    for directory, _, files in os.walk(source):
+        here = Path(directory)
+        for name in files:
+            src = here / name
+            relative = src.relative_to(source).as_posix()
+            dst = target / relative
+            if dst.exists() or dst.is_symlink():
+                if not filecmp.cmp(src, dst, shallow=False):
+                    raise ValueError(f"'{relative}' is in both {owners[relative]} and {origin} with different "
+                                     "contents; the artifacts do not belong to one dataset")
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            owners[relative] = origin
+            moved += 1
+    return moved
+
+
+def assemble(parts: list[Part], target: str | Path) -> bool:
+    """Build one dataset folder from several artifacts; False when ``target`` was built from the same ones.
+
+    Archives are extracted (each into its own staging folder, with every safety check of ``extract``)
+    and merged by content root, so the test clips of ``test_set.zip`` land in the same
+    ``clips/<date>/`` folders as the training clips of ``train_set.zip``; files are placed at the root.
+    The folder appears whole or not at all.
+    """
+    target = Path(target)
+    wanted = [{"name": part.path.name, "sha256": part.sha256, "kind": part.kind} for part in parts]
+    marker = read_marker(target)
+    if marker and sorted(map(json.dumps, marker.get("artifacts", []))) == sorted(map(json.dumps, wanted)):
+        log.info("%s already assembled from these %d artifacts; skipping", target, len(parts))
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.assembling")
+    shutil.rmtree(staging, ignore_errors=True)
+    merged = staging / "dataset"
+    merged.mkdir(parents=True)
+    owners: dict[str, str] = {}
+    entries = 0
+    try:
+        for index, part in enumerate(parts):
+            if not part.path.is_file():
+                raise FileNotFoundError(f"artifact {part.path} does not exist")
+            if part.kind == "archive":
+                unpacked = staging / f"part-{index}"
+                unpacked.mkdir()
+                entries += _unpack(part.path, unpacked)
+                _merge(content_root(unpacked), merged, part.path.name, owners)
+                shutil.rmtree(unpacked)
+            else:
+                single = staging / f"part-{index}"
+                single.mkdir()
+                shutil.copyfile(part.path, single / part.path.name)
+                entries += _merge(single, merged, part.path.name, owners)
+        _check_links_stay_inside(merged)
+        (merged / MARKER).write_text(json.dumps({"artifacts": wanted, "entries": entries}))
+        _replace_dir(merged, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("assembled %s from %d artifacts (%d archive entries)", target, len(parts), entries)
     return True
 
 

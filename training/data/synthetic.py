@@ -35,13 +35,19 @@ DASH_PERIOD_M = 12.0
 DASH_ON_M = 3.0
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
-#: Which label file (and clip date folder) each split's images go to, as in the public release.
+#: Which label file (and clip date folder) each split's images go to, as in the public release: the
+#: test clips share date folders with training clips (0531, 0601), under other clip ids.
 SPLIT_LAYOUT: dict[str, tuple[tuple[str, str], ...]] = {
     "train": (("label_data_0313.json", "0313-1"), ("label_data_0601.json", "0601")),
     "val": (("label_data_0531.json", "0531"),),
-    "test": (("test_label.json", "0530"),),
+    "test": (("test_label.json", "0530"), ("test_label.json", "0531"), ("test_label.json", "0601")),
 }
 _SPLIT_SEED = {"train": 0, "val": 1, "test": 2}
+#: Clip ids start here per split, so splits sharing a date folder never share a clip.
+_FIRST_CLIP_ID = {"train": 1000, "val": 1000, "test": 20000}
+#: The three artifacts the benchmark ships (DESIGN §4).
+TRAIN_ARCHIVE, TEST_ARCHIVE, TEST_LABELS, TEST_TASKS = "train_set.zip", "test_set.zip", "test_label.json", \
+    "test_tasks_0627.json"
 
 
 @dataclass(frozen=True)
@@ -228,7 +234,7 @@ def generate(out: str | Path, *, train: int, val: int, test: int, seed: int = 0,
         lines: dict[str, list[str]] = {label_file: [] for label_file, _ in layout}
         for index in range(count):
             label_file, date = layout[index % len(layout)]
-            raw_file = f"clips/{date}/{1000 + index}/20.jpg"
+            raw_file = f"clips/{date}/{_FIRST_CLIP_ID[split] + index}/20.jpg"
             image, lanes = generate_image(seed, split, index, width, height)
             path = out / raw_file
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,31 +250,67 @@ def generate(out: str | Path, *, train: int, val: int, test: int, seed: int = 0,
     return written
 
 
-def pack_archive(dataset_dir: str | Path, archive: str | Path) -> str:
+def pack_archive(dataset_dir: str | Path, archive: str | Path, entries: dict[str, Path] | None = None) -> str:
     """Pack a TuSimple-layout folder as a zip with fixed timestamps; returns the archive's sha256.
 
-    Entries are sorted and dated 1980-01-01 so equal inputs give byte-identical archives.
+    ``entries`` (archive name -> file) packs those instead of the whole folder. Entries are sorted and
+    dated 1980-01-01 so equal inputs give byte-identical archives.
     """
     dataset_dir, archive = Path(dataset_dir), Path(archive)
     archive.parent.mkdir(parents=True, exist_ok=True)
     tmp = archive.with_name(archive.name + ".tmp")
-    files = sorted(p for p in dataset_dir.rglob("*") if p.is_file())
+    if entries is None:
+        entries = {p.relative_to(dataset_dir).as_posix(): p for p in dataset_dir.rglob("*") if p.is_file()}
     with zipfile.ZipFile(tmp, "w") as zf:
-        for path in files:
-            name = path.relative_to(dataset_dir).as_posix()
+        for name in sorted(entries):
             info = zipfile.ZipInfo(name, date_time=ZIP_DATE)
             info.external_attr = 0o644 << 16
             # JPEGs are already compressed: storing them keeps packing and extraction fast.
             info.compress_type = zipfile.ZIP_STORED if name.endswith(".jpg") else zipfile.ZIP_DEFLATED
-            with path.open("rb") as src, zf.open(info, "w") as dst:
+            with entries[name].open("rb") as src, zf.open(info, "w") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
     tmp.replace(archive)
+    return _sha256(archive)
+
+
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with archive.open("rb") as handle:
+    with path.open("rb") as handle:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _images_of(dataset_dir: Path, label_files: list[str]) -> list[str]:
+    return [json.loads(line)["raw_file"] for name in label_files
+            for line in (dataset_dir / name).read_text().splitlines() if line.strip()]
+
+
+def pack_artifacts(dataset_dir: str | Path, out: str | Path) -> list[dict[str, str]]:
+    """Pack a generated folder as the benchmark ships it: ``train_set.zip`` (training and validation clips
+    with their three label files), ``test_set.zip`` (test clips and ``test_tasks_0627.json``: the test
+    images' h_samples without lanes) and ``test_label.json`` as a file. Returns each artifact's path,
+    sha256 and kind, in that order."""
+    dataset_dir, out = Path(dataset_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_labels = ["label_data_0313.json", "label_data_0601.json", "label_data_0531.json"]
+    tasks = [{key: record[key] for key in ("h_samples", "raw_file")} | {"lanes": []}
+             for record in map(json.loads, (dataset_dir / TEST_LABELS).read_text().splitlines())]
+    (out / TEST_TASKS).write_text("".join(json.dumps(task) + "\n" for task in tasks), encoding="utf-8")
+
+    def entries(names: list[str]) -> dict[str, Path]:
+        return {name: dataset_dir / name for name in names}
+
+    train_sha = pack_archive(dataset_dir, out / TRAIN_ARCHIVE,
+                             entries([*train_labels, *_images_of(dataset_dir, train_labels)]))
+    test_sha = pack_archive(dataset_dir, out / TEST_ARCHIVE, {TEST_TASKS: out / TEST_TASKS,
+                                                              **entries(_images_of(dataset_dir, [TEST_LABELS]))})
+    labels = out / TEST_LABELS
+    labels.write_bytes((dataset_dir / TEST_LABELS).read_bytes())
+    return [{"path": str(out / TRAIN_ARCHIVE), "sha256": train_sha, "kind": "archive"},
+            {"path": str(out / TEST_ARCHIVE), "sha256": test_sha, "kind": "archive"},
+            {"path": str(labels), "sha256": _sha256(labels), "kind": "file"}]
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -292,6 +334,21 @@ def cached_archive(directory: Path, train: int, val: int, test: int, seed: int =
     return archive.resolve(), checksum_file.read_text().strip()
 
 
+def cached_artifacts(directory: Path, train: int, val: int, test: int, seed: int = 0) -> list[dict[str, str]]:
+    """The three synthetic artifacts (``pack_artifacts``) in ``directory``, as ``url``/``sha256``/``kind``
+    dicts: made once, then reused."""
+    folder = directory / f"artifacts-seed{seed}-{train}-{val}-{test}"
+    index = folder / "artifacts.json"
+    if not index.exists():
+        source_dir = directory / f"synthetic-seed{seed}-{train}-{val}-{test}"
+        if not (source_dir / TEST_LABELS).exists():
+            generate(source_dir, train=train, val=val, test=test, seed=seed)
+        packed = pack_artifacts(source_dir, folder)
+        index.write_text(json.dumps(packed))
+    return [{"url": Path(item["path"]).resolve().as_uri(), "sha256": item["sha256"], "kind": item["kind"]}
+            for item in json.loads(index.read_text())]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.data.synthetic", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder to write the TuSimple layout into")
@@ -301,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", type=parse_size, default=(1280, 720), help="WIDTHxHEIGHT (default 1280x720)")
     parser.add_argument("--archive", type=Path, help="also pack the folder as this zip (train_set.zip-like)")
+    parser.add_argument("--artifacts", type=Path, help="also pack it as the benchmark ships it, into this folder: "
+                                                       "train_set.zip, test_set.zip and test_label.json")
     args = parser.parse_args(argv)
     for name in ("train", "val", "test"):
         if getattr(args, name) < 0:
@@ -312,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.archive:
         digest = pack_archive(args.out, args.archive)
         print(json.dumps({"archive": str(args.archive), "sha256": digest}))
+    if args.artifacts:
+        print(json.dumps({"artifacts": pack_artifacts(args.out, args.artifacts)}))
     return 0
 
 
