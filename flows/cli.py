@@ -1,5 +1,8 @@
-"""``laneflow``: lineage of runs and snapshots, the snapshot list, and ``serve`` (server + deployments + worker).
+"""``laneflow``: predict with a model, show the champion, lineage of runs and snapshots, the snapshot list,
+and ``serve`` (server + deployments + worker).
 
+    laneflow predict <image|folder|glob|video> [--model champion|RUN|SNAPSHOT|PACKAGE] [--volume V] [--out DIR]
+    laneflow champion [--volume V] [--platform local]
     laneflow lineage <run-or-snapshot> [--platform local]
     laneflow snapshots [--platform local]
     laneflow serve [--home .laneflow/serve] [--port 4200]
@@ -12,6 +15,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from flows.local_server import DEFAULT_PORT, ensure_server, server_env, stop_server
@@ -40,6 +44,81 @@ def lineage_text(name: str, platform_name: str) -> str:
         raise LookupError(f"no snapshot on platform '{platform_name}' and no run named '{name}' "
                           "(run names look like train-1a2b3c4d5e6f; `laneflow snapshots` lists snapshots)")
     return str(found[0].data)
+
+
+def local_package(model: str, volume: str, platform_name: str) -> Path:
+    """The package a model name means, as a path on this machine: a package folder or archive given as a
+    path, or ``champion``/a run/a snapshot resolved on a local platform's volume."""
+    if Path(model).exists():
+        return Path(model)
+    from flows.predict import resolve_package
+    from tasks.platforms import LocalPlatform, load_platform
+
+    platform = load_platform(platform_name)
+    if not isinstance(platform, LocalPlatform):
+        raise LookupError(f"platform '{platform_name}' is not on this machine: run the predict flow there instead "
+                          "(deployment predict, or flows.predict.predict)")
+    on_volume, package = resolve_package(platform, volume, model)
+    path = platform.volume_path(on_volume) / package
+    if not path.exists():
+        raise LookupError(f"model '{model}' resolves to {path}, which does not exist (was the run trained with "
+                          "package on?)")
+    return path
+
+
+def predict_command(args: argparse.Namespace) -> int:
+    import logging
+
+    import torch
+
+    from training.package import PackageError, load_package
+    from training.predict import InputError, predict
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = args.out or Path("predictions") / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        package = load_package(local_package(args.model, args.volume, args.platform), unpack_to=out / ".package")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        summary = predict(package, args.input, out, backend=args.backend, device=device)
+    except (LookupError, PackageError, InputError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"model       : {args.model} ({package.folder})")
+    print(f"frames      : {summary.frames} read, {summary.predicted} predicted, {len(summary.skipped)} skipped "
+          f"({summary.backend}, {summary.as_dict()['img_per_s']} img/s)")
+    for item in summary.skipped:
+        print(f"  skipped {item['frame']}: {item['problem']}")
+    print(f"predictions : {summary.predictions}")
+    print(f"overlays    : {summary.overlay}")
+    return 0
+
+
+def champion_command(volume: str, platform_name: str) -> int:
+    from prefect.variables import Variable
+
+    from tasks.champion import champion_variable
+
+    record = Variable.get(champion_variable(volume), default=None)
+    if not record:
+        print(f"error: volume '{volume}' has no champion yet (nightly_retrain crowns one)", file=sys.stderr)
+        return 1
+    metrics = record.get("metrics") or {}
+    try:
+        package = str(local_package("champion", volume, platform_name))
+    except LookupError:
+        package = f"{record.get('package')} on volume {record.get('volume')}"
+    print(f"champion of {volume}: {record['run']} (snapshot {record.get('snapshot') or 'none'}, dataset "
+          f"{record.get('dataset_version')})")
+    print(f"accuracy    : {metrics.get('untimed_accuracy', metrics.get('accuracy', float('nan'))):.4f} without the "
+          f"200 ms rule, {metrics.get('accuracy', float('nan')):.4f} official ({metrics.get('split')}, "
+          f"{metrics.get('images')} images)")
+    print(f"package     : {package}")
+    print()
+    try:
+        print(lineage_text(record.get("snapshot") or record["run"], platform_name), end="")
+    except LookupError as exc:
+        print(f"(no lineage found: {exc})")
+    return 0
 
 
 def ensure_local_setup(gpu_slots: int = 1) -> None:
@@ -113,8 +192,25 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd.add_argument("--port", type=int, default=DEFAULT_PORT)
     stop = commands.add_parser("stop-server", help="stop the local Prefect server started by demo or serve")
     stop.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
+    predict_cmd = commands.add_parser("predict", help="lanes on images or a video with a model package")
+    predict_cmd.add_argument("input", help="an image, a folder, a glob (quote it) or a video file")
+    predict_cmd.add_argument("--model", default="champion",
+                             help="champion, a run (train-...), a snapshot, or a package folder/archive path")
+    predict_cmd.add_argument("--volume", default="tusimple", help="the volume champion/run/snapshot live on")
+    predict_cmd.add_argument("--platform", default="local")
+    predict_cmd.add_argument("--backend", default="auto", choices=("auto", "eager", "torchscript", "onnx"),
+                             help="auto: the fastest for the device (onnx on CPUs, torchscript on GPUs)")
+    predict_cmd.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    predict_cmd.add_argument("--out", type=Path, default=None, help="output folder (default predictions/<time>)")
+    champion = commands.add_parser("champion", help="the volume's champion: run, metrics, package, lineage")
+    champion.add_argument("--volume", default="tusimple")
+    champion.add_argument("--platform", default="local")
     args = parser.parse_args(argv)
 
+    if args.command == "predict":
+        return predict_command(args)
+    if args.command == "champion":
+        return champion_command(args.volume, args.platform)
     if args.command == "serve":
         return serve(args.home, args.port)
     if args.command == "stop-server":

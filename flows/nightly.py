@@ -16,13 +16,9 @@ from prefect.variables import Variable
 
 from flows.params import TrainParams
 from flows.train import train_pipeline
-from tasks.champion import champion_record, decide_champion, selection_accuracy
+from tasks.champion import champion_record, champion_variable, decide_champion, selection_accuracy
 from tasks.pipeline import evaluate
 from tasks.platforms import VolumeRef, load_platform
-
-
-def champion_variable(volume: str) -> str:
-    return f"laneflow-champion-{volume}"
 
 
 @flow(name="nightly_retrain")
@@ -62,7 +58,8 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
         markdown=f"# Champion for volume `{params.volume}`: `{winner}`\n\n"
                  f"| | |\n|---|---|\n| challenger | `{challenger['run']}` ({decision.challenger_accuracy:.4f}) |\n"
                  f"| previous champion | {previous} |\n| decision | {'promoted' if decision.promote else 'kept'}: "
-                 f"{decision.reason} |\n| snapshot | `{challenger['snapshot']}` |\n\n"
+                 f"{decision.reason} |\n| snapshot | `{challenger['snapshot']}` |\n"
+                 f"| package | `{(challenger if decision.promote else champion).get('package')}` |\n\n"
                  "Accuracies are TuSimple accuracy without the benchmark's 200 ms run-time rule, so the decision "
                  "does not depend on how busy the evaluating machine was.\n")
     logger.info("champion %s: %s", "promoted" if decision.promote else "kept", decision.reason)

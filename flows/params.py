@@ -67,6 +67,7 @@ class TrainParams(BaseModel):
     loader_workers: int = Field(2, ge=0, le=64, description="DataLoader worker processes per Horovod process")
     eval_split: Literal["val", "test"] = Field("test", description="split the evaluate stage scores")
     snapshot: bool = Field(True, description="capture dataset + run as a snapshot with lineage")
+    package: bool = Field(True, description="export the model as a package (TorchScript, ONNX, contract, lineage)")
     promote: bool = Field(False, description="move the volume to a faster service level while training")
     images_per_second_per_worker: float = Field(
         200.0, gt=0, description="for choosing the service level: images/s one worker reads (from an earlier run)")

@@ -26,6 +26,7 @@ from tasks.pipeline import (
     ensure_dataset_volume,
     ensure_shared_access,
     evaluate,
+    package_model,
     prepare_dataset,
     promote_service_level,
     publish_artifacts,
@@ -81,6 +82,12 @@ def train_pipeline(params: TrainParams) -> dict[str, Any]:
             training={"steps": outcome.steps, "resumed_from": outcome.resumed_from,
                       "duration_s": outcome.duration_s, "trainer_eval": outcome.eval},
             evaluation=evaluation, snapshot=snapshot)
+        package = None
+        if params.package:  # inside the run's folder: the snapshot carries it
+            package = package_model(platform, volume, spec.run_dir, spec.data_dir, params.eval_split, lineage)
+            lineage["package"] = package["package"]
+        else:
+            logger.info("packaging off for this run")
         if snapshot:
             capture_snapshot(platform, volume, snapshot, spec.data_dir, spec.run_dir, lineage)
         else:
@@ -93,5 +100,5 @@ def train_pipeline(params: TrainParams) -> dict[str, Any]:
     return {"run": run, "flow_run_id": str(current_run.id), "volume": volume.name, "snapshot": snapshot,
             "dataset_version": dataset["dataset_version"], "metrics": evaluation, "steps": outcome.steps,
             "resumed_from": outcome.resumed_from, "data_dir": spec.data_dir, "run_dir": spec.run_dir,
-            "dataset_steps": dataset["steps"],
+            "dataset_steps": dataset["steps"], "package": package["package"] if package else None,
             "platform": params.platform}

@@ -14,6 +14,11 @@ class Decision:
     challenger_accuracy: float
 
 
+def champion_variable(volume: str) -> str:
+    """The Prefect variable holding a volume's champion record."""
+    return f"laneflow-champion-{volume}"
+
+
 def selection_accuracy(metrics: dict[str, Any]) -> float:
     """The accuracy models are compared by: the TuSimple score without the 200 ms run-time rule.
 
@@ -44,4 +49,4 @@ def decide_champion(champion_accuracy: float | None, challenger_accuracy: float,
 def champion_record(result: dict[str, Any]) -> dict[str, Any]:
     """What is remembered about a champion: enough to find, re-score and restore it."""
     return {key: result.get(key) for key in ("run", "flow_run_id", "volume", "snapshot", "dataset_version",
-                                             "metrics", "data_dir", "run_dir")}
+                                             "metrics", "data_dir", "run_dir", "package", "platform")}

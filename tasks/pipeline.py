@@ -23,7 +23,15 @@ from prefect.transactions import get_transaction
 
 from tasks.lineage import render_lineage_markdown
 from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, TrainingOutcome, TrainingSpec, VolumeRef
-from tasks.report import data_uri, metrics_rows, step_series, thumbnail_jpeg, training_curve_png
+from tasks.report import (
+    data_uri,
+    eval_series,
+    metrics_rows,
+    render_package_markdown,
+    step_series,
+    thumbnail_jpeg,
+    training_curve_png,
+)
 from tasks.retry import RETRY_POLICY
 from tasks.service_level import SERVICE_LEVELS, ThroughputNeed, choose_service_level, render_tier_markdown
 from training.data.sources import Artifact
@@ -185,6 +193,32 @@ def evaluate(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str,
     return result
 
 
+@task(name="package_model", task_run_name="package-{lineage[run]}", timeout_seconds=6 * HOUR, **_TASK)
+def package_model(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
+                  lineage: dict[str, Any]) -> dict[str, Any]:
+    """Export the model (TorchScript, ONNX) with its contract and lineage, parity proven; publish what it is."""
+    logger = get_run_logger()
+    package = platform.package_model(volume, run_dir, data_dir, split, lineage, logger.debug)
+    parity = package["parity"]
+    logger.info("package %s: TorchScript and ONNX match the eager model on %d images (max difference %s)",
+                package["package"], parity["images"],
+                ", ".join(f"{k} {v['max_abs_diff_probabilities']:.1e}" for k, v in parity["backends"].items()))
+    create_markdown_artifact(key=f"package-{lineage['run']}", description=f"model package of {lineage['run']}",
+                             markdown=render_package_markdown(package, volume.name, lineage))
+    return package
+
+
+@task(name="predict", task_run_name="predict-{inputs}", timeout_seconds=12 * HOUR, **_TASK)
+def predict(platform: Platform, volume: VolumeRef, package: str, inputs: str, out_dir: str,
+            backend: str) -> dict[str, Any]:
+    """Lanes on images or a video on the volume with a package; prediction lines and overlays."""
+    logger = get_run_logger()
+    summary = platform.predict(volume, package, inputs, out_dir, backend, logger.info)
+    logger.info("predicted %d of %d frames with %s; %d skipped; lines in %s", summary["predicted"],
+                summary["frames"], summary["backend"], len(summary["skipped"]), summary["predictions"])
+    return summary
+
+
 @task(name="restore_volume", task_run_name="restore-{snapshot}-to-{volume_name}", timeout_seconds=6 * HOUR,
       **_TASK)
 def restore_volume(platform: Platform, snapshot: str, volume_name: str) -> VolumeRef:
@@ -218,13 +252,13 @@ def publish_artifacts(platform: Platform, volume: VolumeRef, run_dir: str, outco
               if line.strip()]
     steps = step_series(events)
     training = {"steps": outcome.steps, "resumed_from": outcome.resumed_from, "duration_s": outcome.duration_s}
+    curve = training_curve_png(steps, f"{run} (dataset {lineage.get('dataset_version')})", eval_series(events))
     ids = {
         "metrics": create_table_artifact(table=metrics_rows(training, evaluation, steps), key=f"metrics-{run}",
                                          description=f"TuSimple metrics and training summary of {run}"),
         "curve": create_markdown_artifact(
-            markdown=f"# Training curve of `{run}`\n\n"
-                     f"![training curve]({data_uri(training_curve_png(steps, f'{run}: loss and lr'), 'image/png')})\n",
-            key=f"curve-{run}", description=f"loss and learning rate per logged step of {run}"),
+            markdown=f"# Training curve of `{run}`\n\n![training curve]({data_uri(curve, 'image/png')})\n",
+            key=f"curve-{run}", description=f"loss, learning rate and validation accuracy of {run}"),
         "lineage": create_markdown_artifact(markdown=render_lineage_markdown(lineage), key=f"lineage-{run}",
                                             description=f"what {run} was made from"),
     }

@@ -1,4 +1,5 @@
-"""Pure builders for what a run publishes: the metrics table, the training-curve PNG, image embedding.
+"""Pure builders for what a run publishes: the metrics table, the training-curve PNG (matplotlib),
+the package description, image embedding.
 
 Nothing here talks to Prefect or the disk; the publish task hands the results to Prefect's artifact API.
 """
@@ -6,13 +7,11 @@ Nothing here talks to Prefect or the disk; the publish task hands the results to
 from __future__ import annotations
 
 import base64
+import io
 from typing import Any
 
 import cv2
 import numpy as np
-
-CURVE_SIZE = (800, 360)
-_MARGIN = (70, 20, 30, 50)  # left, right, top, bottom
 
 
 def step_series(events: list[dict[str, Any]]) -> list[dict[str, float]]:
@@ -46,50 +45,85 @@ def metrics_rows(training: dict[str, Any], evaluation: dict[str, Any], steps: li
     return rows
 
 
-def training_curve_png(steps: list[dict[str, Any]], title: str) -> bytes:
-    """Loss (and learning rate, scaled to the same box) against step, as PNG bytes."""
-    width, height = CURVE_SIZE
-    left, right, top, bottom = _MARGIN
-    image = np.full((height, width, 3), 255, np.uint8)
-    box_w, box_h = width - left - right, height - top - bottom
-    cv2.rectangle(image, (left, top), (left + box_w, top + box_h), (90, 90, 90), 1)
-    cv2.putText(image, title, (left, top - 8), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (20, 20, 20), 1, cv2.LINE_AA)
+def eval_series(events: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, validation accuracy) of every evaluation a run reported (the trainer's ``eval`` events,
+    placed at the step of the epoch or checkpoint before them)."""
+    points, step = [], 0
+    for event in events:
+        if event.get("event") in ("step", "epoch", "checkpoint", "done") and "step" in event:
+            step = int(event["step"])
+        elif event.get("event") == "eval" and "accuracy" in event:
+            points.append((step, float(event.get("untimed_accuracy", event["accuracy"]))))
+    return points
+
+
+def training_curve_png(steps: list[dict[str, Any]], title: str,
+                       validation: list[tuple[int, float]] | None = None) -> bytes:
+    """Loss and learning rate on their own axes, per-epoch validation accuracy below when known (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to memory only
+    from matplotlib.figure import Figure
+
+    rows = 2 if validation else 1
+    figure = Figure(figsize=(8, 3.4 * rows), dpi=100, layout="constrained")
+    axes = figure.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    loss_axis = axes[0]
+    loss_axis.set_title(title, fontsize=11)
     if not steps:
-        cv2.putText(image, "no steps logged", (left + 20, top + box_h // 2), cv2.FONT_HERSHEY_SIMPLEX, 0.6,
-                    (60, 60, 60), 1, cv2.LINE_AA)
-        return _png(image)
-    x = np.array([s["step"] for s in steps], float)
-    series = {"loss": (np.array([s["loss"] for s in steps], float), (200, 80, 30)),
-              "lr (scaled)": (np.array([s["lr"] for s in steps], float), (60, 160, 60))}
-    x_lo, x_hi = float(x.min()), float(max(x.max(), x.min() + 1))
-    loss = series["loss"][0]
-    y_lo, y_hi = 0.0, float(max(loss.max(), 1e-6)) * 1.05
-    for label, (values, colour) in series.items():
-        if label.startswith("lr"):
-            values = values / max(values.max(), 1e-12) * y_hi * 0.9
-        px = left + (x - x_lo) / (x_hi - x_lo) * box_w
-        py = top + box_h - (values - y_lo) / (y_hi - y_lo) * box_h
-        points = np.stack([px, py], axis=1).round().astype(np.int32)
-        cv2.polylines(image, [points], False, colour, 2, cv2.LINE_AA)
-        for point in points:
-            cv2.circle(image, tuple(int(v) for v in point), 2, colour, -1)
-    for fraction in (0.0, 0.5, 1.0):
-        y_value = y_lo + fraction * (y_hi - y_lo)
-        y_pixel = int(top + box_h - fraction * box_h)
-        cv2.putText(image, f"{y_value:.3g}", (8, y_pixel + 4), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (40, 40, 40), 1,
-                    cv2.LINE_AA)
-        x_value = x_lo + fraction * (x_hi - x_lo)
-        x_pixel = int(left + fraction * box_w)
-        cv2.putText(image, f"{x_value:.0f}", (x_pixel - 10, top + box_h + 18), cv2.FONT_HERSHEY_SIMPLEX, 0.4,
-                    (40, 40, 40), 1, cv2.LINE_AA)
-    cv2.putText(image, "step", (left + box_w // 2 - 15, height - 8), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (40, 40, 40), 1,
-                cv2.LINE_AA)
-    for row, (label, (_, colour)) in enumerate(series.items()):
-        y_pixel = top + 18 + 18 * row
-        cv2.line(image, (left + box_w - 120, y_pixel - 4), (left + box_w - 100, y_pixel - 4), colour, 2)
-        cv2.putText(image, label, (left + box_w - 95, y_pixel), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (30, 30, 30), 1,
-                    cv2.LINE_AA)
-    return _png(image)
+        loss_axis.text(0.5, 0.5, "no steps logged", ha="center", va="center", transform=loss_axis.transAxes)
+    else:
+        x = [s["step"] for s in steps]
+        loss_axis.plot(x, [s["loss"] for s in steps], color="tab:orange", marker=".", label="loss")
+        loss_axis.set_ylabel("loss", color="tab:orange")
+        loss_axis.tick_params(axis="y", labelcolor="tab:orange")
+        lr_axis = loss_axis.twinx()
+        lr_axis.plot(x, [s["lr"] for s in steps], color="tab:green", linestyle="--", label="learning rate")
+        lr_axis.set_ylabel("learning rate", color="tab:green")
+        lr_axis.tick_params(axis="y", labelcolor="tab:green")
+        lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        loss_axis.grid(alpha=0.3)
+    if validation:
+        axis = axes[1]
+        axis.plot([s for s, _ in validation], [a for _, a in validation], color="tab:blue", marker="o")
+        axis.set_ylabel("validation accuracy")
+        axis.set_ylim(0, 1)
+        axis.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def render_package_markdown(package: dict[str, Any], volume: str, lineage: dict[str, Any]) -> str:
+    """What a model package is, where it lives and how well its model does (the UI artifact)."""
+    metrics = lineage.get("metrics") or {}
+    parity = package.get("parity", {})
+    backends = parity.get("backends", {})
+    lines = [
+        f"# Model package of `{lineage.get('run')}`",
+        "",
+        "SCNN exported for use outside laneflow: weights, TorchScript and ONNX of the deployable module "
+        "(uint8 BGR images in, lane probabilities and existence out), its input contract, lineage and test "
+        "metrics, every file checksummed.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| folder | `{package.get('package')}` on volume `{volume}` |",
+        f"| archive | `{package.get('archive')}` |",
+        f"| format version | {package.get('format_version')} |",
+        f"| dataset version | `{lineage.get('dataset_version')}` |",
+        *(f"| {metrics.get('split', 'test')} {label} | {float(metrics[key]):.4f} |"
+          for key, label in (("accuracy", "accuracy (official)"),
+                             ("untimed_accuracy", "accuracy without the 200 ms rule")) if key in metrics),
+        f"| parity | checked on {parity.get('images')} images, tolerance {parity.get('tolerance')}: " + ", ".join(
+            f"{name} max difference {r['max_abs_diff_probabilities']:.1e}, lanes "
+            f"{'identical' if r['identical_lanes'] else 'DIFFER'}" for name, r in backends.items()) + " |",
+        *(f"| `{name}` | sha256 `{digest}` |" for name, digest in sorted((package.get("files") or {}).items())),
+        "",
+        f"Run it: `laneflow predict <images or video> --model {lineage.get('run')} --volume {volume}`",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def thumbnail_jpeg(image_bytes: bytes, max_width: int = 960) -> bytes:
@@ -109,10 +143,3 @@ def thumbnail_jpeg(image_bytes: bytes, max_width: int = 960) -> bytes:
 def data_uri(data: bytes, mime: str) -> str:
     """Inline an image into markdown: artifacts then show it without any file server."""
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def _png(image: np.ndarray) -> bytes:
-    ok, encoded = cv2.imencode(".png", image)
-    if not ok:
-        raise ValueError("PNG encoding failed")
-    return encoded.tobytes()

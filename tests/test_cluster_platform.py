@@ -127,7 +127,7 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, 
     base = rendered("base")
     cluster.load(base)  # every call is now authorized against deployments/base, as on a real cluster
     name = saved(emu, "emu-cluster", namespace="laneflow")
-    result = train_pipeline(params_for(synthetic_archive, platform=name, volume="tusimple"))
+    result = train_pipeline(params_for(synthetic_archive, platform=name, volume="tusimple", package=True))
     assert result["metrics"]["images"] == 3 and result["steps"] == 2
     assert (cluster.count("persistentvolumeclaims"), cluster.count("mpijobs"), cluster.count("volumesnapshots")) \
         == (1, 1, 1)
@@ -146,6 +146,14 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, 
     lineage = json.loads(snapshot["metadata"]["annotations"]["laneflow.io/lineage"])
     assert lineage["run"] == run and lineage["metrics"] == result["metrics"]
     assert snapshot["status"]["readyToUse"] is True
+    # The package was built by a Job on the claim; a prediction Job runs it on images there.
+    claim = cluster.claim_dir("laneflow", "tusimple")
+    assert (claim / result["package"] / "model.onnx").is_file() and lineage["package"] == result["package"]
+    predicted = ClusterPlatform.load(name).predict(VolumeRef(name="tusimple", location="laneflow/tusimple"),
+                                                   result["package"], f"{result['data_dir']}/clips", "predictions/p1",
+                                                   "onnx", lambda _: None)
+    assert predicted["predictions"] == "predictions/p1/predictions.json" and predicted["predicted"] == 14
+    assert len((claim / predicted["predictions"]).read_text().splitlines()) == 14
 
     # Least privilege: the run's calls plus listing snapshots, cancelling and adopting a ReadWriteOnce
     # claim (its PV patched to ReadWriteMany) use exactly what deployments/ grants, nothing more.

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -13,9 +16,11 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.variables import Variable
 
 from flows.nightly import champion_variable, nightly_retrain
+from flows.predict import resolve_package
 from flows.restore import restore
 from flows.sweep import sweep
 from flows.train import train_pipeline
+from tasks.platforms import LocalPlatform
 from tests.test_pipeline import params_for
 
 pytestmark = pytest.mark.slow
@@ -29,11 +34,26 @@ def latest_artifact(key: str) -> object:
 
 
 def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
-        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
-    first = nightly_retrain(params_for(synthetic_archive, volume="nightly", epochs=6, snapshot=False))
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+    first = nightly_retrain(params_for(synthetic_archive, volume="nightly", epochs=6, snapshot=False, package=True))
     assert first["promoted"] and first["reason"] == "no champion yet"
     champion = Variable.get(champion_variable("nightly"))
     assert champion["run"] == first["challenger"]["run"]
+    # The champion is a package: resolvable by name, shown by `laneflow champion`, usable by `laneflow predict`.
+    assert champion["package"] == f"runs/{champion['run']}/package"
+    assert resolve_package(LocalPlatform(), "nightly", "champion") == ("nightly", champion["package"])
+    env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
+    laneflow = str(Path(sys.executable).parent / "laneflow")
+    shown = subprocess.run([laneflow, "champion", "--volume", "nightly"], env=env, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    package_dir = laneflow_home / "volumes" / "nightly" / champion["package"]
+    assert f"champion of nightly: {champion['run']}" in shown.stdout and str(package_dir) in shown.stdout
+    assert f"# Lineage of `{champion['run']}`" in shown.stdout
+    image = next((laneflow_home / "volumes" / "nightly" / champion["data_dir"] / "clips").rglob("20.jpg"))
+    predicted = subprocess.run([laneflow, "predict", str(image), "--model", "champion", "--volume", "nightly",
+                                "--out", str(tmp_path / "champion")], env=env, capture_output=True, text=True)
+    assert predicted.returncode == 0, predicted.stderr
+    assert len((tmp_path / "champion" / "predictions.json").read_text().splitlines()) == 1
 
     # The champion was a good model evaluated on a busy machine: every image over 200 ms, so its official
     # accuracy is 0 while without the run-time rule it scored 0.99. A one-step challenger must not beat it,

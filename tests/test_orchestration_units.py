@@ -20,7 +20,7 @@ from tasks.launch import horovodrun_command, parse_output_line, read_exit, read_
 from tasks.lineage import build_lineage, render_lineage_markdown
 from tasks.names import InvalidName, run_name, snapshot_name, validate_name
 from tasks.platforms import TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
-from tasks.report import metrics_rows, step_series, thumbnail_jpeg, training_curve_png
+from tasks.report import eval_series, metrics_rows, step_series, thumbnail_jpeg, training_curve_png
 from tasks.retry import is_transient
 from training.data.fetch import ChecksumMismatch, TransientFetchError
 from training.data.sources import Artifact, dataset_key
@@ -189,12 +189,23 @@ def test_step_series_keeps_the_last_report_of_a_step_replayed_after_resume() -> 
     assert [s["step"] for s in series] == [10, 20, 30] and series[1]["loss"] == 0.42
 
 
-def test_curve_is_a_png_with_the_lines_drawn() -> None:
-    image = cv2.imdecode(np.frombuffer(training_curve_png(step_series(STEPS), "run"), np.uint8), cv2.IMREAD_COLOR)
-    assert image.shape == (360, 800, 3)
-    assert (np.abs(image.astype(int) - (200, 80, 30)).sum(axis=2) < 60).sum() > 100  # the loss line's colour
+def colour_pixels(image: np.ndarray, rgb: tuple[int, int, int]) -> int:
+    return int((np.abs(image.astype(int) - rgb[::-1]).sum(axis=2) < 40).sum())
+
+
+def test_curve_is_a_matplotlib_png_with_loss_lr_and_validation_accuracy() -> None:
+    events = [*STEPS, {"event": "epoch", "epoch": 0, "step": 30},
+              {"event": "eval", "split": "val", "accuracy": 0.4, "untimed_accuracy": 0.7}]
+    validation = eval_series(events)
+    assert validation == [(30, 0.7)]  # the accuracy models are compared by, at the step it was measured
+    png = training_curve_png(step_series(STEPS), "train-1 (dataset 015713982decdf11)", validation)
+    image = cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR)
+    assert image.shape == (680, 800, 3)  # two panels: loss and lr on their own axes; validation accuracy
+    top, bottom = image[:340], image[340:]
+    assert colour_pixels(top, (255, 127, 14)) > 100 and colour_pixels(top, (44, 160, 44)) > 100  # loss, lr
+    assert colour_pixels(bottom, (31, 119, 180)) > 20  # the validation point
     empty = cv2.imdecode(np.frombuffer(training_curve_png([], "run"), np.uint8), cv2.IMREAD_COLOR)
-    assert empty.shape == (360, 800, 3)
+    assert empty.shape == (340, 800, 3)
 
 
 def test_metrics_rows_and_thumbnail() -> None:

@@ -17,6 +17,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 
 from flows.params import DataSource, TrainParams
+from flows.predict import predict as predict_flow
 from flows.train import train_pipeline
 
 pytestmark = pytest.mark.slow
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.slow
 
 def params_for(archive: tuple[Path, str], **changes: object) -> TrainParams:
     path, sha256 = archive
+    # Packaging (export + parity, seconds per run) is on only where a test is about it.
     base = {"source": DataSource(url=path.as_uri(), sha256=sha256), "epochs": 1, "batch_size": 2, "workers": 2,
-            "loader_workers": 0, "volume": "pipeline"}
+            "loader_workers": 0, "volume": "pipeline", "package": False}
     return TrainParams(**{**base, **changes})
 
 
@@ -67,21 +69,23 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
                                                  synthetic_artifacts: list[dict]) -> None:
     # The dataset as TuSimple ships it: train_set.zip, test_set.zip and test_label.json.
     source = DataSource(artifacts=synthetic_artifacts)
-    state = train_pipeline(params_for(synthetic_archive, source=source), return_state=True)
+    state = train_pipeline(params_for(synthetic_archive, source=source, package=True), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
     flow_run_id = state.state_details.flow_run_id
 
     runs = task_runs(flow_run_id)
     expected = {"ensure_dataset_volume", "promote_service_level", "prepare_dataset", "ensure_shared_access",
-                "submit_training", "wait_for_training", "evaluate", "capture_snapshot", "publish_artifacts",
-                "demote_service_level"}
+                "submit_training", "wait_for_training", "evaluate", "package_model", "capture_snapshot",
+                "publish_artifacts", "demote_service_level"}
     assert expected <= set(runs), sorted(runs)
     assert all(run.state.is_completed() for stage in runs.values() for run in stage)
 
     run = result["run"]
     assert run == f"train-{flow_run_id.hex[:12]}"  # named after the flow run: a retry finds the same run
-    assert {f"metrics-{run}", f"curve-{run}", f"lineage-{run}", f"predictions-{run}"} <= artifact_keys(flow_run_id)
+    assert {f"metrics-{run}", f"curve-{run}", f"lineage-{run}", f"predictions-{run}", f"package-{run}"} <= \
+        artifact_keys(flow_run_id)
+    assert result["package"] == f"runs/{run}/package"
 
     snapshot = laneflow_home / "snapshots" / result["snapshot"]
     lineage = json.loads((snapshot / "lineage.json").read_text())
@@ -92,6 +96,8 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
     assert lineage["metrics"]["accuracy"] == result["metrics"]["accuracy"]
     assert lineage["code_version"].startswith(("git:", "laneflow=="))
     assert (snapshot / "content" / "runs" / run / "model.pt").is_file()
+    assert (snapshot / "content" / "runs" / run / "package" / "model.onnx").is_file()  # the snapshot carries it
+    assert lineage["package"] == result["package"]
     assert (snapshot / "content" / result["data_dir"] / "manifest.json").is_file()
     assert result["dataset_steps"] == {"downloaded": True, "extracted": True, "preprocessed": True}
 
@@ -105,6 +111,12 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
     assert missing.returncode == 1 and "no run named 'no-such-run'" in missing.stderr
 
     assert {"laneflow.snapshot.created", "laneflow.training.finished"} <= laneflow_events()
+
+    # The run's package on the volume, by run name, through the predict flow (what the UI's form runs).
+    predicted = predict_flow(inputs=f"{result['data_dir']}/clips/0530", model=run, volume="pipeline",
+                             output="predictions/from-flow")
+    assert predicted["package"] == result["package"] and predicted["predicted"] == predicted["frames"] == 1
+    assert (laneflow_home / "volumes" / "pipeline" / predicted["predictions"]).is_file()
 
     second = train_pipeline(params_for(synthetic_archive, source=source, snapshot=False), return_state=True).result()
     assert second["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}

@@ -1,8 +1,9 @@
 """Score a model on a split with the TuSimple metric, and draw predictions for the UI.
 
-Probability maps + existence -> lane x positions at the h_samples (pure: ``lanes_from_probabilities``)
--> prediction JSON lines -> ``training.metric`` -> ``eval.json``; plus ``overlay.png`` with predicted
-(coloured) and ground-truth (white) lanes on a few images.
+Images go through the same input contract and deployable module as ``laneflow predict`` and the
+exported models (``training.inference``) -> lane x positions at the h_samples -> prediction JSON lines ->
+``training.metric`` -> ``eval.json``; plus ``overlay.png`` with predicted (coloured per slot) and
+ground-truth (white) lanes on a few images.
 """
 
 from __future__ import annotations
@@ -18,44 +19,15 @@ import cv2
 import numpy as np
 import torch
 
-from training.data.images import image_size
 from training.data.labels import LABEL_FILES
-from training.dataset import DataError, LaneDataset, normalize
+from training.dataset import DataError, read_list
+from training.inference import DeployedSCNN, draw_lanes, lanes_from_probabilities, resize_for_model, slot_lanes
 from training.metric import MAX_RUN_TIME_MS, parse_ground_truth, score_predictions
 from training.model import SCNN, ModelConfig
 
 log = logging.getLogger("laneflow.evaluate")
 
-PROB_THRESHOLD = 0.3
-EXIST_THRESHOLD = 0.5
-SLOT_COLOURS = ((255, 80, 80), (80, 255, 80), (80, 160, 255), (255, 220, 60))  # BGR per slot
-
-
-def lanes_from_probabilities(probs: np.ndarray, existence: np.ndarray, h_samples: list[int],
-                             image_size: tuple[int, int], threshold: float = PROB_THRESHOLD,
-                             exist_threshold: float = EXIST_THRESHOLD) -> list[list[int]]:
-    """Lane x at each h_sample (-2 where absent) for slots whose existence > ``exist_threshold``.
-
-    ``probs`` is (5, H, W) softmax output at network resolution; ``image_size`` is the original
-    (width, height) the h_samples refer to. A row's x is the peak of the slot's (smoothed) map when
-    the peak exceeds ``threshold``; lanes with fewer than 2 points are dropped.
-    """
-    _, height, width = probs.shape
-    orig_w, orig_h = image_size
-    rows = np.clip(np.round(np.asarray(h_samples) * height / orig_h).astype(int), 0, height - 1)
-    lanes = []
-    for slot in range(4):
-        if existence[slot] <= exist_threshold:
-            continue
-        smooth = cv2.blur(probs[slot + 1].astype(np.float32), (3, 3))
-        values = smooth[rows]
-        peaks = values.argmax(axis=1)
-        present = values[np.arange(len(rows)), peaks] > threshold
-        xs = np.where(present, np.round((peaks + 0.5) * orig_w / width - 0.5), -2).astype(int)
-        xs = np.clip(xs, -2, orig_w - 1)
-        if (xs >= 0).sum() >= 2:
-            lanes.append(xs.tolist())
-    return lanes
+__all__ = ["evaluate_run", "lanes_from_probabilities", "load_model", "predict"]
 
 
 def ground_truth_for(data_root: Path, split: str, raw_files: set[str]) -> dict[str, dict]:
@@ -82,26 +54,30 @@ def predict(model: SCNN, config: ModelConfig, data_root: Path, split: str, devic
             batch_size: int = 8) -> tuple[list[dict], dict[str, dict]]:
     """Prediction records (``raw_file``, ``lanes``, ``run_time`` in ms per image) for a split, and its
     ground truth (the kept images' label records, which give the h_samples to predict at)."""
-    dataset = LaneDataset(data_root, split, (config.input_width, config.input_height))
-    model.eval()
-    gt_lines = ground_truth_for(data_root, split, {s.image for s in dataset.samples})
+    samples = read_list(data_root, split)
+    deployed = DeployedSCNN(model).to(device).eval()
+    gt_lines = ground_truth_for(data_root, split, {s.image for s in samples})
     predictions = []
-    for start in range(0, len(dataset), batch_size):
-        indices = list(range(start, min(start + batch_size, len(dataset))))
-        batch = torch.stack([torch.from_numpy(dataset.load(i)[0]) for i in indices])
+    wanted = [s.image for s in samples if s.image in gt_lines]
+    for start in range(0, len(wanted), batch_size):
+        names = wanted[start:start + batch_size]
+        frames = []
+        for name in names:
+            frame = cv2.imread(str(data_root / name), cv2.IMREAD_COLOR)
+            if frame is None:
+                raise DataError(f"cannot read {data_root / name}")
+            frames.append(frame)
+        batch = np.stack([resize_for_model(f, config.input_width, config.input_height) for f in frames])
         began = time.perf_counter()
-        logits, existence = model(normalize(batch.to(device)))
-        probs = torch.softmax(logits, dim=1).cpu().numpy()
-        existence = existence.cpu().numpy()
-        per_image_ms = (time.perf_counter() - began) * 1000 / len(indices)
-        for offset, index in enumerate(indices):
-            raw_file = dataset.samples[index].image
-            gt = gt_lines.get(raw_file)
-            if gt is None:
-                continue
-            size = image_size((data_root / raw_file).read_bytes())
-            lanes = lanes_from_probabilities(probs[offset], existence[offset], gt["h_samples"], size)
-            predictions.append({"raw_file": raw_file, "lanes": lanes, "run_time": per_image_ms})
+        with torch.autocast(device.type, enabled=False):  # the metric is always computed on fp32 outputs
+            probs, existence = deployed(torch.from_numpy(batch).to(device))
+        probs, existence = probs.cpu().numpy(), existence.cpu().numpy()
+        per_image_ms = (time.perf_counter() - began) * 1000 / len(names)
+        for offset, (name, frame) in enumerate(zip(names, frames, strict=True)):
+            size = (frame.shape[1], frame.shape[0])
+            lanes = slot_lanes(probs[offset], existence[offset], gt_lines[name]["h_samples"], size)
+            predictions.append({"raw_file": name, "lanes": [lane for _, lane in lanes], "slots": [s for s, _ in lanes],
+                                "run_time": per_image_ms})
     return predictions, gt_lines
 
 
@@ -116,9 +92,7 @@ def draw_overlay(data_root: Path, predictions: list[dict], ground_truth: dict[st
             for x, y in zip(lane, gt["h_samples"], strict=True):
                 if x >= 0:
                     cv2.circle(image, (int(x), int(y)), 5, (255, 255, 255), -1)
-        for slot, lane in enumerate(record["lanes"]):
-            points = [(int(x), int(y)) for x, y in zip(lane, gt["h_samples"], strict=True) if x >= 0]
-            cv2.polylines(image, [np.array(points, np.int32)], False, SLOT_COLOURS[slot % 4], 4)
+        image = draw_lanes(image, list(zip(record["slots"], record["lanes"], strict=True)), gt["h_samples"])
         tiles.append(cv2.resize(image, tile))
     while len(tiles) % 2:
         tiles.append(np.zeros_like(tiles[0]))
@@ -138,7 +112,8 @@ def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Pat
     data_root, run_dir = Path(data_root), Path(run_dir)
     predictions, ground_truth = predict(model, config, data_root, split, device)
     prediction_file = run_dir / f"predictions_{split}.json"
-    prediction_file.write_text("".join(json.dumps(p) + "\n" for p in predictions))
+    prediction_file.write_text("".join(json.dumps({k: v for k, v in p.items() if k != "slots"}) + "\n"
+                                       for p in predictions))
     score = score_predictions(prediction_file.read_text().splitlines(), ground_truth, source=str(prediction_file))
     # Both the official score and the one models are chosen by (no run-time rule); see training.metric.
     result = {"split": split, **score.as_dict(),

@@ -64,18 +64,23 @@ def model_config(preset: str, **overrides: object) -> ModelConfig:
 
 
 class _MessagePassingFn(torch.autograd.Function):
-    """out[0] = x[0]; out[i] = x[i] + relu(conv1d(out[i-1], w)) along dim 0 of a (S, N, C, L) tensor."""
+    """out[0] = x[0]; out[i] = x[i] + relu(conv1d(out[i-1], w)) along dim 0 of a (S, N, C, L) tensor.
+
+    Computes in the dtype it is given (``MessagePassing`` casts to autocast's dtype under mixed
+    precision); autocast is off inside, so forward and backward agree on dtypes.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         padding = weight.shape[-1] // 2
-        out = x.clone()
-        active = torch.empty_like(x, dtype=torch.bool)
-        active[0] = False
-        for i in range(1, x.shape[0]):
-            pre = F.conv1d(out[i - 1], weight, padding=padding)
-            active[i] = pre > 0
-            out[i] += pre.clamp_(min=0)
+        with torch.autocast(x.device.type, enabled=False):
+            out = x.clone()
+            active = torch.empty_like(x, dtype=torch.bool)
+            active[0] = False
+            for i in range(1, x.shape[0]):
+                pre = F.conv1d(out[i - 1], weight, padding=padding)
+                active[i] = pre > 0
+                out[i] += pre.clamp_(min=0)
         ctx.save_for_backward(out, active, weight)
         return out
 
@@ -83,18 +88,32 @@ class _MessagePassingFn(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, active, weight = ctx.saved_tensors
         padding = weight.shape[-1] // 2
-        grad = grad_out.clone()  # becomes dL/dout[i] once everything downstream has been added
-        grad_pre = torch.zeros_like(grad_out)
-        for i in range(out.shape[0] - 1, 0, -1):
-            grad_pre[i] = grad[i] * active[i]
-            grad[i - 1] += F.conv_transpose1d(grad_pre[i], weight, padding=padding)
-        # All steps' weight gradients in one call: inputs out[0..S-2] against grad_pre[1..S-1].
-        steps, n, c, length = out.shape
-        grad_weight = torch.nn.grad.conv1d_weight(
-            out[:-1].reshape((steps - 1) * n, c, length), weight.shape,
-            grad_pre[1:].reshape((steps - 1) * n, c, length), padding=padding,
-        ) if steps > 1 else torch.zeros_like(weight)
+        with torch.autocast(out.device.type, enabled=False):
+            grad = grad_out.to(out.dtype, copy=True)  # becomes dL/dout[i] once everything downstream is added
+            grad_pre = torch.zeros_like(grad)
+            for i in range(out.shape[0] - 1, 0, -1):
+                grad_pre[i] = grad[i] * active[i]
+                grad[i - 1] += F.conv_transpose1d(grad_pre[i], weight, padding=padding)
+            # All steps' weight gradients in one call: inputs out[0..S-2] against grad_pre[1..S-1].
+            steps, n, c, length = out.shape
+            grad_weight = torch.nn.grad.conv1d_weight(
+                out[:-1].reshape((steps - 1) * n, c, length), weight.shape,
+                grad_pre[1:].reshape((steps - 1) * n, c, length), padding=padding,
+            ) if steps > 1 else torch.zeros_like(weight)
         return grad, grad_weight
+
+
+def _pass_messages(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same recurrence as ``_MessagePassingFn`` in plain tensor operations, for inference.
+
+    Without gradients there is no backward to save memory for, and plain operations are what
+    ``torch.jit.trace`` and the ONNX exporters can follow (a Python ``autograd.Function`` is not).
+    """
+    padding = weight.shape[-1] // 2
+    out = [seq[0]]
+    for i in range(1, seq.shape[0]):
+        out.append(seq[i] + F.relu(F.conv1d(out[-1], weight, padding=padding)))
+    return torch.stack(out)
 
 
 class MessagePassing(nn.Module):
@@ -118,7 +137,11 @@ class MessagePassing(nn.Module):
         if self.direction in ("up", "left"):
             seq = seq.flip(0)
         weight = self.weight.reshape(self.weight.shape[0], self.weight.shape[1], -1)
-        out = _MessagePassingFn.apply(seq.contiguous(), weight)
+        if torch.is_autocast_enabled(seq.device.type):  # mixed precision: pass messages in autocast's dtype
+            dtype = torch.get_autocast_dtype(seq.device.type)
+            seq, weight = seq.to(dtype), weight.to(dtype)
+        passing = _MessagePassingFn.apply if torch.is_grad_enabled() else _pass_messages
+        out = passing(seq.contiguous(), weight)
         if self.direction in ("up", "left"):
             out = out.flip(0)
         return out.permute(1, 2, 0, 3) if vertical else out.permute(1, 2, 3, 0)

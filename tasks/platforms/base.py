@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from pathlib import PurePosixPath
 from typing import Any
 
 from prefect.blocks.core import Block
@@ -105,6 +106,12 @@ def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s:
         duration_s=round(duration_s, 3), log_tail=log_tail)
 
 
+def paths_in(folder: str, summary: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``summary`` with the named paths as ``<folder>/<file name>``: relative to the volume, whatever path the
+    process that wrote them saw the volume under (a container sees it at /data)."""
+    return {**summary, **{key: f"{folder}/{PurePosixPath(summary[key]).name}" for key in keys if summary.get(key)}}
+
+
 EventSink = Callable[[dict[str, Any]], None]
 LogSink = Callable[[str], None]
 
@@ -155,6 +162,17 @@ class Platform(Block):
     @abc.abstractmethod
     def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
         """Score the run's final model on ``split`` with the TuSimple metric (writes eval_<split>.json)."""
+
+    @abc.abstractmethod
+    def package_model(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, lineage: dict[str, Any],
+                      log: LogSink) -> dict[str, Any]:
+        """Export the run's model as a package (``<run_dir>/package`` and its archive), parity-checked on
+        ``split``; returns the package's summary with its paths relative to the volume."""
+
+    @abc.abstractmethod
+    def predict(self, volume: VolumeRef, package: str, inputs: str, out_dir: str, backend: str,
+                log: LogSink) -> dict[str, Any]:
+        """Run a package on images or a video on the volume (paths relative to it); the prediction summary."""
 
     # --- snapshots ---------------------------------------------------------------------------------
     @abc.abstractmethod

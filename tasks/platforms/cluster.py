@@ -54,6 +54,7 @@ from tasks.platforms.base import (
     TransientPlatformError,
     VolumeRef,
     outcome_from_events,
+    paths_in,
 )
 from training.data.sources import Artifact, dataset_key, validate_artifacts
 
@@ -325,8 +326,7 @@ class ClusterPlatform(Platform):
 
     def _file_job(self, kind: str, volume: VolumeRef, relative_path: str, script: str, *args: str) -> list[str]:
         """Run ``python -c script /data/<relative_path> *args`` in a throwaway Job on the claim; its log lines."""
-        if relative_path.startswith("/") or ".." in relative_path.split("/"):
-            raise ValueError(f"path '{relative_path}' leaves volume '{volume.name}'")
+        _stays_on(volume, relative_path)
         name = f"{kind}-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
         body = render_data_job(name, self.layout(), volume.name, [], self._job_labels(name))
         body["spec"]["template"]["spec"]["containers"][0]["command"] = [
@@ -487,19 +487,46 @@ class ClusterPlatform(Platform):
             raise
         return True
 
-    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
-        run = run_dir.rstrip("/").rsplit("/", 1)[-1]
-        name = validate_name(f"eval-{run}-{split}"[:63].rstrip("-"), "job")
-        body = render_data_job(name, self.layout(), volume.name, [], self._job_labels(run, {"split": split}))
+    def _gpu_job(self, name: str, volume: VolumeRef, run: str, labels: dict[str, str], args: list[str],
+                 event: str, log: LogSink, timeout_s: float = 6 * 3600) -> dict[str, Any]:
+        """``python -m <args>`` as a Job in the training image on one GPU, the claim at /data; its event."""
+        name = validate_name(name[:63].rstrip("-"), "job")
+        body = render_data_job(name, self.layout(), volume.name, [], self._job_labels(run, labels))
         container = body["spec"]["template"]["spec"]["containers"][0]
         container["image"] = self.image
-        container["command"] = ["python", "-m", "training.evaluate", "--run-dir", f"{MOUNT_PATH}/{run_dir}",
-                                "--data-root", f"{MOUNT_PATH}/{data_dir}", "--split", split]
+        container["command"] = ["python", "-m", *args]
         container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
-        lines = self._run_job(body, log, timeout_s=6 * 3600, delete_after=True)
-        result = _last_event(lines, "eval", f"evaluation job {name}")
+        lines = self._run_job(body, log, timeout_s=timeout_s, delete_after=True)
+        result = _last_event(lines, event, f"job {name}")
         result.pop("event", None)
         return result
+
+    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
+        run = run_dir.rstrip("/").rsplit("/", 1)[-1]
+        return self._gpu_job(f"eval-{run}-{split}", volume, run, {"split": split},
+                             ["training.evaluate", "--run-dir", f"{MOUNT_PATH}/{run_dir}",
+                              "--data-root", f"{MOUNT_PATH}/{data_dir}", "--split", split], "eval", log)
+
+    def package_model(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, lineage: dict[str, Any],
+                      log: LogSink) -> dict[str, Any]:
+        run = run_dir.rstrip("/").rsplit("/", 1)[-1]
+        summary = self._gpu_job(f"package-{run}", volume, run, {"step": "package"},
+                                ["training.package", "--run-dir", f"{MOUNT_PATH}/{run_dir}", "--data-root",
+                                 f"{MOUNT_PATH}/{data_dir}", "--split", split, "--lineage", json.dumps(lineage)],
+                                "packaged", log)
+        return paths_in(run_dir, summary, ("package", "archive"))
+
+    def predict(self, volume: VolumeRef, package: str, inputs: str, out_dir: str, backend: str,
+                log: LogSink) -> dict[str, Any]:
+        for path in (package, inputs, out_dir):
+            _stays_on(volume, path)
+        digest = hashlib.sha256(f"{package}|{inputs}|{out_dir}".encode()).hexdigest()[:8]
+        summary = self._gpu_job(f"predict-{digest}-{uuid.uuid4().hex[:8]}", volume, f"predict-{digest}",
+                                {"step": "predict"},
+                                ["training.predict", "--package", f"{MOUNT_PATH}/{package}", "--input",
+                                 f"{MOUNT_PATH}/{inputs}", "--out", f"{MOUNT_PATH}/{out_dir}", "--backend", backend],
+                                "predicted", log)
+        return paths_in(out_dir, summary, ("predictions", "overlay"))
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _anf(self) -> AnfVolume:
@@ -626,6 +653,11 @@ class ClusterPlatform(Platform):
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+
+def _stays_on(volume: VolumeRef, relative_path: str) -> None:
+    if relative_path.startswith("/") or ".." in relative_path.split("/"):
+        raise ValueError(f"path '{relative_path}' leaves volume '{volume.name}'")
+
 
 def _message(exc: ApiException) -> str:
     try:

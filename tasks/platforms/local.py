@@ -44,6 +44,7 @@ from tasks.platforms.base import (
     TrainingSpec,
     VolumeRef,
     outcome_from_events,
+    paths_in,
 )
 from training.data.sources import Artifact
 
@@ -205,21 +206,43 @@ class LocalPlatform(Platform):
             _finish_record(run_dir, None, "cancelled")
         return stopped
 
-    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
-        cmd = [self._python(), "-m", "training.evaluate", "--run-dir", str(self._inside(volume, run_dir)),
-               "--data-root", str(self._inside(volume, data_dir)), "--split", split]
+    def _run_module(self, args: list[str], log: LogSink, what: str) -> dict[str, Any]:
+        """``python -m <args>`` on all cores; its stderr to ``log``, its last JSON event is the result.
+
+        Exit code 2 (the module refused its input) raises ValueError, not retried; anything else RuntimeError.
+        """
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() or 1))}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        done = subprocess.run([self._python(), "-m", *args], capture_output=True, text=True, env=env, check=False)
         for line in done.stderr.splitlines():
             log(line)
         results = [p.event for p in map(parse_output_line, done.stdout.splitlines()) if p.event]
         if done.returncode != 0 or not results:
             tail = "\n".join(done.stderr.splitlines()[-LOG_TAIL:])
             kind = ValueError if done.returncode == 2 else RuntimeError
-            raise kind(f"evaluation of {run_dir} on '{split}' failed (exit code {done.returncode}):\n{tail}")
+            raise kind(f"{what} failed (exit code {done.returncode}):\n{tail}")
         result = dict(results[-1])
         result.pop("event")
         return result
+
+    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
+        return self._run_module(["training.evaluate", "--run-dir", str(self._inside(volume, run_dir)),
+                                 "--data-root", str(self._inside(volume, data_dir)), "--split", split],
+                                log, f"evaluation of {run_dir} on '{split}'")
+
+    def package_model(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, lineage: dict[str, Any],
+                      log: LogSink) -> dict[str, Any]:
+        summary = self._run_module(["training.package", "--run-dir", str(self._inside(volume, run_dir)),
+                                    "--data-root", str(self._inside(volume, data_dir)), "--split", split,
+                                    "--lineage", json.dumps(lineage)], log, f"packaging {run_dir}")
+        return paths_in(run_dir, summary, ("package", "archive"))
+
+    def predict(self, volume: VolumeRef, package: str, inputs: str, out_dir: str, backend: str,
+                log: LogSink) -> dict[str, Any]:
+        summary = self._run_module(["training.predict", "--package", str(self._inside(volume, package)),
+                                    "--input", str(self._inside(volume, inputs)),
+                                    "--out", str(self._inside(volume, out_dir)), "--backend", backend],
+                                   log, f"prediction with {package} on {inputs}")
+        return paths_in(out_dir, summary, ("predictions", "overlay"))
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _snapshots_dir(self) -> Path:

@@ -148,6 +148,11 @@ def check_against_image(record: LabelRecord, width: int, height: int) -> None:
                 )
 
 
+def h_samples_for(height: int) -> list[int]:
+    """TuSimple's label rows (160..710 step 10 at 720 px), scaled to ``height``."""
+    return [round(y * height / REFERENCE_HEIGHT) for y in range(160, 720, 10)]
+
+
 def lane_points(lane: tuple[float, ...], h_samples: tuple[int, ...]) -> list[Point]:
     """The labelled (x, y) points of a lane, top to bottom as in the label."""
     return [(x, float(y)) for x, y in zip(lane, h_samples, strict=True) if x >= 0]

@@ -26,6 +26,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from training.data.labels import h_samples_for
+
 log = logging.getLogger("laneflow.data.synthetic")
 
 LANE_WIDTH_M = 3.7
@@ -65,10 +67,6 @@ class Scene:
     styles: tuple[tuple[str, tuple[int, int, int]], ...]  # ("solid"|"dashed", BGR colour) per boundary
     dash_phase: float
 
-
-def h_samples_for(height: int) -> list[int]:
-    """TuSimple's label rows (160..710 step 10 at 720 px), scaled to ``height``."""
-    return [round(y * height / 720) for y in range(160, 720, 10)]
 
 
 def make_scene(rng: np.random.Generator, width: int, height: int) -> Scene:
@@ -311,6 +309,30 @@ def pack_artifacts(dataset_dir: str | Path, out: str | Path) -> list[dict[str, s
     return [{"path": str(out / TRAIN_ARCHIVE), "sha256": train_sha, "kind": "archive"},
             {"path": str(out / TEST_ARCHIVE), "sha256": test_sha, "kind": "archive"},
             {"path": str(labels), "sha256": _sha256(labels), "kind": "file"}]
+
+
+def labelled_video(data_root: str | Path, label_file: str, video: str | Path, count: int | None = None,
+                   fps: float = 10.0) -> Path:
+    """A lossless (FFV1) video of the labelled images of ``label_file`` (the first ``count``), and beside it
+    ``<video>.labels.json``: their TuSimple label lines with ``raw_file`` renamed to the frames' names as
+    ``laneflow predict`` gives them (``<video name>#<index>``). Returns the label file's path."""
+    data_root, video = Path(data_root), Path(video)
+    records = [json.loads(line) for line in (data_root / label_file).read_text().splitlines() if line.strip()]
+    records = records[:count] if count else records
+    if not records:
+        raise ValueError(f"{data_root / label_file} has no labelled images to make a video of")
+    first = cv2.imread(str(data_root / records[0]["raw_file"]))
+    video.parent.mkdir(parents=True, exist_ok=True)
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"FFV1"), fps, (first.shape[1], first.shape[0]))
+    if not writer.isOpened():
+        raise RuntimeError(f"OpenCV cannot write an FFV1 video to {video}")
+    for record in records:
+        writer.write(cv2.imread(str(data_root / record["raw_file"])))
+    writer.release()
+    labels = video.with_name(video.name + ".labels.json")
+    labels.write_text("".join(json.dumps({**record, "raw_file": f"{video.name}#{index}"}) + "\n"
+                              for index, record in enumerate(records)), encoding="utf-8")
+    return labels
 
 
 def parse_size(text: str) -> tuple[int, int]:

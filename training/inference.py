@@ -1,0 +1,117 @@
+"""Running a trained SCNN on images: the input contract, the deployable module, lanes from its output.
+
+One path for every consumer — the evaluation stage, ``laneflow predict`` and the exported TorchScript
+and ONNX models — so they agree to the pixel:
+
+- **Input contract.** A batch of BGR ``uint8`` images as OpenCV decodes them (NHWC), each resized from
+  the full decoded frame to the model's input size with ``cv2.INTER_LINEAR``.
+- **Deployable module** (``DeployedSCNN``). Converts that batch to RGB float, normalises it with the
+  ImageNet statistics the network was trained with, and returns softmax probabilities ``(N, 5, H, W)``
+  (background + 4 lane slots) and lane existence ``(N, 4)``. This is what the package exports.
+- **Lanes** (``lanes_from_probabilities``, pure). For each slot whose existence is over 0.5, at each
+  h_sample row the column of the slot's (3x3-smoothed) probability peak when it is over 0.3, mapped back
+  to source pixels; -2 elsewhere; lanes with fewer than 2 points are dropped. h_samples are TuSimple's
+  rows (160..710 step 10 at 720 px) scaled to the source image's height.
+"""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import torch
+from torch import nn
+
+from training.data.labels import h_samples_for
+from training.dataset import IMAGENET_MEAN, IMAGENET_STD
+
+__all__ = ["DeployedSCNN", "draw_lanes", "h_samples_for", "input_contract", "lanes_from_probabilities",
+           "resize_for_model", "slot_lanes"]
+
+PROB_THRESHOLD = 0.3
+EXIST_THRESHOLD = 0.5
+ABSENT = -2
+SLOT_COLOURS = ((255, 80, 80), (80, 255, 80), (80, 160, 255), (255, 220, 60))  # BGR per slot
+
+
+def input_contract(width: int, height: int) -> dict:
+    """What a consumer of an exported model must feed it and what it gets back (recorded in packages)."""
+    return {
+        "input": {"shape": ["batch", height, width, 3], "dtype": "uint8", "layout": "NHWC",
+                  "colour_order": "BGR (as OpenCV decodes)",
+                  "resize": "cv2.resize(full decoded image, (width, height), interpolation=cv2.INTER_LINEAR)",
+                  "normalisation": {"inside_the_model": True, "scale": "1/255", "mean_rgb": list(IMAGENET_MEAN),
+                                    "std_rgb": list(IMAGENET_STD)}},
+        "outputs": {"probabilities": ["batch", 5, height, width], "existence": ["batch", 4],
+                    "classes": ["background", "lane slot 1 (left outer)", "lane slot 2 (left ego)",
+                                "lane slot 3 (right ego)", "lane slot 4 (right outer)"]},
+        "lanes": {"existence_threshold": EXIST_THRESHOLD, "probability_threshold": PROB_THRESHOLD,
+                  "smoothing": "3x3 box filter on each slot's probability map",
+                  "h_samples": "TuSimple rows 160..710 step 10 at 720 px, scaled to the source image height",
+                  "absent_x": ABSENT, "min_points": 2},
+    }
+
+
+def resize_for_model(image: np.ndarray, width: int, height: int) -> np.ndarray:
+    """The input contract's resize: a full decoded BGR frame to the model's input size."""
+    if image.shape[:2] == (height, width):
+        return image
+    return cv2.resize(image, (width, height), interpolation=cv2.INTER_LINEAR)
+
+
+class DeployedSCNN(nn.Module):
+    """SCNN behind the input contract: uint8 BGR NHWC in, (probabilities, existence) out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(IMAGENET_STD, dtype=torch.float32).view(1, 3, 1, 1))
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rgb = images.permute(0, 3, 1, 2)[:, [2, 1, 0]].float()
+        logits, existence = self.model((rgb / 255.0 - self.mean) / self.std)
+        return torch.softmax(logits, dim=1), existence
+
+
+def lanes_from_probabilities(probs: np.ndarray, existence: np.ndarray, h_samples: list[int],
+                             image_size: tuple[int, int], threshold: float = PROB_THRESHOLD,
+                             exist_threshold: float = EXIST_THRESHOLD) -> list[list[int]]:
+    """Lane x at each h_sample (-2 where absent) for slots whose existence > ``exist_threshold``.
+
+    ``probs`` is (5, H, W) softmax output at network resolution; ``image_size`` is the original
+    (width, height) the h_samples refer to.
+    """
+    return [lane for _, lane in slot_lanes(probs, existence, h_samples, image_size, threshold, exist_threshold)]
+
+
+def slot_lanes(probs: np.ndarray, existence: np.ndarray, h_samples: list[int], image_size: tuple[int, int],
+               threshold: float = PROB_THRESHOLD, exist_threshold: float = EXIST_THRESHOLD
+               ) -> list[tuple[int, list[int]]]:
+    """``(slot, lane)`` pairs of ``lanes_from_probabilities``: which slot (0..3) each lane came from."""
+    _, height, width = probs.shape
+    orig_w, orig_h = image_size
+    rows = np.clip(np.round(np.asarray(h_samples) * height / orig_h).astype(int), 0, height - 1)
+    lanes = []
+    for slot in range(4):
+        if existence[slot] <= exist_threshold:
+            continue
+        smooth = cv2.blur(probs[slot + 1].astype(np.float32), (3, 3))
+        values = smooth[rows]
+        peaks = values.argmax(axis=1)
+        present = values[np.arange(len(rows)), peaks] > threshold
+        xs = np.where(present, np.round((peaks + 0.5) * orig_w / width - 0.5), ABSENT).astype(int)
+        xs = np.clip(xs, ABSENT, orig_w - 1)
+        if (xs >= 0).sum() >= 2:
+            lanes.append((slot, xs.tolist()))
+    return lanes
+
+
+def draw_lanes(image: np.ndarray, lanes: list[tuple[int, list[int]]], h_samples: list[int],
+               thickness: int = 4) -> np.ndarray:
+    """A copy of ``image`` with each ``(slot, lane)`` drawn in its slot's colour."""
+    out = image.copy()
+    for slot, lane in lanes:
+        points = [(int(x), int(y)) for x, y in zip(lane, h_samples, strict=True) if x >= 0]
+        if len(points) >= 2:
+            cv2.polylines(out, [np.array(points, np.int32)], False, SLOT_COLOURS[slot % 4], thickness)
+    return out

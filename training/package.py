@@ -1,0 +1,349 @@
+"""Model packages: a trained run as one folder (and one archive) an inference team can use outside laneflow.
+
+    runs/<run>/package/
+        package.json            format version, model config, input contract, lineage, test metrics,
+                                the parity check, and the sha256 of every other file
+        weights.pt              the state dict (load with laneflow: ``training.package.open_backend``)
+        model.torchscript.pt    TorchScript of the deployable module (``torch.jit.load``)
+        model.onnx              ONNX (opset 17) of the same module, batch size dynamic
+    runs/<run>/package.tar.gz   the folder as one file
+
+The exported module is ``training.inference.DeployedSCNN``: uint8 BGR NHWC images in, softmax
+probabilities and lane existence out, normalisation inside. **Parity is proven before anything is
+written**: on up to 20 images of the evaluated split, TorchScript's and ONNX Runtime's probability maps
+equal the eager model's within ``PROB_TOLERANCE`` and give identical lanes; a failed export or parity
+check is an error and leaves no package behind (it is built in a staging folder and renamed into place).
+Loading a package checks its format version and every file's checksum.
+
+    python -m training.package --run-dir R --data-root D --split test [--lineage JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+
+from training.dataset import DataError, read_list
+from training.inference import DeployedSCNN, input_contract, resize_for_model, slot_lanes
+from training.model import SCNN, ModelConfig
+
+log = logging.getLogger("laneflow.package")
+
+FORMAT_VERSION = 1
+MANIFEST = "package.json"
+WEIGHTS, TORCHSCRIPT, ONNX = "weights.pt", "model.torchscript.pt", "model.onnx"
+ARCHIVE_SUFFIX = ".tar.gz"
+PARITY_IMAGES = 20
+#: Largest difference allowed between a backend's probabilities and the eager model's (float32 kernels
+#: differ in summation order; measured differences are ~1e-7).
+PROB_TOLERANCE = 1e-4
+ONNX_OPSET = 17
+BACKENDS = ("eager", "torchscript", "onnx")
+
+
+class PackageError(ValueError):
+    """A package that cannot be built or used; the message says which file or check and what to do."""
+
+
+# --- building -------------------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export_models(model: SCNN, config: ModelConfig, folder: Path) -> None:
+    """Weights, TorchScript and ONNX of the deployable module into ``folder``; errors name the format."""
+    model = model.cpu().eval()
+    deployed = DeployedSCNN(model).eval()
+    example = torch.zeros((1, config.input_height, config.input_width, 3), dtype=torch.uint8)
+    torch.save({"model": model.state_dict(), "model_config": asdict(config)}, folder / WEIGHTS)
+    # Without gradients the model runs plain tensor operations (not its training-time autograd
+    # function), which is what tracing and the exporters follow.
+    # torch 2.13 marks TorchScript deprecated (it still works, and inference teams still ask for it).
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=DeprecationWarning)
+        try:
+            torch.jit.trace(deployed, example).save(str(folder / TORCHSCRIPT))
+        except Exception as exc:
+            raise PackageError(f"TorchScript export failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                # dynamo=False: the TorchScript-based exporter takes seconds where the dynamo one takes
+                # minutes on this network's unrolled message passing, with the same parity.
+                torch.onnx.export(deployed, (example,), str(folder / ONNX), dynamo=False, opset_version=ONNX_OPSET,
+                                  input_names=["images"], output_names=["probabilities", "existence"],
+                                  dynamic_axes={"images": {0: "batch"}, "probabilities": {0: "batch"},
+                                                "existence": {0: "batch"}})
+        except Exception as exc:
+            raise PackageError(f"ONNX export failed: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass
+class ParityImage:
+    """One image the parity check runs: the model input, and what its lanes are measured against."""
+
+    name: str
+    batch: np.ndarray  # (H, W, 3) uint8 at the model's input size
+    size: tuple[int, int]  # the source image's (width, height)
+    h_samples: list[int]
+
+
+def parity_images(data_root: Path, split: str, config: ModelConfig, count: int = PARITY_IMAGES) -> list[ParityImage]:
+    """The first ``count`` images of a prepared split, through the input contract."""
+    from training.evaluate import ground_truth_for
+
+    samples = read_list(data_root, split)[:count]
+    gt = ground_truth_for(data_root, split, {s.image for s in samples})
+    images = []
+    for sample in samples:
+        frame = cv2.imread(str(data_root / sample.image), cv2.IMREAD_COLOR)
+        if frame is None or sample.image not in gt:
+            continue
+        images.append(ParityImage(sample.image, resize_for_model(frame, config.input_width, config.input_height),
+                                  (frame.shape[1], frame.shape[0]), gt[sample.image]["h_samples"]))
+    if not images:
+        raise DataError(f"split '{split}' of {data_root} has no readable labelled images to check parity on")
+    return images
+
+
+def check_parity(folder: Path, config: ModelConfig, images: list[ParityImage]) -> dict[str, Any]:
+    """Every backend's probabilities and lanes against the eager model's, on ``images``."""
+    backends = {name: open_backend(folder, config, name) for name in BACKENDS}
+    batch = np.stack([image.batch for image in images])
+    outputs = {name: backend(batch) for name, backend in backends.items()}
+    reference = outputs["eager"]
+    report: dict[str, Any] = {"images": len(images), "tolerance": PROB_TOLERANCE, "backends": {}}
+    for name in ("torchscript", "onnx"):
+        probs, existence = outputs[name]
+        same_lanes = all(
+            slot_lanes(probs[i], existence[i], image.h_samples, image.size)
+            == slot_lanes(reference[0][i], reference[1][i], image.h_samples, image.size)
+            for i, image in enumerate(images))
+        report["backends"][name] = {
+            "max_abs_diff_probabilities": float(np.abs(probs - reference[0]).max()),
+            "max_abs_diff_existence": float(np.abs(existence - reference[1]).max()),
+            "identical_lanes": same_lanes}
+    failures = []
+    for name, result in report["backends"].items():
+        worst = max(result["max_abs_diff_probabilities"], result["max_abs_diff_existence"])
+        if worst > PROB_TOLERANCE:
+            failures.append(f"{name}: outputs differ by up to {worst:.3g} (> {PROB_TOLERANCE})")
+        elif not result["identical_lanes"]:
+            failures.append(f"{name}: lanes differ from the eager model's")
+    report["passed"] = not failures
+    if failures:
+        raise PackageError("exported models do not match the eager model on "
+                           f"{len(images)} images: {'; '.join(failures)}")
+    return report
+
+
+def build_package(model: SCNN, config: ModelConfig, images: list[ParityImage], out: Path, *,
+                  lineage: dict | None = None, metrics: dict | None = None) -> dict[str, Any]:
+    """Export, prove parity, describe, checksum and archive: ``out`` (a folder) and ``out``.tar.gz."""
+    out = Path(out)
+    staging = out.with_name(f".{out.name}.building")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        export_models(model, config, staging)
+        parity = check_parity(staging, config, images)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {"architecture": "SCNN", "config": asdict(config)},
+            "contract": input_contract(config.input_width, config.input_height),
+            "lineage": lineage or {},
+            "metrics": metrics or {},
+            "parity": {**parity, "checked_on": [image.name for image in images]},
+            "files": {name: _sha256(staging / name) for name in (WEIGHTS, TORCHSCRIPT, ONNX)},
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        archive = out.with_name(out.name + ARCHIVE_SUFFIX)
+        partial = archive.with_name(archive.name + ".partial")
+        with tarfile.open(partial, "w:gz") as tar:
+            for name in (MANIFEST, WEIGHTS, TORCHSCRIPT, ONNX):
+                tar.add(staging / name, arcname=f"{out.name}/{name}")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+        partial.rename(archive)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("packaged %s (parity on %d images: %s)", out, parity["images"],
+             ", ".join(f"{k} {v['max_abs_diff_probabilities']:.1e}" for k, v in parity["backends"].items()))
+    return {"package": str(out), "archive": str(archive), "format_version": FORMAT_VERSION,
+            "files": manifest["files"], "parity": manifest["parity"]}
+
+
+def package_run(run_dir: Path, data_root: Path, split: str, lineage: dict | None = None) -> dict[str, Any]:
+    """The package of a finished run (``model.pt``), checked on its evaluated split; with its test metrics."""
+    from training.evaluate import load_model
+
+    run_dir, data_root = Path(run_dir), Path(data_root)
+    model_file = run_dir / "model.pt"
+    if not model_file.is_file():
+        raise PackageError(f"{model_file} does not exist: package a run that finished training")
+    model, config = load_model(model_file, "cpu")
+    metrics = {}
+    for candidate in (run_dir / f"eval_{split}.json", run_dir / "eval.json"):  # the pipeline's, the trainer's
+        if candidate.is_file() and json.loads(candidate.read_text()).get("split") == split:
+            metrics = json.loads(candidate.read_text())
+            break
+    images = parity_images(data_root, split, config)
+    return build_package(model, config, images, run_dir / "package", lineage=lineage, metrics=metrics)
+
+
+# --- loading ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Package:
+    """A verified package on disk."""
+
+    folder: Path
+    manifest: dict
+
+    @property
+    def config(self) -> ModelConfig:
+        fields = self.manifest["model"]["config"]
+        return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+
+def load_package(path: str | Path, unpack_to: Path | None = None) -> Package:
+    """A package folder or archive, after checking its format version and every file's checksum."""
+    path = Path(path)
+    if path.is_file() and path.name.endswith(ARCHIVE_SUFFIX):
+        folder = _unpack(path, unpack_to)
+    elif path.is_dir():
+        folder = path
+    else:
+        raise PackageError(f"{path} is neither a package folder nor a {ARCHIVE_SUFFIX} package archive")
+    manifest_file = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PackageError(f"{folder} is not a laneflow package: {MANIFEST} is missing or unreadable ({exc})") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise PackageError(f"{folder} is a package of format {version!r}; this laneflow reads format {FORMAT_VERSION}"
+                           + ("; upgrade laneflow to use it" if newer else "; rebuild it with this laneflow"))
+    for name, expected in manifest.get("files", {}).items():
+        file = folder / name
+        if not file.is_file():
+            raise PackageError(f"package {folder} lacks {name}")
+        actual = _sha256(file)
+        if actual != expected:
+            raise PackageError(f"package {folder}: {name} does not match its recorded checksum (sha256 {actual}, "
+                               f"recorded {expected}); it was changed or truncated — rebuild or re-download it")
+    return Package(folder, manifest)
+
+
+def _unpack(archive: Path, into: Path | None) -> Path:
+    """Extract a package archive (its one folder) into ``into`` (a new temporary folder by default)."""
+    into = Path(into or tempfile.mkdtemp(prefix="laneflow-package-"))
+    with tarfile.open(archive, "r:gz") as tar:
+        members = tar.getmembers()
+        tops = {member.name.split("/", 1)[0] for member in members}
+        if len(tops) != 1 or any(not member.isfile() and not member.isdir() for member in members):
+            raise PackageError(f"{archive} is not a laneflow package archive (one folder of plain files)")
+        tar.extractall(into, filter="data")
+    return into / tops.pop()
+
+
+# --- backends -----------------------------------------------------------------------------------------------
+
+Backend = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+def _checked(config: ModelConfig, run: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> Backend:
+    expected = (config.input_height, config.input_width, 3)
+
+    def backend(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if batch.ndim != 4 or batch.shape[1:] != expected or batch.dtype != np.uint8:
+            raise PackageError(f"input batch is {batch.dtype} {tuple(batch.shape)}; the package expects uint8 BGR "
+                               f"images of {config.input_width}x{config.input_height}, shaped (N, {expected[0]}, "
+                               f"{expected[1]}, 3): resize them with training.inference.resize_for_model")
+        return run(batch)
+
+    return backend
+
+
+def open_backend(folder: Path | Package, config: ModelConfig | None = None, name: str = "eager",
+                 device: str = "cpu") -> Backend:
+    """A callable from a uint8 BGR batch to (probabilities, existence) numpy arrays, by backend name."""
+    folder, config = (folder.folder, folder.config) if isinstance(folder, Package) else (Path(folder), config)
+    assert config is not None
+    if name == "eager":
+        state = torch.load(folder / WEIGHTS, map_location=device, weights_only=True)
+        model = SCNN(config)
+        model.load_state_dict(state["model"])
+        module: Any = DeployedSCNN(model).to(device).eval()
+    elif name == "torchscript":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=DeprecationWarning)
+            module = torch.jit.load(str(folder / TORCHSCRIPT), map_location=device).eval()
+    elif name == "onnx":
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") and \
+            "CUDAExecutionProvider" in available else ["CPUExecutionProvider"]
+        session = ort.InferenceSession(str(folder / ONNX), providers=providers)
+        return _checked(config, lambda batch: tuple(session.run(None, {"images": batch})))  # type: ignore[return-value]
+    else:
+        raise PackageError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
+
+    @torch.no_grad()
+    def run(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        probs, existence = module(torch.from_numpy(batch).to(device))
+        return probs.cpu().numpy(), existence.cpu().numpy()
+
+    return _checked(config, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.package", description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", required=True, type=Path, help="a finished run (with model.pt)")
+    parser.add_argument("--data-root", required=True, type=Path, help="prepared dataset root (parity images)")
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    parser.add_argument("--lineage", default="{}", help="the run's lineage record as JSON, kept in the package")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # exporters print; stdout carries the one result line
+            summary = package_run(args.run_dir, args.data_root, args.split, json.loads(args.lineage))
+    except (PackageError, DataError, json.JSONDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"event": "packaged", **summary}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
