@@ -1,83 +1,133 @@
-"""GPU throughput of the ``tusimple`` preset: img/s in fp32 and with AMP (bf16), and the input stall.
+"""GPU training throughput of the ``tusimple`` preset: precision x memory format, one short script.
 
-For a lent accelerator (the project never needs one). Generates a synthetic set, feeds it through the
-real input pipeline (pinned memory, loader workers) and times training steps on ``cuda:0``.
+    python bench/gpu.py --json gpu.json           # on a GPU machine: well under 5 minutes
+    python bench/gpu.py --dry-run                 # on CPUs: every code path, tiny sizes, under a minute
 
-    python bench/gpu.py [--images 256] [--batch-size 16] [--steps 30] [--workers 8]
+Generates a synthetic TuSimple set, builds the decoded-sample cache first (the timed loops read a warm
+cache, as every epoch after the first does), then for each of fp32 / bf16 (when the GPU supports it) /
+fp16 with a gradient scaler, times the trainer's own step (``training.train.train_step``: uint8 batches
+moved without blocking and normalised on the device) with contiguous and channels-last tensors. Per
+configuration: img/s after warm-up, the input stall (the share of wall time spent waiting for the
+loader) and the peak GPU memory. Prints one JSON line per configuration and a table; ``--json`` also
+writes them to a file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from training.data.preprocess import preprocess
 from training.data.synthetic import generate
-from training.dataset import LaneDataset, make_loader, normalize
+from training.dataset import LaneDataset, make_loader
 from training.model import SCNN, SCNNLoss, model_config
+from training.precision import Device, MixedPrecision
+from training.train import train_step
 
 
-def measure(model: SCNN, loader, steps: int, amp: bool, device: torch.device) -> dict:
+def configurations(device: Device) -> list[tuple[str, str]]:
+    precisions = ["fp32", *(["bf16"] if device.bf16 or device.type == "cpu" else []), "fp16"]
+    return [(p, m) for p in precisions for m in ("contiguous", "channels_last")]
+
+
+def measure(preset: str, loader, device: torch.device, precision: str, layout: str, warmup: int,
+            steps: int) -> dict:
+    config = model_config(preset)
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    model = SCNN(config).to(device, memory_format=memory_format).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    mixed = MixedPrecision(precision, device.type)
     criterion = SCNNLoss()
-    done = waited = images = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    done = images = 0
+    waited = 0.0
     started = None
-    while done < steps:
+    loss = torch.zeros(())
+    while done < warmup + steps:
         fetch = time.perf_counter()
         for batch, masks, exist in loader:
             if started is not None:
                 waited += time.perf_counter() - fetch
-            batch = normalize(batch.to(device, non_blocking=True))
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                logits, existence = model(batch)
-            loss, _ = criterion(logits.float(), existence.float(), masks.to(device), exist.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            loss, _ = train_step(model, batch, masks, exist, criterion, optimizer, mixed, memory_format,
+                                 distributed=False)
             done += 1
-            if done == 5:  # warm-up steps excluded
-                torch.cuda.synchronize()
+            if done == warmup:  # kernels chosen (cudnn.benchmark), allocator warm: start the clock
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
                 started, waited, images = time.perf_counter(), 0.0, 0
             elif started is not None:
                 images += batch.shape[0]
-            if done >= steps:
+            if done >= warmup + steps:
                 break
             fetch = time.perf_counter()
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
-    return {"amp": amp, "img_per_s": images / elapsed, "input_stall": waited / elapsed,
-            "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {"preset": preset, "precision": precision, "memory_format": layout,
+            "img_per_s": round(images / elapsed, 2), "input_stall": round(waited / elapsed, 4),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+            if device.type == "cuda" else None, "final_loss": round(float(loss), 4)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--images", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--images", type=int, default=96)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--workers", type=int, default=8)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run this on a machine with a GPU")
-    device = torch.device("cuda:0")
-    torch.backends.cudnn.benchmark = True
-    config = model_config("tusimple")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, cpu-demo at 320x180, 2 timed steps per configuration: exercises every path")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        device, preset, size = torch.device("cpu"), "cpu-demo", (320, 180)
+        args.images, args.batch_size, args.warmup, args.steps, args.workers = 8, 2, 1, 2, 0
+    elif torch.cuda.is_available():
+        device, preset, size = torch.device("cuda:0"), "tusimple", (1280, 720)
+        torch.backends.cudnn.benchmark = True
+    else:
+        print("no CUDA device: run this on a machine with a GPU, or pass --dry-run", file=sys.stderr)
+        return 2
+    found = Device.of(device)
+    config = model_config(preset)
+    header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "batch_size": args.batch_size, "preset": preset}
+    print(json.dumps(header), flush=True)
+    results = []
     with tempfile.TemporaryDirectory(prefix="laneflow-gpu-") as tmp:
         root = Path(tmp) / "tusimple"
-        generate(root, train=args.images, val=0, test=0, seed=0)
+        generate(root, train=args.images, val=0, test=0, seed=0, width=size[0], height=size[1])
         preprocess(root)
-        dataset = LaneDataset(root, "train", (config.input_width, config.input_height), augment=True)
-        loader = make_loader(dataset, args.batch_size, None, args.workers, pin_memory=True)
-        for amp in (False, True):
-            torch.manual_seed(0)
-            model = SCNN(config).to(device).train()
-            print(json.dumps({"device": torch.cuda.get_device_name(0), "batch_size": args.batch_size,
-                              **measure(model, loader, args.steps, amp, device)}))
+        built = time.perf_counter()
+        dataset = LaneDataset(root, "train", (config.input_width, config.input_height), augment=True, cache=True)
+        header["cache_build_s"] = round(time.perf_counter() - built, 2)
+        loader = make_loader(dataset, args.batch_size, None, args.workers, pin_memory=device.type == "cuda")
+        for precision_name, layout in configurations(found):
+            result = measure(preset, loader, device, precision_name, layout, args.warmup, args.steps)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    fp32 = next(r["img_per_s"] for r in results if r["precision"] == "fp32" and r["memory_format"] == "contiguous")
+    print(f"\n{'precision':<10}{'memory format':<16}{'img/s':>9}{'vs fp32':>9}{'input stall':>13}{'peak GiB':>10}")
+    for r in results:
+        memory = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
+        print(f"{r['precision']:<10}{r['memory_format']:<16}{r['img_per_s']:>9.1f}{r['img_per_s'] / fp32:>8.2f}x"
+              f"{100 * r['input_stall']:>12.1f}%{memory:>10}")
+    if args.json:
+        args.json.write_text(json.dumps({**header, "results": results}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

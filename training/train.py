@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 import cv2
 import torch
 
+from training import precision
 from training.dataset import (
     DataError,
     LaneDataset,
@@ -37,6 +39,7 @@ from training.dataset import (
 )
 from training.evaluate import evaluate_run
 from training.model import SCNN, ModelConfig, SCNNLoss, load_backbone_weights, model_config
+from training.precision import MixedPrecision
 
 log = logging.getLogger("laneflow.train")
 
@@ -71,13 +74,21 @@ class TrainConfig:
     #: Horovod coordination cycle in ms (0: Horovod's default). Longer cycles leave CPU cores to the
     #: training step when there is one grouped allreduce per step.
     cycle_time_ms: float = 25.0
+    #: fp32 | bf16 | fp16 | auto (training.precision): mixed precision for the forward pass.
+    precision: str = "fp32"
+    #: contiguous | channels_last | auto (channels-last on GPUs).
+    memory_format: str = "auto"
+    #: none | fp16: Horovod gradient compression. Off by default: slower on CPUs here, not yet measured
+    #: on several GPUs (README "Performance").
+    compression: str = "none"
     model_overrides: dict = field(default_factory=dict)
 
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     # The seed's recipe: SGD (nesterov) lr 0.15 scaled by workers, poly decay with warm-up, 512x288.
     "tusimple": TrainConfig(preset="tusimple", epochs=30, batch_size=8, lr=0.15, warmup_steps=200,
-                            checkpoint_every=500, num_workers=4, allreduce_groups=0, cycle_time_ms=0.0),
+                            checkpoint_every=500, num_workers=4, allreduce_groups=0, cycle_time_ms=0.0,
+                            precision="auto"),
     "cpu-demo": TrainConfig(),
 }
 
@@ -125,6 +136,7 @@ def validate(config: TrainConfig) -> None:
     if min(config.num_workers, config.max_steps, config.warmup_steps, config.allreduce_groups,
            config.cycle_time_ms) < 0:
         raise ValueError("num_workers, max_steps, warmup_steps, allreduce_groups and cycle_time_ms must be >= 0")
+    precision.validate(config.precision, config.memory_format, config.compression)
     model_config(config.preset, **config.model_overrides)
 
 
@@ -234,13 +246,35 @@ class StopRequest:
         self.requested = True
 
 
+def train_step(model: torch.nn.Module, images: torch.Tensor, masks: torch.Tensor, exist: torch.Tensor,
+               criterion: SCNNLoss, optimizer: torch.optim.Optimizer, mixed: MixedPrecision,
+               memory_format: torch.memory_format, distributed: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """One SGD step on a uint8 batch: moved without blocking, normalised on the device, forward in the
+    run's precision, loss in fp32. Shared with bench/gpu.py so the bench times what training runs."""
+    device = next(model.parameters()).device
+    batch = normalize(images.to(device, non_blocking=True)).contiguous(memory_format=memory_format)
+    with mixed.autocast():
+        logits, existence = model(batch)
+    loss, parts = criterion(logits.float(), existence.float(), masks.to(device, non_blocking=True),
+                            exist.to(device, non_blocking=True))
+    optimizer.zero_grad()  # set_to_none is torch's default; Horovod's wrapper takes no arguments
+    mixed.backward_and_step(loss, optimizer, distributed)
+    return loss, parts
+
+
 def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | None = None) -> int:
     dist = Distributed(config.cycle_time_ms)
     is_main = dist.rank == 0
     torch.manual_seed(config.seed)
+    random.seed(config.seed + dist.rank)  # augmentation in the main process (loader workers are seeded by torch)
     device = torch.device(f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest kernels once
+    found = precision.Device.of(device)
+    run_precision = precision.resolve_precision(config.precision, found)
+    memory_format = precision.resolve_memory_format(config.memory_format, found)
+    mixed = MixedPrecision(run_precision, device.type)
     model_cfg = model_config(config.preset, **config.model_overrides)
     dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True,
                           cache=config.cache)
@@ -252,7 +286,7 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
     if config.max_steps:
         total_steps = min(total_steps, config.max_steps)
 
-    model = SCNN(model_cfg).to(device)
+    model = SCNN(model_cfg).to(device, memory_format=memory_format)
     if weights:
         count = load_backbone_weights(model, weights)
         log.info("loaded %d backbone tensors from %s", count, weights)
@@ -268,12 +302,14 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        log.info("resuming from %s at step %d", state["path"], step)
+        log.info("resuming from %s at step %d (written in %s; %s)", state["path"], step,
+                 state.get("precision", "fp32"), mixed.load_state_dict(state.get("scaler")))
     dist.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     dist.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     if dist.size > 1:  # alone, there is nothing to reduce: skip Horovod's per-step round trip
+        compression = dist.hvd.Compression.fp16 if config.compression == "fp16" else dist.hvd.Compression.none
         optimizer = dist.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                  groups=config.allreduce_groups or None)
+                                                  groups=config.allreduce_groups or None, compression=compression)
 
     criterion = SCNNLoss()
     stop = StopRequest()
@@ -295,10 +331,13 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
             path = save_checkpoint(run_dir, {
                 "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "model_config": asdict(model_cfg), "train_config": asdict(config), "world_size": dist.size,
+                "precision": run_precision, "scaler": mixed.state_dict(),
             })
             record("checkpoint", step=step, path=str(path))
 
-    record("start", step=step, total_steps=total_steps, world_size=dist.size, resumed=state is not None)
+    record("start", step=step, total_steps=total_steps, world_size=dist.size, resumed=state is not None,
+           precision=run_precision, memory_format="channels_last" if memory_format == torch.channels_last
+           else "contiguous", device=device.type)
     model.train()
     sampler = ResumableDistributedSampler(dataset, dist.size, dist.rank, config.seed, step % per_epoch,
                                           config.batch_size)
@@ -312,12 +351,8 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
             waited += time.perf_counter() - fetch_start
             for group in optimizer.param_groups:
                 group["lr"] = poly_lr(step, total_steps, lr, config.warmup_steps)
-            images = normalize(images.to(device, non_blocking=True))
-            logits, existence = model(images)
-            loss, parts = criterion(logits, existence, masks.to(device), exist.to(device))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            loss, parts = train_step(model, images, masks, exist, criterion, optimizer, mixed, memory_format,
+                                     distributed=dist.size > 1)
             step += 1
             images_seen += images.shape[0]
             losses.append(loss.item())
