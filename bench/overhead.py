@@ -47,17 +47,15 @@ def main() -> None:
 
 def pipeline_figures(home: Path) -> None:
     from flows.cli import ensure_local_setup
-    from flows.params import DataSource, TrainParams
+    from flows.params import DataSource
     from flows.train import train_pipeline
     from training.data.synthetic import cached_artifacts
 
     ensure_local_setup()
-    params = TrainParams(source=DataSource(artifacts=cached_artifacts(home / "source", train=160, val=24, test=40)),
-                         epochs=2, workers=2,
-                         volume="bench")
+    source = DataSource(artifacts=cached_artifacts(home / "source", train=160, val=24, test=40))
     for attempt in ("first (cold dataset)", "second (dataset cached)"):
         started = time.perf_counter()
-        result = train_pipeline(params)
+        result = train_pipeline(source=source, epochs=2, workers=2, volume="bench")
         wall = time.perf_counter() - started
         record = json.loads((home / "laneflow" / "volumes" / "bench" / result["run_dir"] / "launcher.json")
                             .read_text())

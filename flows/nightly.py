@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 from prefect.variables import Variable
 
-from flows.params import TrainParams
+from flows.params import TrainParams, takes_train_params
 from flows.train import train_pipeline
 from tasks.champion import champion_record, champion_variable, decide_champion, selection_accuracy
 from tasks.pipeline import evaluate
@@ -22,10 +22,15 @@ from tasks.platforms import VolumeRef, load_platform
 
 
 @flow(name="nightly_retrain")
+@takes_train_params
 def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[str, Any]:
-    """Retrain, compare with the champion on the same test images, promote the better model."""
+    """Retrain, compare with the champion on the same test images, promote the better model.
+
+    Args:
+        min_improvement: how much higher the challenger's accuracy must be to become champion
+    """
     logger = get_run_logger()
-    challenger = train_pipeline(params)
+    challenger = train_pipeline(**params.flow_parameters())
     name = champion_variable(params.volume)
     champion = Variable.get(name, default=None)
     champion_accuracy = None

@@ -1,14 +1,23 @@
-"""The flows' typed parameters: the Prefect UI renders these pydantic models as forms, and a bad value
-fails the flow run at once with an error naming the field, before anything runs."""
+"""The flows' typed parameters: the Prefect UI renders them as a form, and a bad value fails at once
+with an error naming the field, before anything runs.
+
+``TrainParams`` is the one definition of a training run's parameters. The flows take its fields as
+their own top-level parameters (``takes_train_params``), because Prefect merges a run's parameters
+with its deployment's only at the top level: ``--param lr=0.02`` then changes the learning rate and
+keeps the deployment's dataset, which a single nested ``params`` object would have replaced whole.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.names import validate_name
+from tasks.names import DNS_LABEL, MAX_NAME, validate_name
 from training.data.sources import Artifact
 
 
@@ -57,9 +66,9 @@ class TrainParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: DataSource
+    source: DataSource = Field(description="the dataset: its artifacts, each a URL, its sha256 and its kind")
     preset: Literal["cpu-demo", "tusimple"] = Field("cpu-demo", description="model + training preset")
-    epochs: int = Field(3, ge=1, le=1000)
+    epochs: int = Field(3, ge=1, le=1000, description="passes over the training split")
     batch_size: int = Field(4, ge=1, le=1024, description="images per worker per step")
     workers: int = Field(2, ge=1, le=512, description="Horovod processes (one per GPU on a cluster)")
     lr: float = Field(0.05, gt=0, le=10, description="base learning rate; the trainer scales it by workers")
@@ -73,13 +82,23 @@ class TrainParams(BaseModel):
         200.0, gt=0, description="for choosing the service level: images/s one worker reads (from an earlier run)")
     bytes_per_image: int = Field(262_144, gt=0, description="for choosing the service level: bytes per image read")
     platform: str = Field("local", description="platform block name; 'local' needs no setup")
-    volume: str = Field("tusimple", description="volume (folder or PVC) holding datasets and runs")
+    volume: str = Field("tusimple", description="volume (folder or PVC) holding datasets and runs",
+                        pattern=DNS_LABEL.pattern, max_length=MAX_NAME)
     timeout_minutes: float = Field(24 * 60, gt=0, description="give up on training after this long")
 
     @field_validator("volume")
     @classmethod
     def _volume_name(cls, value: str) -> str:
         return validate_name(value, "volume")
+
+    @classmethod
+    def from_flow_parameters(cls, parameters: dict[str, Any]) -> TrainParams:
+        """The run's parameters from a flow run's (top-level) parameters; other flow parameters ignored."""
+        return cls.model_validate({key: value for key, value in parameters.items() if key in cls.model_fields})
+
+    def flow_parameters(self) -> dict[str, Any]:
+        """Keyword arguments for a flow decorated with ``takes_train_params``."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
 
     def trainer_settings(self) -> dict[str, str]:
         """The trainer's ``--set`` overrides these parameters stand for."""
@@ -130,3 +149,52 @@ def expand_sweep(base: TrainParams, grid: dict[str, list[Any]], runs: list[dict[
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise SweepError(f"sweep run {index} ({changes}) is invalid: {problems}") from None
     return expanded
+
+
+Returned = TypeVar("Returned")
+
+
+def _field_parameter(name: str) -> inspect.Parameter:
+    """``TrainParams.<name>`` as a keyword parameter: its type and constraints in the annotation (so
+    Prefect's schema and validation see them), its default as the default."""
+    info = TrainParams.model_fields[name]
+    annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    default = inspect.Parameter.empty if info.is_required() else info.default
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def _with_field_docs(doc: str | None) -> str:
+    """``doc`` with the fields' descriptions in its ``Args:`` section: Prefect shows them in the form."""
+    lines = [f"    {name}: {info.description}" for name, info in TrainParams.model_fields.items() if info.description]
+    text = inspect.cleandoc(doc or "")
+    return f"{text}\n" + "\n".join(lines) if "\nArgs:\n" in text else f"{text}\n\nArgs:\n" + "\n".join(lines)
+
+
+def takes_train_params(fn: Callable[..., Returned]) -> Callable[..., Returned]:
+    """Give ``fn(params: TrainParams, *, other...)`` the fields of TrainParams as top-level keyword
+    parameters, ahead of its others; ``fn`` still receives one validated ``TrainParams``.
+
+    Apply it under ``@flow``. The flow's signature, schema (the UI form) and validation come from
+    TrainParams, so the two never drift apart; a value TrainParams refuses fails the run before any
+    task starts, with pydantic's error naming the field.
+    """
+    own = inspect.signature(fn, eval_str=True)  # real types: the schema is built from this signature
+    names = list(own.parameters)
+    if not names or names[0] != "params":
+        raise TypeError(f"{fn.__name__} must take 'params: TrainParams' as its first parameter")
+    others = [parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY) for parameter in list(own.parameters.values())[1:]]
+    clash = {parameter.name for parameter in others} & set(TrainParams.model_fields)
+    if clash:
+        raise TypeError(f"{fn.__name__}'s parameters {sorted(clash)} clash with fields of TrainParams")
+
+    @functools.wraps(fn)
+    def with_fields(**arguments: Any) -> Returned:
+        fields = {key: value for key, value in arguments.items() if key in TrainParams.model_fields}
+        rest = {key: value for key, value in arguments.items() if key not in TrainParams.model_fields}
+        return fn(TrainParams.model_validate(fields), **rest)
+
+    del with_fields.__wrapped__  # inspect.signature must report the fields, not fn's own parameters
+    with_fields.__signature__ = own.replace(  # type: ignore[attr-defined]
+        parameters=[_field_parameter(name) for name in TrainParams.model_fields] + others)
+    with_fields.__doc__ = _with_field_docs(fn.__doc__)
+    return with_fields

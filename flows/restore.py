@@ -30,4 +30,4 @@ def restore(snapshot: str, volume: str | None = None, platform: str = "local",
     restore_volume(chosen, snapshot, target)
     get_run_logger().info("training on restored volume %s with the parameters of %s (dataset %s)", target,
                           lineage["run"], lineage.get("dataset_version"))
-    return train_pipeline(params)
+    return train_pipeline(**params.flow_parameters())

@@ -7,15 +7,16 @@ the children start, so they all find it cached. Ends with a leaderboard table ar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_client, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as current_run
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
 
-from flows.params import TrainParams, expand_sweep
+from flows.params import TrainParams, expand_sweep, takes_train_params
 from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
 from tasks.pipeline import ensure_dataset_volume, prepare_dataset
@@ -27,7 +28,8 @@ MAX_CHILDREN_IN_FLIGHT = 16
 @task(name="sweep_run", task_run_name="sweep-run-{index}", cache_policy=NO_CACHE)
 def run_child(params: TrainParams, index: int, sweep_name: str) -> dict[str, Any]:
     """One child flow run; its failure becomes a leaderboard row, not the sweep's failure."""
-    state = train_pipeline.with_options(flow_run_name=f"{sweep_name}-{index}")(params, return_state=True)
+    state = train_pipeline.with_options(flow_run_name=f"{sweep_name}-{index}")(**params.flow_parameters(),
+                                                                                return_state=True)
     result = state.result(raise_on_failure=False)
     row = {"index": index, "state": state.name, "flow_run_id": str(state.state_details.flow_run_id)}
     if state.is_completed():
@@ -56,13 +58,18 @@ def leaderboard(rows: list[dict[str, Any]], varied: list[str], param_sets: list[
 
 
 @flow(name="sweep", task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHILDREN_IN_FLIGHT))
-def sweep(base: TrainParams, grid: dict[str, list[Any]] | None = None, runs: list[dict[str, Any]] | None = None,
-          max_concurrent: int = 1) -> list[dict[str, Any]]:
-    """Train every parameter set (grid product, then listed runs) on ``base``; rank them by accuracy."""
+@takes_train_params
+def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: list[dict[str, Any]] | None = None,
+          max_concurrent: Annotated[int, Field(ge=1)] = 1) -> list[dict[str, Any]]:
+    """Train every parameter set (grid product, then listed runs) on the base parameters; rank them by accuracy.
+
+    Args:
+        grid: parameter name -> values; every combination is one run, e.g. {"lr": [0.02, 0.05]}
+        runs: further runs, each a dict of the parameters it changes, e.g. [{"lr": 0.1, "batch_size": 4}]
+        max_concurrent: at most this many runs train at once (the 'gpu' concurrency limit)
+    """
     logger = get_run_logger()
-    if max_concurrent < 1:
-        raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-    param_sets = expand_sweep(base, grid or {}, runs or [])
+    param_sets = expand_sweep(params, grid or {}, runs or [])
     varied = sorted({key for key in TrainParams.model_fields if key != "source"
                      and len({repr(getattr(p, key)) for p in param_sets}) > 1})
     with get_client(sync_client=True) as client:

@@ -17,7 +17,7 @@ from prefect.events import emit_event
 from prefect.runtime import flow_run as current_run
 from prefect.transactions import transaction
 
-from flows.params import TrainParams
+from flows.params import TrainParams, takes_train_params
 from tasks.lineage import build_lineage, code_version
 from tasks.names import run_name, snapshot_name
 from tasks.pipeline import (
@@ -42,7 +42,7 @@ GPU_LIMIT = "gpu"
 def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
     """Cancellation/crash hook: stop the run's training job so nothing keeps running unobserved."""
     try:
-        params = TrainParams.model_validate(flow_run.parameters["params"])
+        params = TrainParams.from_flow_parameters(flow_run.parameters)
     except Exception:  # parameters never validated: nothing was started
         return
     platform = load_platform(params.platform)
@@ -52,6 +52,7 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
 
 
 @flow(name="train_pipeline", on_cancellation=[stop_training], on_crashed=[stop_training])
+@takes_train_params
 def train_pipeline(params: TrainParams) -> dict[str, Any]:
     """Prepare TuSimple on a volume, train SCNN with Horovod, score it, snapshot and publish it."""
     logger = get_run_logger()

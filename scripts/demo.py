@@ -46,15 +46,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Prefect reads its settings when first imported: only now, with the server's address in place.
     from flows.cli import ensure_local_setup
-    from flows.params import DataSource, TrainParams
+    from flows.params import DataSource
     from flows.train import train_pipeline
 
     # As the benchmark ships TuSimple: train_set.zip, test_set.zip and test_label.json (made offline).
     artifacts = cached_artifacts(workdir / "source", args.train, args.val, args.test, args.seed)
     ensure_local_setup()  # one training at a time on this machine (the `gpu` limit), a process work pool
-    params = TrainParams(source=DataSource(artifacts=artifacts), preset="cpu-demo", epochs=args.epochs,
-                         workers=args.workers, volume="demo")
-    state = train_pipeline(params, return_state=True)
+    state = train_pipeline(source=DataSource(artifacts=artifacts), preset="cpu-demo", epochs=args.epochs,
+                           workers=args.workers, volume="demo", return_state=True)
     result = state.result(raise_on_failure=False)
     flow_run_id = state.state_details.flow_run_id
     print()

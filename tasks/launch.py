@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the platforms import this module
     from tasks.platforms.base import TrainingSpec
+    from training.data.sources import Artifact
 
 EXIT_CONFIG_ERROR = 2  # training.train: bad setting, missing data root, empty split, mismatched checkpoint
 EXIT_PREEMPTED = 75  # training.train: stopped on request after a checkpoint
@@ -31,6 +32,13 @@ def trainer_args(preset: str, settings: dict[str, str], data_root: str, run_dir:
     for key, value in sorted(settings.items()):
         args += ["--set", f"{key}={value}"]
     return args
+
+
+def prepare_args(artifacts: list[Artifact], volume_path: str) -> list[str]:
+    """``-m training.data.prepare`` and its arguments (``--archive``/``--file URL SHA256`` each), for any
+    platform: the dataset is always prepared by that command in its own process."""
+    sources = [arg for artifact in artifacts for arg in (f"--{artifact.kind}", artifact.url, artifact.sha256)]
+    return ["-m", "training.data.prepare", *sources, "--volume", volume_path]
 
 
 def horovodrun_command(horovodrun: str, python: str, spec: TrainingSpec, data_root: str, run_dir: str,

@@ -1,8 +1,13 @@
 """The DAG's stages as Prefect tasks (DESIGN §2): thin wrappers over the platform and the pure code.
 
-Every task retries transient errors only (``tasks.retry``), has a timeout, and is named after what it
-works on. Names of what they create come from the flow run, so a retried task finds what its first
-try made: the volume, the dataset, the training job (which resumes from its checkpoint), the snapshot.
+Every task retries transient errors only (``tasks.retry``) and is named after what it works on.
+Deadlines live where they can be enforced from any thread: the platforms stop a stage's process or job
+past its own timeout, and every Kubernetes and Azure call has request timeouts. (A Prefect task timeout
+cannot interrupt a task in a worker thread — where sweeps and concurrent runs put them — and Prefect
+warns about each such task; so the tasks set none.)
+
+Names of what they create come from the flow run, so a retried task finds what its first try made: the
+volume, the dataset, the training job (which resumes from its checkpoint), the snapshot.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def _resource(kind: str, name: str) -> dict[str, str]:
     return {"prefect.resource.id": f"laneflow.{kind}.{name}", "prefect.resource.name": name}
 
 
-@task(name="promote_service_level", task_run_name="promote-{volume.name}", timeout_seconds=2 * HOUR, **_TASK)
+@task(name="promote_service_level", task_run_name="promote-{volume.name}", **_TASK)
 def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, need: ThroughputNeed,
                           run: str) -> str | None:
     """Move the volume to the cheapest level that feeds this run, inside the flow's transaction.
@@ -96,7 +101,7 @@ def _demote_on_rollback(transaction: Any) -> None:
                    payload={"to": previous, "why": "rollback after a failure"})
 
 
-@task(name="demote_service_level", task_run_name="demote-{volume.name}", timeout_seconds=2 * HOUR, **_TASK)
+@task(name="demote_service_level", task_run_name="demote-{volume.name}", **_TASK)
 def demote_service_level(platform: Platform, volume: VolumeRef, previous: str | None) -> bool:
     """Put the volume back to the level it had before training."""
     if previous is None:
@@ -111,14 +116,14 @@ def demote_service_level(platform: Platform, volume: VolumeRef, previous: str | 
     return changed
 
 
-@task(name="ensure_dataset_volume", task_run_name="ensure-volume-{name}", timeout_seconds=HOUR, **_TASK)
+@task(name="ensure_dataset_volume", task_run_name="ensure-volume-{name}", **_TASK)
 def ensure_dataset_volume(platform: Platform, name: str) -> VolumeRef:
     volume = platform.ensure_volume(name)
     get_run_logger().info("volume %s %s at %s", name, "created" if volume.created else "adopted", volume.location)
     return volume
 
 
-@task(name="prepare_dataset", task_run_name="prepare-dataset-{volume.name}", timeout_seconds=12 * HOUR, **_TASK)
+@task(name="prepare_dataset", task_run_name="prepare-dataset-{volume.name}", **_TASK)
 def prepare_dataset(platform: Platform, volume: VolumeRef, artifacts: list[Artifact]) -> dict[str, Any]:
     """Download -> verify -> extract -> preprocess; each step is skipped when its output is already there."""
     logger = get_run_logger()
@@ -132,14 +137,14 @@ def prepare_dataset(platform: Platform, volume: VolumeRef, artifacts: list[Artif
     return summary
 
 
-@task(name="ensure_shared_access", task_run_name="shared-access-{volume.name}", timeout_seconds=HOUR, **_TASK)
+@task(name="ensure_shared_access", task_run_name="shared-access-{volume.name}", **_TASK)
 def ensure_shared_access(platform: Platform, volume: VolumeRef) -> str:
     message = platform.ensure_shared_access(volume)
     get_run_logger().info("%s", message)
     return message
 
 
-@task(name="submit_training", task_run_name="submit-{spec.job_name}", timeout_seconds=HOUR, **_TASK)
+@task(name="submit_training", task_run_name="submit-{spec.job_name}", **_TASK)
 def submit_training(platform: Platform, spec: TrainingSpec) -> TrainingHandle:
     handle = platform.submit_training(spec)
     get_run_logger().info("training job %s %s (%s, %d workers)", spec.job_name,
@@ -147,8 +152,7 @@ def submit_training(platform: Platform, spec: TrainingSpec) -> TrainingHandle:
     return handle
 
 
-@task(name="wait_for_training", task_run_name="train-{spec.job_name}", tags=["gpu"], timeout_seconds=48 * HOUR,
-      **_TASK)
+@task(name="wait_for_training", task_run_name="train-{spec.job_name}", tags=["gpu"], **_TASK)
 def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) -> TrainingOutcome:
     """Stream the job's events into logs and a progress artifact until it ends.
 
@@ -182,7 +186,7 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
     return outcome
 
 
-@task(name="evaluate", task_run_name="evaluate-{split}", timeout_seconds=6 * HOUR, **_TASK)
+@task(name="evaluate", task_run_name="evaluate-{split}", **_TASK)
 def evaluate(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str, split: str) -> dict[str, Any]:
     """TuSimple accuracy, FP and FN of the run's final model on ``split``."""
     logger = get_run_logger()
@@ -193,7 +197,7 @@ def evaluate(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str,
     return result
 
 
-@task(name="package_model", task_run_name="package-{lineage[run]}", timeout_seconds=6 * HOUR, **_TASK)
+@task(name="package_model", task_run_name="package-{lineage[run]}", **_TASK)
 def package_model(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
                   lineage: dict[str, Any]) -> dict[str, Any]:
     """Export the model (TorchScript, ONNX) with its contract and lineage, parity proven; publish what it is."""
@@ -208,7 +212,7 @@ def package_model(platform: Platform, volume: VolumeRef, run_dir: str, data_dir:
     return package
 
 
-@task(name="predict", task_run_name="predict-{inputs}", timeout_seconds=12 * HOUR, **_TASK)
+@task(name="predict", task_run_name="predict-{inputs}", **_TASK)
 def predict(platform: Platform, volume: VolumeRef, package: str, inputs: str, out_dir: str,
             backend: str) -> dict[str, Any]:
     """Lanes on images or a video on the volume with a package; prediction lines and overlays."""
@@ -219,8 +223,7 @@ def predict(platform: Platform, volume: VolumeRef, package: str, inputs: str, ou
     return summary
 
 
-@task(name="restore_volume", task_run_name="restore-{snapshot}-to-{volume_name}", timeout_seconds=6 * HOUR,
-      **_TASK)
+@task(name="restore_volume", task_run_name="restore-{snapshot}-to-{volume_name}", **_TASK)
 def restore_volume(platform: Platform, snapshot: str, volume_name: str) -> VolumeRef:
     """A new volume from a snapshot (adopted when a retry finds it already restored)."""
     volume = platform.restore_snapshot(snapshot, volume_name)
@@ -229,7 +232,7 @@ def restore_volume(platform: Platform, snapshot: str, volume_name: str) -> Volum
     return volume
 
 
-@task(name="capture_snapshot", task_run_name="snapshot-{name}", timeout_seconds=2 * HOUR, **_TASK)
+@task(name="capture_snapshot", task_run_name="snapshot-{name}", **_TASK)
 def capture_snapshot(platform: Platform, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
                      lineage: dict[str, Any]) -> SnapshotRef:
     """Version dataset + model together; the snapshot carries the run's lineage."""
@@ -243,7 +246,7 @@ def capture_snapshot(platform: Platform, volume: VolumeRef, name: str, data_dir:
     return snapshot
 
 
-@task(name="publish_artifacts", task_run_name="publish-{lineage[run]}", timeout_seconds=HOUR, **_TASK)
+@task(name="publish_artifacts", task_run_name="publish-{lineage[run]}", **_TASK)
 def publish_artifacts(platform: Platform, volume: VolumeRef, run_dir: str, outcome: TrainingOutcome,
                       evaluation: dict[str, Any], lineage: dict[str, Any]) -> dict[str, str]:
     """Metrics table, training curve, lineage and prediction overlay, each keyed by the run."""

@@ -89,6 +89,10 @@ class Fault:
     status: int = 500  # 0: reset the connection
     retry_after: int | None = None
     after_effect: bool = False  # reset after the call took effect (the client never hears the answer)
+    # Never answer until this is set, then drop the connection. Not an apiserver behaviour (its own
+    # --request-timeout ends a slow call with 504 after 60 s): a network path or proxy that swallows the
+    # request, which only a client-side timeout ends.
+    hang: threading.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -321,6 +325,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, answer, headers=[("Warning", f'299 - {json.dumps(w)}') for w in warnings])
 
     def _fault(self, fault: Fault, resource: str, verb: str, namespace: str | None) -> None:
+        if fault.hang is not None:
+            fault.hang.wait()
+            self._reset()
+            return
         if fault.status == 0:
             self._reset()
             return

@@ -141,7 +141,7 @@ def test_training_failure_after_promotion_rolls_the_volume_back(
         cluster.fail_mpijobs = True
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf", overwrite=True)
         # 2 workers x 200 img/s x 256 KiB x 1.25 = 125 MiB/s; 2 TiB: Standard 32, Premium 128 -> Premium.
-        state_of_run = train_pipeline(params_for(synthetic_archive, platform="emu-anf", volume="tusimple",
+        state_of_run = train_pipeline(**params_for(synthetic_archive, platform="emu-anf", volume="tusimple",
                                                  promote=True), return_state=True)
     assert state_of_run.is_failed()
     assert pool_changes(state) == 2  # promoted to Premium, then rolled back
@@ -165,7 +165,7 @@ def test_promoted_for_training_demoted_after_and_snapshotted_through_anf(
     k8s = KubernetesEmulator(tmp_path / "k8s")
     with k8s as cluster:
         cluster_platform(k8s, anf=anf_volume(emulator), snapshotter="anf").save("emu-anf-ok", overwrite=True)
-        result = train_pipeline(params_for(synthetic_archive, platform="emu-anf-ok", volume="tusimple",
+        result = train_pipeline(**params_for(synthetic_archive, platform="emu-anf-ok", volume="tusimple",
                                            promote=True))
         assert cluster.count("volumesnapshots") == 0  # the ANF snapshotter, not CSI
         platform = ClusterPlatform.load("emu-anf-ok")

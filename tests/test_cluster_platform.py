@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,7 +128,7 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, 
     base = rendered("base")
     cluster.load(base)  # every call is now authorized against deployments/base, as on a real cluster
     name = saved(emu, "emu-cluster", namespace="laneflow")
-    result = train_pipeline(params_for(synthetic_archive, platform=name, volume="tusimple", package=True))
+    result = train_pipeline(**params_for(synthetic_archive, platform=name, volume="tusimple", package=True))
     assert result["metrics"]["images"] == 3 and result["steps"] == 2
     assert (cluster.count("persistentvolumeclaims"), cluster.count("mpijobs"), cluster.count("volumesnapshots")) \
         == (1, 1, 1)
@@ -187,7 +188,7 @@ def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
         ClusterPlatform.load(name).ensure_volume("tusimple")
     project = rendered("runai")
     cluster.load(project)  # what a platform admin applies per Run:ai project
-    train_pipeline(params_for(synthetic_archive, platform=name, volume="tusimple", snapshot=False))
+    train_pipeline(**params_for(synthetic_archive, platform=name, volume="tusimple", snapshot=False))
     ((namespace, _), job), = cluster.objects["mpijobs"].items()
     assert namespace == "runai-perception"
     assert job["metadata"]["labels"]["runai/queue"] == job["metadata"]["labels"]["project"] == "perception"
@@ -216,7 +217,7 @@ def test_faults_per_call_type_end_in_success_with_one_of_each(prefect_server: di
     cluster.inject("POST", "mpijobs", lost_answer)
     cluster.inject("POST", "volumesnapshots", lost_answer)
     name = saved(emu, "emu-faults")
-    result = train_pipeline(params_for(synthetic_archive, platform=name, volume="legacy"))
+    result = train_pipeline(**params_for(synthetic_archive, platform=name, volume="legacy"))
     assert result["steps"] == 2
     assert (cluster.count("persistentvolumeclaims"), cluster.count("mpijobs"), cluster.count("volumesnapshots")) \
         == (1, 1, 1)
@@ -225,13 +226,33 @@ def test_faults_per_call_type_end_in_success_with_one_of_each(prefect_server: di
     assert not any(queue for queue in cluster.faults.values())  # every injected fault was met
 
 
+def test_a_hung_api_call_times_out_and_is_tried_again_instead_of_blocking(emulator: tuple) -> None:
+    # The tasks set no Prefect timeout (it cannot interrupt a worker thread): the client's own must hold.
+    emu, cluster = emulator
+    create_rwo_claim(emu, "legacy")
+    cluster.requests.clear()
+    released = threading.Event()
+    cluster.inject("GET", "persistentvolumeclaims", Fault(hang=released))
+    platform = cluster_platform(emu, api_timeout_s=1.0)
+    outcome: list = []
+    caller = threading.Thread(target=lambda: outcome.append(platform.ensure_volume("legacy")), daemon=True)
+    try:
+        caller.start()
+        caller.join(timeout=120)  # a liveness bound, not a speed check: without a timeout it never returns
+        assert not caller.is_alive(), "ensure_volume is still blocked on the unanswered call"
+    finally:
+        released.set()
+    assert outcome and not outcome[0].created  # the claim was found by the second try
+    assert [r.verb for r in cluster.requests if r.resource == "persistentvolumeclaims"] == ["get", "get"]
+
+
 def test_forbidden_is_not_retried_and_names_the_permission(prefect_server: dict, laneflow_home: Path,
                                                            synthetic_archive: tuple[Path, str],
                                                            emulator: tuple) -> None:
     emu, cluster = emulator
     cluster.inject("PATCH", "persistentvolumes", Fault(status=403))
     create_rwo_claim(emu, "legacy")
-    state = train_pipeline(params_for(synthetic_archive, platform=saved(emu, "emu-403"), volume="legacy"),
+    state = train_pipeline(**params_for(synthetic_archive, platform=saved(emu, "emu-403"), volume="legacy"),
                            return_state=True)
     assert state.is_failed()
     assert "may not 'patch' persistentvolumes" in str(state.result(raise_on_failure=False))

@@ -15,6 +15,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from flows.cli import WORK_POOL, apply_deployments, ensure_local_setup
+from tasks.names import run_name, snapshot_name
 from tests.browser import Browser, find_chromium
 from tests.conftest import PROJECT_ROOT, TEST_OUTPUT
 
@@ -42,25 +43,75 @@ def test_prefect_yaml_creates_the_four_deployments(deployed: dict) -> None:
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly] == [("0 2 * * *", "Europe/Berlin",
                                                                                    True)]
     schema = deployments["train"].parameter_openapi_schema
-    form = schema["definitions"]["TrainParams"]["properties"]
+    # A typed, described form: one top-level field per parameter, the dataset as a nested object.
+    form = schema["properties"]
     assert form["lr"]["type"] == "number" and form["lr"]["exclusiveMinimum"] == 0
+    assert form["lr"]["description"].startswith("base learning rate")
     assert form["epochs"]["type"] == "integer" and form["preset"]["enum"] == ["cpu-demo", "tusimple"]
+    assert form["source"]["$ref"] == "#/definitions/DataSource" and schema["required"] == ["source"]
     assert schema["definitions"]["DatasetArtifact"]["properties"]["sha256"]["pattern"] == "^[0-9a-fA-F]{64}$"
     assert schema["definitions"]["DatasetArtifact"]["properties"]["kind"]["enum"] == ["archive", "file"]
-    artifacts = deployments["train"].parameters["params"]["source"]["artifacts"]
+    assert all(deployments[name].enforce_parameter_schema for name in ("train", "nightly", "sweep", "restore"))
+    artifacts = deployments["train"].parameters["source"]["artifacts"]
     assert [(a["sha256"], a["kind"]) for a in artifacts] == [
         (deployed["LANEFLOW_TRAIN_SHA256"], "archive"), (deployed["LANEFLOW_TEST_SHA256"], "archive"),
         (deployed["LANEFLOW_TEST_LABEL_SHA256"], "file")]
 
 
+ONE_FIELD = {  # deployment -> a run's only parameter; everything else comes from the deployment
+    "train_pipeline/train": {"lr": 0.02},
+    "nightly_retrain/nightly": {"min_improvement": 0.01},
+    "sweep/sweep": {"max_concurrent": 2},
+    "restore/restore": {"snapshot": "tusimple-train-0123456789ab"},
+}
+
+
+def test_one_field_overrides_keep_every_other_default_of_each_deployment(deployed: dict) -> None:
+    from flows.nightly import nightly_retrain
+    from flows.restore import restore
+    from flows.sweep import sweep
+    from flows.train import train_pipeline
+
+    flows = {"train_pipeline/train": train_pipeline, "nightly_retrain/nightly": nightly_retrain,
+             "sweep/sweep": sweep, "restore/restore": restore}
+    with get_client(sync_client=True) as client:
+        for name, override in ONE_FIELD.items():
+            deployment = client.read_deployment_by_name(name)
+            run = client.create_flow_run_from_deployment(deployment.id, parameters=override)
+            try:
+                assert run.parameters == {**deployment.parameters, **override}, name
+                flows[name].validate_parameters(run.parameters)  # what the worker's flow run will accept
+            finally:
+                client.delete_flow_run(run.id)  # never picked up: the worker tests below start from a clean queue
+
+
+@pytest.mark.parametrize(("deployment", "override", "named"), [
+    ("train_pipeline/train", {"lr": -1}, "lr"),
+    ("train_pipeline/train", {"epochs": "many"}, "epochs"),
+    ("train_pipeline/train", {"volume": "Not_A_Volume"}, "volume"),
+    ("nightly_retrain/nightly", {"preset": "huge"}, "preset"),
+    ("sweep/sweep", {"max_concurrent": 0}, "max_concurrent"),
+])
+def test_a_bad_override_is_refused_when_the_run_is_created_naming_the_field(
+        deployed: dict, deployment: str, override: dict, named: str) -> None:
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    with get_client(sync_client=True) as client:
+        found = client.read_deployment_by_name(deployment)
+        before = len(client.read_flow_runs())
+        with pytest.raises(PrefectHTTPStatusError) as refused:
+            client.create_flow_run_from_deployment(found.id, parameters=override)
+        assert len(client.read_flow_runs()) == before  # nothing was created
+    detail = refused.value.response.json()["detail"]
+    assert refused.value.response.status_code == 409 and f"'{named}'" in detail, detail
+
+
 @pytest.fixture(scope="module")
 def worker_run(deployed: dict) -> str:
-    """A run created through the API as the UI does, executed by a real process worker."""
+    """A run created through the API with one field, executed by a real process worker."""
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("train_pipeline/train")
-        params = {**deployment.parameters["params"], "epochs": 1, "batch_size": 2, "loader_workers": 0,
-                  "volume": "from-ui"}
-        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
+        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=ONE_FIELD["train_pipeline/train"])
     prefect = str(Path(sys.executable).parent / "prefect")
     worker = subprocess.Popen([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"],
                               env=deployed, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -79,11 +130,19 @@ def worker_run(deployed: dict) -> str:
     return str(flow_run.id)
 
 
-def test_a_run_created_like_the_ui_does_is_executed_by_the_worker(worker_run: str) -> None:
+def test_a_one_field_run_is_executed_by_the_worker_with_the_deployments_dataset(worker_run: str,
+                                                                                deployed: dict) -> None:
     with get_client(sync_client=True) as client:
         keys = {a.key for a in client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[worker_run])))}
     assert any(key.startswith("metrics-train-") for key in keys), keys
+    # The run trained with lr 0.02 on the deployment's three artifacts and its other defaults.
+    snapshot = snapshot_name("tusimple", run_name(worker_run))
+    lineage = json.loads((Path(deployed["LANEFLOW_HOME"]) / "snapshots" / snapshot / "lineage.json").read_text())
+    parameters = lineage["parameters"]
+    assert parameters["lr"] == 0.02 and parameters["epochs"] == 4 and parameters["workers"] == 2
+    assert [a["sha256"] for a in parameters["source_artifacts"]] == [
+        deployed["LANEFLOW_TRAIN_SHA256"], deployed["LANEFLOW_TEST_SHA256"], deployed["LANEFLOW_TEST_LABEL_SHA256"]]
 
 
 @pytest.mark.skipif(find_chromium() is None, reason="needs Debian's chromium (scripts/bootstrap.sh installs it "
@@ -109,9 +168,8 @@ def test_cancelling_a_flow_run_stops_its_training_process_group(deployed: dict) 
 
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("train_pipeline/train")
-        params = {**deployment.parameters["params"], "epochs": 500, "batch_size": 2, "loader_workers": 0,
-                  "snapshot": False, "volume": "cancel-me"}
-        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
+        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters={
+            "epochs": 500, "batch_size": 2, "loader_workers": 0, "snapshot": False, "volume": "cancel-me"})
     run_dir = Path(deployed["LANEFLOW_HOME"]) / "volumes" / "cancel-me" / "runs" / f"train-{flow_run.id.hex[:12]}"
     prefect = str(Path(sys.executable).parent / "prefect")
     worker = subprocess.Popen([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"],

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from flows.restore import restore
 from flows.sweep import sweep
 from flows.train import train_pipeline
 from tasks.platforms import LocalPlatform
+from tests.conftest import PROJECT_ROOT
 from tests.test_pipeline import params_for
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,7 @@ def latest_artifact(key: str) -> object:
 
 def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
-    first = nightly_retrain(params_for(synthetic_archive, volume="nightly", epochs=6, snapshot=False, package=True))
+    first = nightly_retrain(**params_for(synthetic_archive, volume="nightly", epochs=6, snapshot=False, package=True))
     assert first["promoted"] and first["reason"] == "no champion yet"
     champion = Variable.get(champion_variable("nightly"))
     assert champion["run"] == first["challenger"]["run"]
@@ -61,7 +62,7 @@ def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
     busy = {**champion, "metrics": {**champion["metrics"], "accuracy": 0.0, "fp": 0.0, "fn": 1.0,
                                     "untimed_accuracy": 0.99, "over_time_limit": champion["metrics"]["images"]}}
     Variable.set(champion_variable("nightly"), busy, overwrite=True)
-    second = nightly_retrain(params_for(synthetic_archive, volume="nightly", max_steps=1, snapshot=False),
+    second = nightly_retrain(**params_for(synthetic_archive, volume="nightly", max_steps=1, snapshot=False),
                              min_improvement=-0.5)
     assert second["challenger"]["metrics"]["untimed_accuracy"] < 0.49
     assert not second["promoted"] and "champion kept" in second["reason"]
@@ -70,10 +71,25 @@ def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
     assert f"`{first['challenger']['run']}`" in decision and "without the benchmark's 200 ms run-time rule" in decision
 
 
+def warnings_since(started: datetime) -> list[str]:
+    """Every log line of WARNING or above that reached the server since ``started``."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterLevel, LogFilterTimestamp
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)  # the handler ships logs in batches
+    with get_client(sync_client=True) as client:
+        found = client.read_logs(log_filter=LogFilter(level=LogFilterLevel(ge_=30),
+                                                      timestamp=LogFilterTimestamp(after_=started)))
+    return [f"{log.name}: {log.message}" for log in found]
+
+
 def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    started = datetime.now(UTC)
     base = params_for(synthetic_archive, volume="sweep", workers=1, snapshot=False)
-    table = sweep(base, grid={"lr": [0.05, 0.02]}, runs=[{"lr": 0.1, "batch_size": 4}], max_concurrent=1)
+    table = sweep(**base, grid={"lr": [0.05, 0.02]}, runs=[{"lr": 0.1, "batch_size": 4}], max_concurrent=1)
+    # Children run in worker threads: nothing laneflow configures may make Prefect warn about that.
+    assert warnings_since(started) == []
 
     assert [row["rank"] for row in table] == [1, 2, 3]
     assert sorted(row["lr"] for row in table) == [0.02, 0.05, 0.1]
@@ -93,11 +109,30 @@ def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
 
 def test_sweep_refuses_an_invalid_run_naming_it(prefect_server: dict, laneflow_home: Path,
                                                 synthetic_archive: tuple[Path, str]) -> None:
-    state = sweep(params_for(synthetic_archive), runs=[{"lr": 0.05}, {"epochs": 0}], return_state=True)
+    state = sweep(**params_for(synthetic_archive), runs=[{"lr": 0.05}, {"epochs": 0}], return_state=True)
     assert state.is_failed()
     message = str(state.result(raise_on_failure=False))
     assert "sweep run 1" in message and "epochs" in message
     assert not (laneflow_home / "volumes").exists()
+
+
+def test_a_script_without_a_main_guard_can_call_a_flow(prefect_server: dict, laneflow_home: Path,
+                                                       synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+    # At module level, as a notebook-minded user writes it: the dataset stage's worker pool must not
+    # re-run this script (multiprocessing imports a parent's __main__ into its workers).
+    path, sha256 = synthetic_archive
+    script = tmp_path / "train_now.py"
+    script.write_text("from flows.train import train_pipeline\n\n"
+                      f"result = train_pipeline(source={{'url': {path.as_uri()!r}, 'sha256': {sha256!r}}}, epochs=1,\n"
+                      "                        batch_size=2, loader_workers=0, volume='script', package=False,\n"
+                      "                        snapshot=False)\n"
+                      "print('trained', result['run'], 'preprocessed', result['dataset_steps']['preprocessed'])\n")
+    env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home),
+           "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "trained train-" in done.stdout and "preprocessed True" in done.stdout
+    assert "bootstrapping phase" not in done.stderr
 
 
 def test_restore_trains_on_a_new_volume_from_a_snapshot_without_downloading(
@@ -105,7 +140,7 @@ def test_restore_trains_on_a_new_volume_from_a_snapshot_without_downloading(
     # A private copy of the archive that disappears after the first run: a restore must not need it.
     archive = tmp_path / "train_set.zip"
     archive.write_bytes(synthetic_archive[0].read_bytes())
-    original = train_pipeline(params_for((archive, synthetic_archive[1]), volume="origin"))
+    original = train_pipeline(**params_for((archive, synthetic_archive[1]), volume="origin"))
     archive.unlink()
     (laneflow_home / "volumes" / "origin" / "downloads" / "train_set.zip").unlink()
 

@@ -135,5 +135,5 @@ def test_train_pipeline_on_a_real_cluster(prefect_server: dict, laneflow_home: P
     params = TrainParams(source=DataSource(url=env["LANEFLOW_CLUSTER_SOURCE_URL"],
                                            sha256=env["LANEFLOW_CLUSTER_SOURCE_SHA256"]),
                          preset="cpu-demo", epochs=1, workers=2, platform="real-cluster", volume="laneflow-e2e")
-    result = train_pipeline(params)
+    result = train_pipeline(**params.flow_parameters())
     assert result["snapshot"] and 0.0 <= result["metrics"]["accuracy"] <= 1.0

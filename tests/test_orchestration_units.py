@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from flows.params import DataSource, SweepError, TrainParams, expand_sweep, params_from_record
+from flows.params import DataSource, SweepError, TrainParams, expand_sweep, params_from_record, takes_train_params
 from flows.sweep import leaderboard
 from tasks.champion import decide_champion, selection_accuracy
 from tasks.k8s.logs import LogCursor, LogFormatError, parse_timestamp
@@ -308,6 +308,36 @@ def test_a_dataset_is_a_list_of_artifacts_and_one_archive_still_works() -> None:
         DataSource(artifacts=[])
     keys = {dataset_key(three.to_artifacts()), dataset_key(list(reversed(three.to_artifacts())))}
     assert len(keys) == 1 and dataset_key([Artifact("https://m.example/train_set.zip", SHA)]) == SHA[:16]
+
+
+def test_flows_take_the_fields_of_train_params_as_their_own_top_level_parameters() -> None:
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.nightly import nightly_retrain
+    from flows.sweep import sweep
+    from flows.train import train_pipeline
+
+    fields = list(TrainParams.model_fields)
+    for flow, extras in ((train_pipeline, []), (nightly_retrain, ["min_improvement"]),
+                         (sweep, ["grid", "runs", "max_concurrent"])):
+        schema = flow.parameters.model_dump_for_openapi()
+        assert list(schema["properties"]) == fields + extras, flow.name
+        assert all(schema["properties"][name].get("description") for name in fields )
+    validated = train_pipeline.validate_parameters({"source": source().model_dump(), "lr": 0.02})
+    assert TrainParams.from_flow_parameters(validated) == TrainParams(source=source(), lr=0.02)
+    with pytest.raises(ParameterTypeError, match="volume"):
+        train_pipeline.validate_parameters({"source": source().model_dump(), "volume": "Not_A_Name"})
+
+
+def test_takes_train_params_refuses_a_flow_it_cannot_wrap() -> None:
+    def clashes(params: TrainParams, lr: float) -> None: ...
+
+    def takes_no_params(volume: str) -> None: ...
+
+    with pytest.raises(TypeError, match=r"\['lr'\] clash"):
+        takes_train_params(clashes)
+    with pytest.raises(TypeError, match="first parameter"):
+        takes_train_params(takes_no_params)
 
 
 def test_sweep_expands_grid_then_runs() -> None:

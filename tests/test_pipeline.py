@@ -23,12 +23,13 @@ from flows.train import train_pipeline
 pytestmark = pytest.mark.slow
 
 
-def params_for(archive: tuple[Path, str], **changes: object) -> TrainParams:
+def params_for(archive: tuple[Path, str], **changes: object) -> dict[str, object]:
+    """The flows' keyword arguments for a small run on ``archive``; validated here, so a test's typo fails early."""
     path, sha256 = archive
     # Packaging (export + parity, seconds per run) is on only where a test is about it.
     base = {"source": DataSource(url=path.as_uri(), sha256=sha256), "epochs": 1, "batch_size": 2, "workers": 2,
             "loader_workers": 0, "volume": "pipeline", "package": False}
-    return TrainParams(**{**base, **changes})
+    return TrainParams(**{**base, **changes}).flow_parameters()
 
 
 def task_runs(flow_run_id: UUID) -> dict[str, list]:
@@ -69,7 +70,7 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
                                                  synthetic_artifacts: list[dict]) -> None:
     # The dataset as TuSimple ships it: train_set.zip, test_set.zip and test_label.json.
     source = DataSource(artifacts=synthetic_artifacts)
-    state = train_pipeline(params_for(synthetic_archive, source=source, package=True), return_state=True)
+    state = train_pipeline(**params_for(synthetic_archive, source=source, package=True), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
     flow_run_id = state.state_details.flow_run_id
@@ -118,7 +119,7 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
     assert predicted["package"] == result["package"] and predicted["predicted"] == predicted["frames"] == 1
     assert (laneflow_home / "volumes" / "pipeline" / predicted["predictions"]).is_file()
 
-    second = train_pipeline(params_for(synthetic_archive, source=source, snapshot=False), return_state=True).result()
+    second = train_pipeline(**params_for(synthetic_archive, source=source, snapshot=False), return_state=True).result()
     assert second["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}
     assert second["dataset_version"] == result["dataset_version"] and second["run"] != run
 
@@ -156,7 +157,7 @@ def test_transient_launcher_failure_is_retried_and_resumes_from_checkpoint(
             time.sleep(0.2)
 
     threading.Thread(target=watch, daemon=True).start()
-    state = train_pipeline(params_for(synthetic_archive, epochs=40, volume="resume", snapshot=False),
+    state = train_pipeline(**params_for(synthetic_archive, epochs=40, volume="resume", snapshot=False),
                            return_state=True)
     assert killed, "the test never found a training rank to kill"
     assert state.is_completed(), state.message
@@ -171,9 +172,7 @@ def test_transient_launcher_failure_is_retried_and_resumes_from_checkpoint(
 
 def test_invalid_parameter_fails_at_once_naming_the_field(prefect_server: dict, laneflow_home: Path,
                                                           synthetic_archive: tuple[Path, str]) -> None:
-    params = params_for(synthetic_archive).model_dump()
-    params["lr"] = -1
-    state = train_pipeline(params=params, return_state=True)
+    state = train_pipeline(**{**params_for(synthetic_archive), "lr": -1}, return_state=True)
     assert state.is_failed()
     assert "lr" in state.message and "greater than 0" in state.message
     assert not (laneflow_home / "volumes").exists()  # nothing ran
@@ -182,7 +181,7 @@ def test_invalid_parameter_fails_at_once_naming_the_field(prefect_server: dict, 
 def test_training_failure_fails_the_flow_with_log_tail_and_no_snapshot(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
     # 8 training images cannot fill a step of 2 workers x 8 images: the trainer refuses (exit 2).
-    state = train_pipeline(params_for(synthetic_archive, batch_size=8, volume="broken"), return_state=True)
+    state = train_pipeline(**params_for(synthetic_archive, batch_size=8, volume="broken"), return_state=True)
     assert state.is_failed()
     message = str(state.result(raise_on_failure=False))
     assert "refused its configuration or data" in message

@@ -3,7 +3,12 @@
 Never fork: the parent may hold OpenCV's thread pool or Prefect's threads, and a forked child
 inherits their locks mid-use. A fork server starts clean once and forks cheaply afterwards. An
 executor (unlike ``multiprocessing.Pool``) fails loudly when a worker dies instead of hanging.
-Callers' scripts need the usual ``if __name__ == "__main__"`` guard.
+
+A fork server's workers import the parent's ``__main__`` first (multiprocessing's rule for every
+start method but fork), so laneflow starts these pools only in its own processes (``python -m
+training.data.prepare``, the trainer, evaluation): a script that calls a flow needs no ``if __name__ ==
+"__main__"`` guard. A script that starts such a pool itself (builds a dataset's cache directly, say)
+needs that guard, as with any multiprocessing.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.launch import trainer_args
+from tasks.launch import prepare_args, trainer_args
 from tasks.names import validate_mpijob_name, validate_name
 from training.data.sources import Artifact
 
@@ -100,10 +100,8 @@ def render_data_job(name: str, layout: ClusterLayout, claim: str, artifacts: lis
     (``--archive URL SHA256`` / ``--file URL SHA256`` each)."""
     validate_name(name, "job")
     volumes, mounts = _volume_mounts(claim, None)
-    sources = [arg for artifact in artifacts for arg in (f"--{artifact.kind}", artifact.url, artifact.sha256)]
     container = {"name": "prepare", "image": layout.data_image,
-                 "command": ["python", "-m", "training.data.prepare", *sources, "--volume", MOUNT_PATH],
-                 "volumeMounts": mounts}
+                 "command": ["python", *prepare_args(artifacts, MOUNT_PATH)], "volumeMounts": mounts}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},
             "spec": {"backoffLimit": 0, "ttlSecondsAfterFinished": 86400,

@@ -87,6 +87,19 @@ class _ClientCache:
         return _ClientCache, ()
 
 
+class _ApiClient(kubernetes.client.ApiClient):
+    """The kubernetes client, with a (connect, read) timeout for every call that sets none: a hung
+    connection then fails and ``_call`` retries it, instead of blocking its task for good (a Prefect
+    task timeout cannot interrupt a task in a worker thread, so laneflow's tasks set none)."""
+
+    def __init__(self, configuration: kubernetes.client.Configuration, timeout: tuple[float, float]) -> None:
+        super().__init__(configuration)
+        self.default_timeout = timeout
+
+    def call_api(self, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        return super().call_api(*args, _request_timeout=_request_timeout or self.default_timeout, **kwargs)
+
+
 class ClusterPlatform(Platform):
     """Kubernetes: PVC volumes, Horovod MPIJobs (optionally scheduled by Run:ai), CSI VolumeSnapshots."""
 
@@ -108,6 +121,8 @@ class ClusterPlatform(Platform):
     runai_project: str | None = Field(None, description="schedule with Run:ai in namespace runai-<project>")
     poll_interval_s: float = Field(5.0, gt=0, description="how often job state and logs are read")
     api_attempts: int = Field(6, ge=1, description="tries per API call on 429/5xx/connection errors")
+    api_timeout_s: float = Field(120.0, gt=0, description="an API call unanswered this long fails and is tried "
+                                                          "again (connecting: at most 30 s)")
     snapshotter: Literal["csi", "anf"] = Field(
         "csi", description="csi: VolumeSnapshots (lineage in labels/annotations); anf: ANF snapshots through Azure "
                            "(lineage in the run's lineage.json on the volume), for volumes not snapshotted by CSI")
@@ -138,7 +153,7 @@ class ClusterPlatform(Platform):
             except kubernetes.config.ConfigException:
                 kubernetes.config.load_kube_config(client_configuration=configuration)
         configuration.retries = urllib3.util.Retry(total=0, redirect=0)  # retries are ours (below), counted
-        return kubernetes.client.ApiClient(configuration)
+        return _ApiClient(configuration, (min(30.0, self.api_timeout_s), self.api_timeout_s))
 
     def _apis(self) -> tuple[kubernetes.client.CoreV1Api, kubernetes.client.BatchV1Api,
                              kubernetes.client.CustomObjectsApi]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import queue
 import shutil
@@ -30,7 +29,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from tasks.launch import horovodrun_command, parse_output_line, read_exit
+from tasks.launch import horovodrun_command, parse_output_line, prepare_args, read_exit
 from tasks.names import validate_name
 from tasks.platforms.base import (
     EventSink,
@@ -52,6 +51,10 @@ LAUNCHER_RECORD = "launcher.json"
 LINEAGE_FILE = "lineage.json"
 RESTORED_MARKER = ".laneflow-restored-from"
 LOG_TAIL = 40
+#: Deadlines of the stages that run a module of their own (a training run has its own, a parameter).
+PREPARE_TIMEOUT_S = 12 * 3600
+EVALUATE_TIMEOUT_S = 6 * 3600
+PREDICT_TIMEOUT_S = 12 * 3600
 #: Files the pipeline only ever replaces (new inode), never rewrites in place: safe to hard-link into
 #: a snapshot. Everything else (json, metrics, overlays) is copied.
 _LINKABLE_SUFFIXES = (".jpg", ".jpeg", ".pt")
@@ -104,14 +107,10 @@ class LocalPlatform(Platform):
         return f"local volume {volume.location}: every process on this machine already shares it; nothing to do"
 
     def prepare_dataset(self, volume: VolumeRef, artifacts: list[Artifact], log: LogSink) -> dict[str, Any]:
-        from training.data.prepare import prepare_dataset  # the data stage's heavy imports stay out of flows
-
-        base = self.volume_path(volume)
-        with _forward_logs("laneflow", log):
-            prepared = prepare_dataset(artifacts, base)
-        summary = prepared.summary()
-        summary["dataset_dir"] = str(prepared.root.relative_to(base))
-        return summary
+        # In its own process, as on a cluster: its worker pool then never depends on the caller's
+        # ``__main__`` (a script that calls a flow without an ``if __name__ == "__main__"`` guard works).
+        return self._run_module(prepare_args(artifacts, str(self.volume_path(volume))), log,
+                                f"preparing the dataset on volume '{volume.name}'", timeout_s=PREPARE_TIMEOUT_S)
 
     def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
         path = self._inside(volume, relative_path)
@@ -206,42 +205,61 @@ class LocalPlatform(Platform):
             _finish_record(run_dir, None, "cancelled")
         return stopped
 
-    def _run_module(self, args: list[str], log: LogSink, what: str) -> dict[str, Any]:
-        """``python -m <args>`` on all cores; its stderr to ``log``, its last JSON event is the result.
+    def _run_module(self, args: list[str], log: LogSink, what: str, timeout_s: float) -> dict[str, Any]:
+        """``python <args>`` (``-m module ...``) on all cores in its own process group: what it prints goes
+        to ``log`` as it comes, its last JSON event on stdout is the result.
 
-        Exit code 2 (the module refused its input) raises ValueError, not retried; anything else RuntimeError.
+        The deadline is enforced here, from whichever thread calls: past ``timeout_s``, or when the task is
+        interrupted, the whole group is stopped. Exit code 2 (the module refused its input) raises
+        ValueError, not retried; anything else RuntimeError.
         """
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() or 1))}
-        done = subprocess.run([self._python(), "-m", *args], capture_output=True, text=True, env=env, check=False)
-        for line in done.stderr.splitlines():
-            log(line)
-        results = [p.event for p in map(parse_output_line, done.stdout.splitlines()) if p.event]
-        if done.returncode != 0 or not results:
-            tail = "\n".join(done.stderr.splitlines()[-LOG_TAIL:])
-            kind = ValueError if done.returncode == 2 else RuntimeError
-            raise kind(f"{what} failed (exit code {done.returncode}):\n{tail}")
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() or 1)), "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen([self._python(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, bufsize=1, env=env, start_new_session=True)
+        tail: deque[str] = deque(maxlen=LOG_TAIL)
+        results: list[dict[str, Any]] = []
+        try:
+            for stream, raw in _merged_lines(process, deadline=time.monotonic() + timeout_s):
+                event = parse_output_line(raw).event if stream == "stdout" else None
+                if event:
+                    results.append(event)
+                    continue
+                tail.append(raw.rstrip("\n"))
+                log(tail[-1])
+            code = process.wait()
+        except BaseException as exc:
+            _stop_child_group(process)
+            if isinstance(exc, _Deadline):  # it would take as long again: not retried
+                raise RuntimeError(f"{what} did not finish within {timeout_s:.0f} s; it was stopped") from None
+            raise
+        if code != 0 or not results:
+            kind = ValueError if code == 2 else RuntimeError
+            reasons = [line.removeprefix("error: ") for line in tail if line.startswith("error: ")]
+            reason = f": {reasons[-1]}" if reasons else ""
+            raise kind(f"{what} failed (exit code {code}){reason}\n--- log tail ---\n" + "\n".join(tail))
         result = dict(results[-1])
         result.pop("event")
         return result
 
     def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
-        return self._run_module(["training.evaluate", "--run-dir", str(self._inside(volume, run_dir)),
+        return self._run_module(["-m", "training.evaluate", "--run-dir", str(self._inside(volume, run_dir)),
                                  "--data-root", str(self._inside(volume, data_dir)), "--split", split],
-                                log, f"evaluation of {run_dir} on '{split}'")
+                                log, f"evaluation of {run_dir} on '{split}'", timeout_s=EVALUATE_TIMEOUT_S)
 
     def package_model(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, lineage: dict[str, Any],
                       log: LogSink) -> dict[str, Any]:
-        summary = self._run_module(["training.package", "--run-dir", str(self._inside(volume, run_dir)),
+        summary = self._run_module(["-m", "training.package", "--run-dir", str(self._inside(volume, run_dir)),
                                     "--data-root", str(self._inside(volume, data_dir)), "--split", split,
-                                    "--lineage", json.dumps(lineage)], log, f"packaging {run_dir}")
+                                    "--lineage", json.dumps(lineage)], log, f"packaging {run_dir}",
+                                   timeout_s=EVALUATE_TIMEOUT_S)
         return paths_in(run_dir, summary, ("package", "archive"))
 
     def predict(self, volume: VolumeRef, package: str, inputs: str, out_dir: str, backend: str,
                 log: LogSink) -> dict[str, Any]:
-        summary = self._run_module(["training.predict", "--package", str(self._inside(volume, package)),
+        summary = self._run_module(["-m", "training.predict", "--package", str(self._inside(volume, package)),
                                     "--input", str(self._inside(volume, inputs)),
                                     "--out", str(self._inside(volume, out_dir)), "--backend", backend],
-                                   log, f"prediction with {package} on {inputs}")
+                                   log, f"prediction with {package} on {inputs}", timeout_s=PREDICT_TIMEOUT_S)
         return paths_in(out_dir, summary, ("predictions", "overlay"))
 
     # --- snapshots -----------------------------------------------------------------------------------
@@ -374,6 +392,18 @@ def _stop_group(pgid: int, run_dir: str, grace_s: float = 15.0) -> bool:
     return True
 
 
+def _stop_child_group(process: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the process group this platform started for a stage, SIGKILL it after ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 class _Deadline(Exception):
     """The launcher's own timeout passed."""
 
@@ -443,28 +473,3 @@ def _snapshot_ref(path: Path) -> SnapshotRef:
     return SnapshotRef(name=path.name, volume=lineage.get("volume", ""), ready=bool(lineage.get("ready")),
                        location=str(path), lineage=lineage)
 
-
-class _Forward(logging.Handler):
-    def __init__(self, sink: LogSink) -> None:
-        super().__init__(logging.INFO)
-        self.sink = sink
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.sink(record.getMessage())
-
-
-@contextlib.contextmanager
-def _forward_logs(logger_name: str, sink: LogSink) -> Iterator[None]:
-    """Send a library logger's records to ``sink`` (the task's run logger) while the block runs."""
-    logger, handler = logging.getLogger(logger_name), _Forward(sink)
-    previous, propagate = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.propagate = False  # the sink is where these records go now; not twice to the console
-    if logger.level == logging.NOTSET or logger.level > logging.INFO:
-        logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
-        logger.propagate = propagate
