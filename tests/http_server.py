@@ -16,7 +16,8 @@ class Fault:
 
     kind: "cut" sends the headers and ``cut_after`` bytes, then drops the connection;
     "status" answers ``status`` (with ``retry_after`` if given); "ignore_range" answers 200 with
-    the whole file even when a Range was asked; "slow" sleeps ``delay`` s between 64 KiB chunks.
+    the whole file even when a Range was asked; "slow" sleeps ``delay`` s between 64 KiB chunks;
+    "chunked" sends the body with chunked transfer encoding, so its size is not announced.
     """
 
     kind: str
@@ -29,6 +30,8 @@ class Fault:
 @dataclass
 class FileServer:
     files: dict[str, bytes] = field(default_factory=dict)
+    #: Files of zeros as large as given, produced while they are sent (a 10 GB archive, without 10 GB).
+    zeros: dict[str, int] = field(default_factory=dict)
     faults: deque[Fault] = field(default_factory=deque)
     requests: list[dict] = field(default_factory=list)
     host: str = "127.0.0.1"
@@ -56,6 +59,9 @@ def make_handler(state: FileServer) -> type[BaseHTTPRequestHandler]:
                     self.send_header("Retry-After", fault.retry_after)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+                return
+            if name in state.zeros:
+                self._send_zeros(state.zeros[name], chunked=bool(fault and fault.kind == "chunked"))
                 return
             data = state.files.get(name)
             if data is None:
@@ -90,6 +96,20 @@ def make_handler(state: FileServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(body[offset : offset + (1 << 16)])
                 if fault and fault.kind == "slow":
                     time.sleep(fault.delay)
+
+        def _send_zeros(self, size: int, chunked: bool) -> None:
+            self.send_response(200)
+            self.send_header(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", str(size))))
+            self.end_headers()
+            block = bytes(1 << 16)
+            try:
+                for offset in range(0, size, len(block)):
+                    piece = block[: min(len(block), size - offset)]
+                    self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n" if chunked else piece)
+                if chunked:
+                    self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):  # the client stopped reading: as a real server
+                self.close_connection = True
 
     return Handler
 

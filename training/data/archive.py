@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.data.labels import is_safe_relative_path
+from training.data.space import allocated, archive_needs, block_bytes, ensure_free, names_a_full_volume
 
 log = logging.getLogger("laneflow.data.archive")
 
@@ -131,9 +132,27 @@ def _replace_dir(staging: Path, target: Path) -> None:
     os.replace(staging, target)
 
 
-def extract(archive: str | Path, target: str | Path, archive_sha256: str) -> bool:
-    """Extract ``archive`` into ``target``; returns False when it was already extracted from the same bytes."""
+def _ensure_room(step: str, parts: list[tuple[Path, str]], where: Path, volume: Path) -> None:
+    """Refuse ``step`` before it writes when the volume cannot hold what ``parts`` ((path, "archive" or
+    "file")) unpack to. A compressed tar's size is unknown until it is decompressed: the others still count."""
+    block = block_bytes(where)
+    needed = 0
+    for path, kind in parts:
+        size = archive_needs(path, block) if kind == "archive" else allocated(path.stat().st_size, block)
+        if size is None:
+            log.info("%s is a compressed tar: its unpacked size is known only once it is extracted", path.name)
+            continue
+        needed += size
+    ensure_free(step, volume, where, needed)
+
+
+def extract(archive: str | Path, target: str | Path, archive_sha256: str, volume: Path | None = None) -> bool:
+    """Extract ``archive`` into ``target``; returns False when it was already extracted from the same bytes.
+
+    Refused before anything is written when ``volume`` (the folder errors name; default: ``target``'s
+    parent) lacks the space the archive's index says it needs."""
     archive, target = Path(archive), Path(target)
+    volume = volume or target.parent
     marker = read_marker(target)
     if marker and marker.get("archive_sha256") == archive_sha256:
         log.info("%s already extracted from archive sha256 %s; skipping", target, archive_sha256)
@@ -143,11 +162,14 @@ def extract(archive: str | Path, target: str | Path, archive_sha256: str) -> boo
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.extracting")
     shutil.rmtree(staging, ignore_errors=True)
+    step = f"extract {archive.name}"
+    _ensure_room(step, [(archive, "archive")], target.parent, volume)
     staging.mkdir()
     try:
-        count = _unpack(archive, staging)
-        (staging / MARKER).write_text(json.dumps({"archive": archive.name, "archive_sha256": archive_sha256,
-                                                   "entries": count}))
+        with names_a_full_volume(step, volume, staging):
+            count = _unpack(archive, staging)
+            (staging / MARKER).write_text(json.dumps({"archive": archive.name, "archive_sha256": archive_sha256,
+                                                       "entries": count}))
         _replace_dir(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -204,15 +226,17 @@ def _merge(source: Path, target: Path, origin: str, owners: dict[str, str]) -> i
     return moved
 
 
-def assemble(parts: list[Part], target: str | Path) -> bool:
+def assemble(parts: list[Part], target: str | Path, volume: Path | None = None) -> bool:
     """Build one dataset folder from several artifacts; False when ``target`` was built from the same ones.
 
     Archives are extracted (each into its own staging folder, with every safety check of ``extract``)
     and merged by content root, so the test clips of ``test_set.zip`` land in the same
     ``clips/<date>/`` folders as the training clips of ``train_set.zip``; files are placed at the root.
-    The folder appears whole or not at all.
+    The folder appears whole or not at all, and is refused before anything is written when ``volume``
+    (default: ``target``'s parent) lacks the space the archives' indexes and the files' sizes add up to.
     """
     target = Path(target)
+    volume = volume or target.parent
     wanted = [{"name": part.path.name, "sha256": part.sha256, "kind": part.kind} for part in parts]
     marker = read_marker(target)
     if marker and sorted(map(json.dumps, marker.get("artifacts", []))) == sorted(map(json.dumps, wanted)):
@@ -221,28 +245,32 @@ def assemble(parts: list[Part], target: str | Path) -> bool:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.assembling")
     shutil.rmtree(staging, ignore_errors=True)
+    for part in parts:
+        if not part.path.is_file():
+            raise FileNotFoundError(f"artifact {part.path} does not exist")
+    step = "extract " + ", ".join(part.path.name for part in parts)
+    _ensure_room(step, [(part.path, part.kind) for part in parts], target.parent, volume)
     merged = staging / "dataset"
     merged.mkdir(parents=True)
     owners: dict[str, str] = {}
     entries = 0
     try:
-        for index, part in enumerate(parts):
-            if not part.path.is_file():
-                raise FileNotFoundError(f"artifact {part.path} does not exist")
-            if part.kind == "archive":
-                unpacked = staging / f"part-{index}"
-                unpacked.mkdir()
-                entries += _unpack(part.path, unpacked)
-                _merge(content_root(unpacked), merged, part.path.name, owners)
-                shutil.rmtree(unpacked)
-            else:
-                single = staging / f"part-{index}"
-                single.mkdir()
-                shutil.copyfile(part.path, single / part.path.name)
-                entries += _merge(single, merged, part.path.name, owners)
-        _check_links_stay_inside(merged)
-        (merged / MARKER).write_text(json.dumps({"artifacts": wanted, "entries": entries}))
-        _replace_dir(merged, target)
+        with names_a_full_volume(step, volume, staging):
+            for index, part in enumerate(parts):
+                if part.kind == "archive":
+                    unpacked = staging / f"part-{index}"
+                    unpacked.mkdir()
+                    entries += _unpack(part.path, unpacked)
+                    _merge(content_root(unpacked), merged, part.path.name, owners)
+                    shutil.rmtree(unpacked)
+                else:
+                    single = staging / f"part-{index}"
+                    single.mkdir()
+                    shutil.copyfile(part.path, single / part.path.name)
+                    entries += _merge(single, merged, part.path.name, owners)
+            _check_links_stay_inside(merged)
+            (merged / MARKER).write_text(json.dumps({"artifacts": wanted, "entries": entries}))
+            _replace_dir(merged, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("assembled %s from %d artifacts (%d archive entries)", target, len(parts), entries)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from training.data.space import allocated, block_bytes, ensure_free, names_a_full_volume
+
 log = logging.getLogger("laneflow.data.fetch")
 
 CHUNK_BYTES = 1 << 20
@@ -141,11 +143,17 @@ def fetch(
     timeout: float = 60.0,
     progress_interval: float = 10.0,
     sleep: Callable[[float], None] = time.sleep,
+    volume: Path | None = None,
 ) -> FetchResult:
-    """Fetch ``url`` to ``dest`` and verify its sha256; reuse ``dest`` when it already verifies."""
+    """Fetch ``url`` to ``dest`` and verify its sha256; reuse ``dest`` when it already verifies.
+
+    A download whose size is announced is refused before it writes when ``volume`` (the folder errors
+    name; default: ``dest``'s) lacks the space; one that fills it anyway fails naming the file.
+    """
     expected = validate_sha256(sha256)
     parts = validate_url(url)
     dest = Path(dest)
+    volume = volume or dest.parent
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".part")
     unverified = dest.with_name(dest.name + ".unverified")
@@ -164,9 +172,9 @@ def fetch(
         attempt += 1
         try:
             if parts.scheme == "file":
-                _copy_file(parts, partial, progress_interval)
+                _copy_file(parts, partial, progress_interval, volume)
             else:
-                _download_http(url, partial, timeout, progress_interval)
+                _download_http(url, partial, timeout, progress_interval, volume)
             break
         except TransientFetchError as exc:
             if attempt >= max_attempts:
@@ -191,14 +199,30 @@ def fetch(
     return FetchResult(dest, expected, size, max(0, size - already_there), attempt, cached=False)
 
 
-def _copy_file(parts: urllib.parse.SplitResult, partial: Path, progress_interval: float) -> None:
+def _step(partial: Path) -> str:
+    return f"download {partial.name.removesuffix('.part')}"
+
+
+def _make_room(partial: Path, total: int, volume: Path) -> str:
+    """Refuse to write ``partial`` up to ``total`` bytes when the volume lacks the space; the step's name.
+
+    The partial file's current blocks count as room: they are either kept (a resumed download) or
+    truncated (a restart)."""
+    step = _step(partial)
+    block = block_bytes(partial.parent)
+    current = allocated(partial.stat().st_size, block) if partial.exists() else 0
+    ensure_free(step, volume, partial.parent, allocated(total, block) - current)
+    return step
+
+
+def _copy_file(parts: urllib.parse.SplitResult, partial: Path, progress_interval: float, volume: Path) -> None:
     source = Path(urllib.request.url2pathname(parts.path))
     if not source.is_file():
         raise FetchError(f"source file {source} does not exist")
     total = source.stat().st_size
-    with source.open("rb") as src, partial.open("wb") as out, _Progress(
-        f"copying {source.name}", progress_interval, total, 0
-    ) as progress:
+    step = _make_room(partial, total, volume)
+    with names_a_full_volume(step, volume, partial), source.open("rb") as src, partial.open("wb") as out, \
+            _Progress(f"copying {source.name}", progress_interval, total, 0) as progress:
         while chunk := src.read(CHUNK_BYTES):
             out.write(chunk)
             progress.done += len(chunk)
@@ -220,7 +244,7 @@ def _classified_errors() -> Iterator[None]:
         raise TransientFetchError(f"{type(exc).__name__}: {exc or 'connection lost'}") from exc
 
 
-def _download_http(url: str, partial: Path, timeout: float, progress_interval: float) -> None:
+def _download_http(url: str, partial: Path, timeout: float, progress_interval: float, volume: Path) -> None:
     """One attempt: stream ``url`` into ``partial``, resuming from its current size."""
     offset = partial.stat().st_size if partial.exists() else 0
     # Identity encoding: byte offsets in Range must mean the same bytes the checksum covers.
@@ -245,8 +269,9 @@ def _download_http(url: str, partial: Path, timeout: float, progress_interval: f
             log.info("server ignored the Range request for %s; downloading from the start", url)
             offset = 0
         total = _total_size(response, offset)
+        step = _make_room(partial, total, volume) if total is not None else _step(partial)
         mode = "ab" if status == 206 else "wb"
-        with partial.open(mode) as out, _Progress(
+        with names_a_full_volume(step, volume, partial), partial.open(mode) as out, _Progress(
             f"downloading {partial.name.removesuffix('.part')}", progress_interval, total, offset
         ) as progress:
             # iter_raw hands over every byte as it arrives, so a cut loses nothing already received.

@@ -84,16 +84,16 @@ def prepare_dataset(artifacts: Sequence[Artifact], volume: str | Path, *, worker
         downloaded = False
         for artifact in artifacts:
             result = fetch(artifact.url, volume / "downloads" / artifact.name, artifact.sha256,
-                           progress_interval=progress_interval)
+                           progress_interval=progress_interval, volume=volume)
             downloaded |= not result.cached
             paths.append(result.path)
         if is_single_archive(artifacts):
-            extracted = extract(paths[0], target, artifacts[0].sha256)
+            extracted = extract(paths[0], target, artifacts[0].sha256, volume=volume)
         else:
             extracted = assemble([Part(path, a.sha256, a.kind) for path, a in zip(paths, artifacts, strict=True)],
-                                 target)
+                                 target, volume=volume)
     records = [artifact.record() for artifact in artifacts]
-    report: PrepareReport = preprocess(target, workers=workers, sources_extra={"artifacts": records})
+    report: PrepareReport = preprocess(target, workers=workers, sources_extra={"artifacts": records}, volume=volume)
     return PreparedDataset(report.root, report.dataset_version, report.counts, downloaded=downloaded,
                            extracted=extracted, preprocessed=not report.skipped, artifacts=records)
 

@@ -27,6 +27,7 @@ from training.data import labels
 from training.data.images import UnreadableImage, image_size
 from training.data.labels import LABEL_FILES, SPLITS, LabelError, QuarantineReason
 from training.data.png import encode_gray_png_scanlines
+from training.data.space import block_bytes, ensure_free, names_a_full_volume
 from training.parallel import process_pool
 
 log = logging.getLogger("laneflow.data.preprocess")
@@ -226,9 +227,14 @@ def preprocess(
     workers: int | None = None,
     sources_extra: dict | None = None,
     force: bool = False,
+    volume: Path | None = None,
 ) -> PrepareReport:
-    """Prepare masks, list files and manifest under the dataset root; a no-op when inputs are unchanged."""
+    """Prepare masks, list files and manifest under the dataset root; a no-op when inputs are unchanged.
+
+    Refused before any mask is written when ``volume`` (the folder errors name; default: the dataset
+    root) has not even one block free per mask; a volume that fills up anyway is named with the path."""
     root = find_dataset_root(dataset_dir)
+    volume = volume or root
     located, sources = read_label_lines(root)
     raw_files = [peek_raw_file(item.text) for item in located]
     fingerprint = inputs_fingerprint(root, sources, raw_files)
@@ -262,19 +268,15 @@ def preprocess(
             continue
         jobs.append(item)
 
-    outcomes.extend(_run_jobs(jobs, root, workers))
+    step = "write the lane masks"
+    ensure_free(step, volume, root, len(jobs) * block_bytes(root))  # each mask takes at least one block
+    with names_a_full_volume(step, volume, root / "seg_label"):
+        outcomes.extend(_run_jobs(jobs, root, workers))
     outcomes.sort(key=lambda o: (list(LABEL_FILES).index(o.label_file), o.line))
     kept = [o for o in outcomes if isinstance(o, Kept)]
     quarantined = [o for o in outcomes if isinstance(o, Quarantined)]
-
-    list_dir = root / "seg_label" / "list"
-    list_dir.mkdir(parents=True, exist_ok=True)
-    lists = {}
-    for split in SPLITS:
-        lines = [labels.list_line(k.raw_file, k.mask_file, k.existence) for k in kept if k.split == split]
-        rel = f"seg_label/list/{split}_gt.txt"
-        _write_atomic(root / rel, "".join(line + "\n" for line in lines))
-        lists[split] = rel
+    with names_a_full_volume("write the list files", volume, root / "seg_label" / "list"):
+        lists = _write_lists(root, kept)
 
     counts = summarize_counts(located, kept, quarantined)
     version = dataset_version(sources, kept)
@@ -288,7 +290,8 @@ def preprocess(
         "quarantine": [q.as_dict() for q in quarantined],
         "inputs_fingerprint": fingerprint,
     }
-    _write_atomic(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    with names_a_full_volume("write the manifest", volume, root / MANIFEST):
+        _write_atomic(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     for q in quarantined:
         log.warning("quarantined %s:%d (%s): %s", q.label_file, q.line, q.reason, q.detail)
     log.info("prepared %s: read %d, kept %d, quarantined %d; dataset version %s",
@@ -315,8 +318,21 @@ def summarize_counts(located: list[Located], kept: list[Kept], quarantined: list
     }
 
 
+def _write_lists(root: Path, kept: list[Kept]) -> dict[str, str]:
+    """``seg_label/list/<split>_gt.txt`` for every split; split -> path relative to ``root``."""
+    (root / "seg_label" / "list").mkdir(parents=True, exist_ok=True)
+    lists = {}
+    for split in SPLITS:
+        lines = [labels.list_line(k.raw_file, k.mask_file, k.existence) for k in kept if k.split == split]
+        rel = f"seg_label/list/{split}_gt.txt"
+        _write_atomic(root / rel, "".join(line + "\n" for line in lines))
+        lists[split] = rel
+    return lists
+
+
 def _run_jobs(jobs: list[Located], root: Path, workers: int | None) -> list[Kept | Quarantined]:
-    """Process label lines in worker processes (callers' scripts need the usual __main__ guard)."""
+    """Process label lines in worker processes (``python -m training.data.prepare`` runs this, so the
+    pool never depends on a caller's ``__main__``)."""
     workers = max(1, workers or os.cpu_count() or 1)
     if workers == 1 or len(jobs) < 2:
         return [process_line(item, root) for item in jobs]
