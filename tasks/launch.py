@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the platforms import this module
@@ -71,6 +73,34 @@ def parse_output_line(line: str) -> OutputLine:
         if isinstance(decoded, dict) and isinstance(decoded.get("event"), str):
             event = decoded
     return OutputLine(rank, line, event)
+
+
+LOG_TAIL = 40
+
+
+@dataclass
+class JobOutput:
+    """A training job's output as it arrives, sorted for every launcher: rank 0's JSON events go to
+    ``on_event``, every other line to ``on_log`` and a bounded tail (for error messages), and
+    horovodrun's per-rank ``Exit code:`` lines are kept for ``read_exit``."""
+
+    on_event: Callable[[dict[str, Any]], None]
+    on_log: Callable[[str], None]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL))
+    exit_lines: list[str] = field(default_factory=list)
+
+    def feed(self, raw: str, may_be_event: bool = True) -> None:
+        """One raw line; ``may_be_event`` False for a stream that never carries events (stderr)."""
+        parsed = parse_output_line(raw)
+        if may_be_event and parsed.event is not None and parsed.rank in (None, 0):
+            self.events.append(parsed.event)
+            self.on_event(parsed.event)
+            return
+        self.tail.append(parsed.text)
+        if "Exit code:" in parsed.text:
+            self.exit_lines.append(parsed.text)
+        self.on_log(parsed.text)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -41,6 +40,7 @@ import cv2
 import numpy as np
 import torch
 
+from training.data.fetch import sha256_of
 from training.dataset import DataError, read_list
 from training.inference import DeployedSCNN, input_contract, resize_for_model, slot_lanes
 from training.model import SCNN, ModelConfig
@@ -64,13 +64,6 @@ class PackageError(ValueError):
 
 
 # --- building -------------------------------------------------------------------------------------------
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def export_models(model: SCNN, config: ModelConfig, folder: Path) -> None:
@@ -177,7 +170,7 @@ def build_package(model: SCNN, config: ModelConfig, images: list[ParityImage], o
             "lineage": lineage or {},
             "metrics": metrics or {},
             "parity": {**parity, "checked_on": [image.name for image in images]},
-            "files": {name: _sha256(staging / name) for name in (WEIGHTS, TORCHSCRIPT, ONNX)},
+            "files": {name: sha256_of(staging / name) for name in (WEIGHTS, TORCHSCRIPT, ONNX)},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         archive = out.with_name(out.name + ARCHIVE_SUFFIX)
@@ -257,7 +250,7 @@ def load_package(path: str | Path, unpack_to: Path | None = None) -> Package:
         file = folder / name
         if not file.is_file():
             raise PackageError(f"package {folder} lacks {name}")
-        actual = _sha256(file)
+        actual = sha256_of(file)
         if actual != expected:
             raise PackageError(f"package {folder}: {name} does not match its recorded checksum (sha256 {actual}, "
                                f"recorded {expected}); it was changed or truncated — rebuild or re-download it")

@@ -17,7 +17,6 @@ import json
 import re
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -39,7 +38,7 @@ from tasks.k8s.manifests import (
     render_pvc,
     render_snapshot,
 )
-from tasks.launch import parse_output_line, read_mpijob_failure
+from tasks.launch import LOG_TAIL, JobOutput, parse_output_line, read_mpijob_failure
 from tasks.names import validate_name
 from tasks.platforms.base import (
     EventSink,
@@ -62,7 +61,6 @@ T = TypeVar("T")
 MPI = ("kubeflow.org", "v2beta1", "mpijobs")
 SNAPSHOTS = ("snapshot.storage.k8s.io", "v1", "volumesnapshots")
 LINEAGE_ANNOTATION = "laneflow.io/lineage"
-LOG_TAIL = 40
 #: A log stream is closed and reopened (from where it stopped) at least this often, so job state is
 #: re-read even while the log never goes quiet.
 STREAM_WINDOW_S = 60.0
@@ -412,22 +410,9 @@ class ClusterPlatform(Platform):
         selector = f"training.kubeflow.org/job-name={name},training.kubeflow.org/job-role=launcher"
         started = time.monotonic()
         deadline = started + timeout_s
-        tail: deque[str] = deque(maxlen=LOG_TAIL)
-        exit_lines: list[str] = []
-        events: list[dict[str, Any]] = []
+        output = JobOutput(on_event, on_log)
         warnings_seen: set[str] = set()
         cursor = LogCursor()
-
-        def dispatch(raw: str) -> None:
-            parsed = parse_output_line(raw)
-            if parsed.event is not None and parsed.rank in (None, 0):
-                events.append(parsed.event)
-                on_event(parsed.event)
-                return
-            tail.append(parsed.text)
-            if "Exit code:" in parsed.text:
-                exit_lines.append(parsed.text)
-            on_log(parsed.text)
 
         try:
             while True:
@@ -436,15 +421,15 @@ class ClusterPlatform(Platform):
                 state = _mpijob_state(job)
                 if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
                     self._check_warnings(core, job, warnings_seen, on_log)
-                streamed = self._follow_log(core, selector, cursor, dispatch, deadline)
+                streamed = self._follow_log(core, selector, cursor, output.feed, deadline)
                 if state == "succeeded":
-                    return outcome_from_events(name, events, time.monotonic() - started, list(tail))
+                    return outcome_from_events(name, output.events, time.monotonic() - started, list(output.tail))
                 if state == "failed":
                     break
                 if time.monotonic() > deadline:
                     self.cancel_training(name, handle.spec.volume)
                     raise TrainingFailed(f"MPIJob {name} did not finish within {timeout_s:.0f} s; it was deleted",
-                                         list(tail))
+                                         list(output.tail))
                 if not streamed:
                     time.sleep(self.poll_interval_s)
         except (TrainingFailed, TransientPlatformError, PermissionError):
@@ -455,10 +440,10 @@ class ClusterPlatform(Platform):
         condition = _failed_condition(job)
         reason = condition.get("reason", "")
         detail = f"{reason}: {condition.get('message', '')}; pods: {self._pod_reasons(core, name) or 'none found'}"
-        reading = read_mpijob_failure(reason, exit_lines, events)
+        reading = read_mpijob_failure(reason, output.exit_lines, output.events)
         if reading.resumable:
             raise TrainingInterrupted(f"MPIJob {name} stopped ({reading.reason}); {detail}")
-        raise TrainingFailed(f"MPIJob {name} failed ({reading.reason}); {detail}", list(tail))
+        raise TrainingFailed(f"MPIJob {name} failed ({reading.reason}); {detail}", list(output.tail))
 
     def _check_warnings(self, core: kubernetes.client.CoreV1Api, job: dict, seen: set[str], on_log: LogSink) -> None:
         """Fail fast when the operator refused the job: it then only records a Warning event, no condition.

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from tasks.launch import horovodrun_command, parse_output_line, prepare_args, read_exit
+from tasks.launch import LOG_TAIL, JobOutput, horovodrun_command, parse_output_line, prepare_args, read_exit
 from tasks.names import validate_name
 from tasks.platforms.base import (
     EventSink,
@@ -50,7 +50,6 @@ from training.data.sources import Artifact
 LAUNCHER_RECORD = "launcher.json"
 LINEAGE_FILE = "lineage.json"
 RESTORED_MARKER = ".laneflow-restored-from"
-LOG_TAIL = 40
 #: Deadlines of the stages that run a module of their own (a training run has its own, a parameter).
 PREPARE_TIMEOUT_S = 12 * 3600
 EVALUATE_TIMEOUT_S = 6 * 3600
@@ -159,20 +158,10 @@ class LocalPlatform(Platform):
             raise TrainingInterrupted(f"job {handle.job_name} is not running in this process any more; "
                                       "submitting it again resumes it from its newest checkpoint")
         started = time.monotonic()
-        lines: deque[str] = deque(maxlen=LOG_TAIL)
-        all_exit_lines: list[str] = []
-        events: list[dict[str, Any]] = []
+        output = JobOutput(on_event, on_log)
         try:
             for stream, raw in _merged_lines(process, deadline=started + timeout_s):
-                parsed = parse_output_line(raw)
-                if parsed.event is not None and (parsed.rank in (None, 0)) and stream == "stdout":
-                    events.append(parsed.event)
-                    on_event(parsed.event)
-                    continue
-                lines.append(parsed.text)
-                if "Exit code:" in parsed.text:
-                    all_exit_lines.append(parsed.text)
-                on_log(parsed.text)
+                output.feed(raw, may_be_event=stream == "stdout")
             code = process.wait()
         except BaseException as exc:  # timeout, task cancellation, flow-run termination: leave nothing behind
             _stop_group(process.pid, str(run_dir))
@@ -180,18 +169,18 @@ class LocalPlatform(Platform):
             with _jobs_lock:
                 _jobs.pop(handle.job_name, None)
             if isinstance(exc, _Deadline):  # running it again would take as long: not transient
-                raise TrainingFailed(f"training job {handle.job_name} did not finish within {timeout_s:.0f} s; "
-                                     "it was stopped (raise the timeout to let it run longer)", list(lines)) from None
+                raise TrainingFailed(f"training job {handle.job_name} did not finish within {timeout_s:.0f} s; it was "
+                                     "stopped (raise the timeout to let it run longer)", list(output.tail)) from None
             raise
         with _jobs_lock:
             _jobs.pop(handle.job_name, None)
-        reading = read_exit(code, all_exit_lines, events)
+        reading = read_exit(code, output.exit_lines, output.events)
         _finish_record(run_dir, code if reading.succeeded or not reading.resumable else None, reading.reason)
         if reading.succeeded:
-            return outcome_from_events(handle.job_name, events, time.monotonic() - started, list(lines))
+            return outcome_from_events(handle.job_name, output.events, time.monotonic() - started, list(output.tail))
         if reading.resumable:
             raise TrainingInterrupted(f"training job {handle.job_name} stopped: {reading.reason}")
-        raise TrainingFailed(f"training job {handle.job_name} failed: {reading.reason}", list(lines))
+        raise TrainingFailed(f"training job {handle.job_name} failed: {reading.reason}", list(output.tail))
 
     def cancel_training(self, job_name: str, volume: VolumeRef) -> bool:
         with _jobs_lock:

@@ -15,7 +15,6 @@ varied lighting. Labels are the exact projected lane centres at TuSimple's h_sam
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from training.data.fetch import sha256_of
 from training.data.labels import h_samples_for
 
 log = logging.getLogger("laneflow.data.synthetic")
@@ -269,15 +269,8 @@ def pack_archive(dataset_dir: str | Path, archive: str | Path, entries: dict[str
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
     tmp.replace(archive)
-    return _sha256(archive)
+    return sha256_of(archive)
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _images_of(dataset_dir: Path, label_files: list[str]) -> list[str]:
@@ -308,7 +301,7 @@ def pack_artifacts(dataset_dir: str | Path, out: str | Path) -> list[dict[str, s
     labels.write_bytes((dataset_dir / TEST_LABELS).read_bytes())
     return [{"path": str(out / TRAIN_ARCHIVE), "sha256": train_sha, "kind": "archive"},
             {"path": str(out / TEST_ARCHIVE), "sha256": test_sha, "kind": "archive"},
-            {"path": str(labels), "sha256": _sha256(labels), "kind": "file"}]
+            {"path": str(labels), "sha256": sha256_of(labels), "kind": "file"}]
 
 
 def labelled_video(data_root: str | Path, label_file: str, video: str | Path, count: int | None = None,
