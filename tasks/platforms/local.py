@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from tasks.launch import LOG_TAIL, JobOutput, horovodrun_command, parse_output_line, prepare_args, read_exit
+from tasks.launch import JobOutput, horovodrun_command, prepare_args, read_exit
 from tasks.names import validate_name
 from tasks.platforms.base import (
     EventSink,
@@ -205,28 +204,22 @@ class LocalPlatform(Platform):
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() or 1)), "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen([self._python(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, bufsize=1, env=env, start_new_session=True)
-        tail: deque[str] = deque(maxlen=LOG_TAIL)
-        results: list[dict[str, Any]] = []
+        output = JobOutput(on_event=lambda _: None, on_log=log)  # events are kept; the last is the result
         try:
             for stream, raw in _merged_lines(process, deadline=time.monotonic() + timeout_s):
-                event = parse_output_line(raw).event if stream == "stdout" else None
-                if event:
-                    results.append(event)
-                    continue
-                tail.append(raw.rstrip("\n"))
-                log(tail[-1])
+                output.feed(raw, may_be_event=stream == "stdout")
             code = process.wait()
         except BaseException as exc:
             _stop_child_group(process)
             if isinstance(exc, _Deadline):  # it would take as long again: not retried
                 raise RuntimeError(f"{what} did not finish within {timeout_s:.0f} s; it was stopped") from None
             raise
-        if code != 0 or not results:
+        if code != 0 or not output.events:
             kind = ValueError if code == 2 else RuntimeError
-            reasons = [line.removeprefix("error: ") for line in tail if line.startswith("error: ")]
+            reasons = [line.removeprefix("error: ") for line in output.tail if line.startswith("error: ")]
             reason = f": {reasons[-1]}" if reasons else ""
-            raise kind(f"{what} failed (exit code {code}){reason}\n--- log tail ---\n" + "\n".join(tail))
-        result = dict(results[-1])
+            raise kind(f"{what} failed (exit code {code}){reason}\n--- log tail ---\n" + "\n".join(output.tail))
+        result = dict(output.events[-1])
         result.pop("event")
         return result
 
