@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from flows.local_server import free_port, server_env, start_server
+from tasks.processes import stop_process
 
 
 def main() -> None:
@@ -41,8 +42,7 @@ def main() -> None:
 
             APILogWorker.drain_all(timeout=30)
             EventsWorker.drain_all(timeout=30)
-            os.killpg(server.pid, 15)
-            server.wait(timeout=60)
+            stop_process(server, grace_s=30)
 
 
 def pipeline_figures(home: Path) -> None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from flows.local_server import DEFAULT_PORT, ensure_server, server_env, stop_server
+from tasks.processes import PREFECT_WORKER_SIGNALS, stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORK_POOL = "laneflow-local"
@@ -162,21 +164,53 @@ def serve(home: Path, port: int) -> int:
     home = home.resolve()
     print(f"laneflow serve: Prefect server on 127.0.0.1:{port} (first start takes a minute or two)...", flush=True)
     api = ensure_server(home, port)
-    train, test, labels = cached_artifacts(home / "source", train=160, val=24, test=40)
     env = {**os.environ, **server_env(home, port),
            "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))}
     # Default dataset of the deployments' parameter forms (prefect.yaml): the synthetic artifacts, unless
     # the environment names others.
-    for prefix, artifact in (("LANEFLOW_TRAIN", train), ("LANEFLOW_TEST", test), ("LANEFLOW_TEST_LABEL", labels)):
-        env.setdefault(f"{prefix}_URL", artifact["url"])
-        env.setdefault(f"{prefix}_SHA256", artifact["sha256"])
+    prefixes = ("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL")
+    if not all(env.get(f"{prefix}_URL") and env.get(f"{prefix}_SHA256") for prefix in prefixes):
+        synthetic = cached_artifacts(home / "source", train=160, val=24, test=40)
+        for prefix, artifact in zip(prefixes, synthetic, strict=True):
+            env.setdefault(f"{prefix}_URL", artifact["url"])
+            env.setdefault(f"{prefix}_SHA256", artifact["sha256"])
     os.environ.update(env)
     ensure_local_setup()
     apply_deployments(env)
     print(f"deployments train, nightly, sweep, restore applied; UI at {api.removesuffix('/api')}/deployments")
     print(f"starting a worker on work pool '{WORK_POOL}' (Ctrl-C stops it; the server keeps running)", flush=True)
+    return run_worker_until_interrupted(env, port)
+
+
+def run_worker_until_interrupted(env: dict[str, str], port: int) -> int:
+    """``prefect worker start`` on the local pool until Ctrl-C (or SIGTERM), then stop it for good.
+
+    The worker runs in its own process group, so the interrupt reaches only this process; the worker then
+    gets Ctrl-C as its CLI documents, a second one if its shutdown hangs (Prefect 3.9 may), and SIGKILL of
+    its group after that. One line says what stopped; the server is left running for the UI.
+    """
     prefect = str(Path(sys.executable).parent / "prefect")
-    return subprocess.call([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"], env=env)
+    worker = subprocess.Popen([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"], env=env,
+                              start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        code = worker.wait()
+    except KeyboardInterrupt:
+        code = None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_process(worker, PREFECT_WORKER_SIGNALS, grace_s=20)
+    if code is not None:  # the worker ended by itself
+        print(f"laneflow serve: the worker exited with code {code}; the Prefect server keeps running on "
+              f"127.0.0.1:{port}", flush=True)
+        return code
+    print(f"laneflow serve: worker stopped; the Prefect server keeps running on 127.0.0.1:{port} "
+          "(`make stop-server` stops it)", flush=True)
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "champion":
         return champion_command(args.volume, args.platform)
     if args.command == "serve":
-        return serve(args.home, args.port)
+        try:
+            return serve(args.home, args.port)
+        except KeyboardInterrupt:  # before the worker started (server start-up, deploy): nothing else to stop
+            print("laneflow serve: interrupted before the worker started", file=sys.stderr)
+            return 130
     if args.command == "stop-server":
         stopped = stop_server(args.home)
         print("server stopped" if stopped else f"no server was started from {args.home}")

@@ -17,6 +17,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tasks.processes import group_alive, stop_group, stop_process
+
 DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_S = 300.0
 
@@ -74,7 +76,7 @@ def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S) ->
             raise RuntimeError(f"the Prefect server exited with code {process.returncode} (port {port} busy?). "
                                "Log tail:\n" + "\n".join(tail))
         time.sleep(1.0)
-    process.terminate()
+    stop_process(process, grace_s=30)
     raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout_s:.0f} s; see {log_path}")
 
 
@@ -86,17 +88,29 @@ def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = START
     return url
 
 
-def stop_server(home: Path) -> bool:
-    """Stop the server started from ``home`` (its pid file); False when none was running."""
+def stop_server(home: Path, grace_s: float = 30.0) -> bool:
+    """Stop the server started from ``home`` (its pid file) and wait until its process group is gone
+    (SIGKILL after ``grace_s``); False when none was running."""
     pid_file = home.resolve() / "prefect" / "server.pid"
     try:
         pid = int(pid_file.read_text())
-        os.killpg(pid, signal.SIGTERM)
     except (OSError, ValueError):
         return False
     finally:
         pid_file.unlink(missing_ok=True)
+    if not _is_prefect_server(pid) or not group_alive(pid):
+        return False
+    stop_group(pid, (signal.SIGTERM,), grace_s)
     return True
+
+
+def _is_prefect_server(pid: int) -> bool:
+    """The recorded pid still is a ``prefect server start`` (pids get reused after a reboot)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"server" in cmdline and any(part.endswith(b"prefect") for part in cmdline)
 
 
 def ui_url(api: str, flow_run_id: str) -> str:

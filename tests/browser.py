@@ -19,6 +19,8 @@ from typing import Any
 
 import websocket
 
+from tasks.processes import stop_process
+
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -37,7 +39,9 @@ class Browser:
         self.process = subprocess.Popen(
             [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--remote-debugging-port=0", f"--user-data-dir={self.profile}", f"--window-size={width},{height}",
-             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # its zygote, renderers and GPU process share its group: all stopped together
         port_file = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
         while not port_file.is_file() or not port_file.read_text().strip():
@@ -70,16 +74,18 @@ class Browser:
         self.call("Page.enable")
         self.call("Page.navigate", url=url)
 
-    def wait_for_text(self, text: str, timeout_s: float = 60.0) -> str:
-        """The page's visible text once it contains ``text``; TimeoutError with what it showed otherwise."""
+    def wait_for_text(self, *texts: str, timeout_s: float = 60.0) -> str:
+        """The page's visible text once it contains every one of ``texts`` (parts of a page render at different
+        times: wait for what you assert); TimeoutError naming what is missing and what the page showed."""
         deadline = time.monotonic() + timeout_s
         body = ""
         while time.monotonic() < deadline:
             body = self.evaluate("document.body ? document.body.innerText : ''") or ""
-            if text in body:
+            if all(text in body for text in texts):
                 return body
             time.sleep(0.5)
-        raise TimeoutError(f"'{text}' did not appear within {timeout_s:.0f} s; the page showed:\n{body[:2000]}")
+        missing = [text for text in texts if text not in body]
+        raise TimeoutError(f"{missing} did not appear within {timeout_s:.0f} s; the page showed:\n{body[:2000]}")
 
     def click_text(self, text: str, timeout_s: float = 30.0) -> None:
         """Click the innermost element whose text is exactly ``text``."""
@@ -107,11 +113,7 @@ class Browser:
     def close(self) -> None:
         if getattr(self, "socket", None) is not None:
             self.socket.close()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process, grace_s=10)
         shutil.rmtree(self.profile, ignore_errors=True)
 
     def __enter__(self) -> Browser:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import pytest
 
+from tasks.processes import stop_process
+from tests import leaks
 from tests.http_server import FileServer, RunningServer
 from training.data.synthetic import generate, pack_archive, pack_artifacts
 
@@ -19,6 +22,42 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 TEST_OUTPUT = Path(os.environ.get("LANEFLOW_TEST_OUTPUT", PROJECT_ROOT / "test-output"))
 
 SMALL_SIZE = (320, 180)
+
+#: Every process this session starts inherits it; the session-finish check finds what is still alive.
+SESSION_MARKER = leaks.mark_session()
+#: pid -> the test after which it was first seen alive (who started what is left).
+_first_seen: dict[int, str] = {}
+_left_running: list[tuple[leaks.Survivor, str]] = []
+#: Processes get this long to be reaped after the last teardown before they count as left running.
+LEAK_GRACE_S = 15.0
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    for process in leaks.marked_processes(SESSION_MARKER):
+        _first_seen.setdefault(process.pid, nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run, loudly, if any process the suite started outlived it (then kill it)."""
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while (survivors := leaks.marked_processes(SESSION_MARKER)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not survivors:
+        return
+    _left_running.extend((s, _first_seen.get(s.pid, "the session's end")) for s in survivors)
+    leaks.kill_all(survivors)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _left_running:
+        return
+    terminalreporter.section("processes left running by the suite", sep="!", red=True, bold=True)
+    for survivor, seen_after in _left_running:
+        terminalreporter.write_line(f"{survivor}  -- first seen alive after {seen_after}", red=True)
+    terminalreporter.write_line(f"{len(_left_running)} process(es) outlived the tests that started them; they "
+                                "were killed now. Stop every process a test starts (tasks.processes.stop_process).",
+                                red=True, bold=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -90,8 +129,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
             APILogWorker.drain_all(timeout=30)  # while the server still answers
             EventsWorker.drain_all(timeout=30)
     finally:
-        os.killpg(process.pid, 15)
-        process.wait(timeout=60)
+        stop_process(process, grace_s=30)
 
 
 @pytest.fixture

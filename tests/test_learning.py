@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tasks.processes import run_to_end
 from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.evaluate import evaluate_run
@@ -33,11 +33,10 @@ def test_cpu_demo_trained_beats_untrained(tmp_path: Path):
 
     run_dir = tmp_path / "trained"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
+    done = run_to_end(
         [sys.executable, "-m", "training.train", "--data-root", str(data), "--run-dir", str(run_dir),
          "--preset", "cpu-demo", "--set", "epochs=10", "--set", "batch_size=4", "--set", "log_every=16"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=900,
-    )
+        1800, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     trained = json.loads((run_dir / "eval.json").read_text())
     print(f"untrained: {untrained}\ntrained: {trained}")

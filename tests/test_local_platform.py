@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tasks.platforms import LocalPlatform, TrainingFailed, TrainingSpec, VolumeRef, load_platform
-from tasks.platforms.local import _group_alive
+from tasks.processes import group_alive
 from training.data.sources import Artifact
 
 pytestmark = pytest.mark.slow
@@ -46,9 +46,9 @@ def test_cancel_stops_the_whole_process_group(prepared: tuple) -> None:
     run_dir = Path(volume.location) / spec.run_dir
     wait_for_start(run_dir)
     pgid = handle.details["pgid"]
-    assert _group_alive(pgid)
+    assert group_alive(pgid)
     assert platform.cancel_training(spec.job_name, volume)
-    assert not _group_alive(pgid)
+    assert not group_alive(pgid)
     assert json.loads((run_dir / "launcher.json").read_text())["reason"] == "cancelled"
     assert not platform.cancel_training(spec.job_name, volume)  # nothing left to stop
 
@@ -60,7 +60,7 @@ def test_training_timeout_fails_for_good_and_leaves_nothing_running(prepared: tu
     events: list[dict] = []
     with pytest.raises(TrainingFailed, match="did not finish within 20 s"):
         platform.wait_for_training(handle, events.append, lambda _: None, timeout_s=20)
-    assert not _group_alive(handle.details["pgid"])
+    assert not group_alive(handle.details["pgid"])
     assert any(event["event"] == "start" for event in events)
 
 
@@ -76,7 +76,7 @@ def test_an_interrupted_wait_stops_the_job(prepared: tuple) -> None:
 
     with pytest.raises(KeyboardInterrupt):
         platform.wait_for_training(handle, interrupt, lambda _: None, timeout_s=300)
-    assert not _group_alive(handle.details["pgid"])
+    assert not group_alive(handle.details["pgid"])
 
 
 def test_snapshot_links_immutable_files_copies_the_rest_and_is_adopted_on_retry(prepared: tuple) -> None:

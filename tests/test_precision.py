@@ -5,7 +5,6 @@ configuration and by CPU autocast (the same code, another device type)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tasks.processes import run_to_end
 from tests.test_train import events, prepared, run, train_cmd  # noqa: F401  (prepared is a fixture)
 from training.evaluate import predict
 from training.model import SCNN, SCNNLoss, model_config
@@ -126,8 +126,7 @@ def test_a_bf16_run_follows_the_fp32_loss_curve_and_checkpoints_cross_precisions
 
 def test_the_gpu_bench_dry_run_exercises_every_configuration_on_cpu(tmp_path: Path) -> None:
     bench = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
-    done = subprocess.run([sys.executable, str(bench), "--dry-run", "--json", str(tmp_path / "gpu.json")],
-                          capture_output=True, text=True, timeout=120)
+    done = run_to_end([sys.executable, str(bench), "--dry-run", "--json", str(tmp_path / "gpu.json")], 600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert [(r["precision"], r["memory_format"]) for r in results] == [

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.processes import run_to_end
 from tests.http_server import Fault, FileServer
 from training.data.fetch import ChecksumMismatch
 from training.data.prepare import Artifact, archive_name, prepare_dataset
@@ -57,8 +58,7 @@ def test_archive_name_from_url():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "training.data.prepare", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+    return run_to_end([sys.executable, "-m", "training.data.prepare", *args], 600, cwd=REPO)
 
 
 def test_cli_prints_counts_and_version(synthetic_archive, tmp_path):

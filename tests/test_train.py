@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tasks.processes import run_to_end, running
 from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.dataset import DataError, LaneDataset, poly_lr, read_list
@@ -54,8 +55,8 @@ def events(stdout: str) -> list[dict]:
     return found
 
 
-def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
+def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return run_to_end(cmd, timeout, env=env(), cwd=REPO)
 
 
 def test_plain_run_writes_checkpoints_metrics_model_and_eval(prepared: Path, tmp_path: Path):
@@ -108,12 +109,8 @@ def wait_for(path_glob: Path, pattern: str, timeout: float = 240) -> None:
 def test_killed_run_resumes_from_its_checkpoint_not_from_zero(prepared: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     cmd = train_cmd(prepared, run_dir, "--set", "epochs=3", "--set", "checkpoint_every=2")
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=REPO)
-    try:
-        wait_for(run_dir / "checkpoints", "step-*.pt")
-    finally:
-        process.kill()
-        process.communicate()
+    with running(cmd, stop_signals=(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO):
+        wait_for(run_dir / "checkpoints", "step-*.pt")  # then killed at once (no stop signal: SIGKILL)
     saved = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt"))
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -125,10 +122,10 @@ def test_killed_run_resumes_from_its_checkpoint_not_from_zero(prepared: Path, tm
 def test_sigterm_checkpoints_and_exits_preempted(prepared: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     cmd = train_cmd(prepared, run_dir, "--set", "epochs=20", "--set", "checkpoint_every=1000")
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
-    wait_for(run_dir, "metrics.jsonl")
-    process.send_signal(signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=120)
+    with running(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO) as process:
+        wait_for(run_dir, "metrics.jsonl")
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
     preempted = [e for e in events(stdout) if e["event"] == "preempted"]
     assert len(preempted) == 1

@@ -11,7 +11,6 @@ unless a block of that name was saved.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -44,6 +43,7 @@ from tasks.platforms.base import (
     outcome_from_events,
     paths_in,
 )
+from tasks.processes import stop_group, stop_process
 from training.data.sources import Artifact
 
 LAUNCHER_RECORD = "launcher.json"
@@ -210,7 +210,7 @@ class LocalPlatform(Platform):
                 output.feed(raw, may_be_event=stream == "stdout")
             code = process.wait()
         except BaseException as exc:
-            _stop_child_group(process)
+            stop_process(process)
             if isinstance(exc, _Deadline):  # it would take as long again: not retried
                 raise RuntimeError(f"{what} did not finish within {timeout_s:.0f} s; it was stopped") from None
             raise
@@ -346,44 +346,12 @@ def _is_our_group(pgid: int, run_dir: str) -> bool:
     return any(part.endswith(b"horovodrun") for part in cmdline) and run_dir.encode() in cmdline
 
 
-def _group_alive(pgid: int) -> bool:
-    """Any live (not zombie) process left in the group."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
-
-
 def _stop_group(pgid: int, run_dir: str, grace_s: float = 15.0) -> bool:
     """SIGTERM the job's process group (the trainer checkpoints and exits), SIGKILL what is left after ``grace_s``."""
     if not _is_our_group(pgid, run_dir):
         return False
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while _group_alive(pgid):
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            break
-        time.sleep(0.2)
+    stop_group(pgid, (signal.SIGTERM,), grace_s)
     return True
-
-
-def _stop_child_group(process: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM the process group this platform started for a stage, SIGKILL it after ``grace_s``."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 class _Deadline(Exception):

@@ -1,0 +1,129 @@
+"""Stopping processes for good (tasks/processes.py) and the session's check that nothing outlives the suite
+(tests/leaks.py): real processes that ignore signals, leave children behind, or need a second signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.processes import PREFECT_WORKER_SIGNALS, group_alive, running, stop_group, stop_process
+from tests import leaks
+from tests.conftest import PROJECT_ROOT, SESSION_MARKER
+
+
+def python(code: str, **kwargs) -> subprocess.Popen:
+    """A Python child in a process group of its own that prints 'ready' once its handlers are in place."""
+    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True, **kwargs)
+    assert process.stdout.readline().strip() == "ready"
+    return process
+
+
+def with_a_child(parent_ignores_term: bool) -> str:
+    """A parent that has started a child ignoring SIGTERM; the parent ignores it too, or dies of it."""
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)" if parent_ignores_term else "pass"
+    return f"""
+        import signal, subprocess, sys, time
+        {ignore}
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                  "signal.SIG_IGN); print('child', flush=True); time.sleep(600)"],
+                                 stdout=subprocess.PIPE)
+        child.stdout.readline()
+        print("ready", flush=True)
+        time.sleep(600)
+    """
+
+
+def test_a_process_that_ignores_the_stop_signal_is_killed_with_its_group() -> None:
+    process = python(with_a_child(parent_ignores_term=True))
+    assert stop_process(process, grace_s=1) == -signal.SIGKILL
+    assert not group_alive(process.pid)  # the child it started went with it
+
+
+def test_a_second_signal_is_sent_when_the_first_shutdown_hangs() -> None:
+    """What ``prefect worker start`` does: the first SIGINT starts a shutdown that hangs, the second ends it."""
+    process = python("""
+        import signal, sys, time
+        received = []
+        def on_int(signum, frame):
+            received.append(signum)
+            if len(received) == 2:
+                sys.exit(3)
+        signal.signal(signal.SIGINT, on_int)
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.1)
+    """)
+    assert stop_process(process, PREFECT_WORKER_SIGNALS, grace_s=2) == 3  # it exited itself, no SIGKILL
+
+
+def test_members_a_leader_leaves_behind_are_stopped_too() -> None:
+    """The leader exits on SIGTERM at once; the grandchild it started ignores SIGTERM and would keep running."""
+    process = python(with_a_child(parent_ignores_term=False))
+    assert stop_process(process, grace_s=1) == -signal.SIGTERM
+    assert not group_alive(process.pid)
+
+
+def test_a_process_sharing_our_group_is_signalled_alone() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # our process group
+    assert os.getpgid(child.pid) == os.getpgrp()
+    assert stop_process(child, grace_s=5) == -signal.SIGTERM  # and we are still here
+
+
+def test_a_group_started_elsewhere_is_stopped_by_its_id() -> None:
+    process = python(with_a_child(parent_ignores_term=True))
+    assert stop_group(process.pid, grace_s=1) is True  # it had to be killed
+    process.wait(timeout=30)
+    assert not group_alive(process.pid)
+    assert stop_group(process.pid) is False  # nothing left to stop
+
+
+def test_running_stops_the_process_when_the_block_fails() -> None:
+    with pytest.raises(RuntimeError, match="boom"), running([sys.executable, "-c", "import time; time.sleep(600)"],
+                                                            grace_s=5) as process:
+        raise RuntimeError("boom")
+    assert process.returncode == -signal.SIGTERM and not group_alive(process.pid)
+
+
+def test_the_session_check_finds_an_orphan_wherever_it_was_reparented() -> None:
+    """A grandchild whose parent exited belongs to init (or a subreaper), not to us: the marker finds it."""
+    parent = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+              "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)")
+    done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True)
+    orphan = int(done.stdout)
+    try:
+        found = {process.pid: process for process in leaks.marked_processes(SESSION_MARKER)}
+        assert orphan in found and "time.sleep(600)" in found[orphan].command
+        assert found[orphan].ppid != os.getpid()
+    finally:
+        stop_group(orphan, grace_s=5)
+    assert orphan not in {process.pid for process in leaks.marked_processes(SESSION_MARKER)}
+
+
+@pytest.mark.slow
+def test_a_real_prefect_worker_is_stopped_and_leaves_nothing(prefect_server: dict, tmp_path: Path) -> None:
+    """``prefect worker start`` idle on a pool, then stopped as laneflow stops it: gone with its group, whichever
+    way its shutdown went (it may hang after the first SIGINT)."""
+    from flows.cli import WORK_POOL, ensure_local_setup
+
+    ensure_local_setup()
+    log = tmp_path / "worker.log"
+    prefect = str(Path(sys.executable).parent / "prefect")
+    with log.open("wb") as sink, running([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"],
+                                         stop_signals=PREFECT_WORKER_SIGNALS, grace_s=20,
+                                         env={**os.environ, **prefect_server}, cwd=PROJECT_ROOT, stdout=sink,
+                                         stderr=subprocess.STDOUT) as worker:
+        deadline = time.monotonic() + 300
+        while "started" not in log.read_text().lower():  # "Worker '...' started!"
+            assert worker.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+    assert worker.returncode is not None and not group_alive(worker.pid)
+    assert worker.pid not in {process.pid for process in leaks.marked_processes(SESSION_MARKER)}
