@@ -620,3 +620,26 @@ def test_line_numbers_count_blank_lines_and_name_the_file(tmp_path: Path):
     pred_file = write_lines(tmp_path / "pred.json", [lines[0], "", lines[1], "{oops"])
     with pytest.raises(PredictionFormatError, match=r"pred\.json line 4: not valid JSON"):
         score_files(pred_file, gt_file)
+
+
+def test_the_dataset_figures_do_not_depend_on_the_order_of_the_images():
+    """The evaluation stage scores images in dataset order, ``laneflow predict`` in file-system order: the same
+    images must give the same bits. (With a plain running sum, reordering these 300 images moves the last
+    bit of the mean: float addition is not associative.)"""
+    rng = np.random.default_rng(17)
+    truth, lines = {}, []
+    for index in range(300):
+        gt = [_random_lane(rng) for _ in range(int(rng.integers(1, 6)))]
+        pred = [_jittered(rng, lane) for lane in gt]
+        truth[f"clips/{index}.jpg"] = {"lanes": gt, "h_samples": H_SAMPLES}
+        lines.append(pred_record(f"clips/{index}.jpg", pred))
+    in_order = score_predictions(lines, truth)
+    for seed in range(5):
+        shuffled = list(lines)
+        np.random.default_rng(seed).shuffle(shuffled)
+        again = score_predictions(shuffled, truth)
+        assert again.official == in_order.official and again.untimed == in_order.untimed, seed
+    per_image = [score_image(json.loads(line)["lanes"], truth[json.loads(line)["raw_file"]]["lanes"], H_SAMPLES, 15.0)
+                 for line in lines]
+    assert in_order.official.accuracy == pytest.approx(sum(s.accuracy for s in per_image) / len(per_image),
+                                                       rel=1e-12)

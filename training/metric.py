@@ -163,15 +163,21 @@ def score_image(
 
 
 def mean_score(scores: Iterable[LaneScore]) -> LaneScore:
-    """Dataset figures: the mean of per-image figures."""
+    """Dataset figures: the mean of per-image figures.
+
+    Summed with ``math.fsum`` (the exactly rounded sum), so the figure depends only on the per-image scores,
+    never on the order the images come in: the evaluation stage (dataset order) and ``laneflow predict``
+    (file-system order) give the same bits for the same images. The official script adds in file order;
+    it can differ from this in the last bit, never more.
+    """
     scores = list(scores)
     if not scores:
         raise ValueError("no images to score")
     n = len(scores)
     return LaneScore(
-        accuracy=sum(s.accuracy for s in scores) / n,
-        fp=sum(s.fp for s in scores) / n,
-        fn=sum(s.fn for s in scores) / n,
+        accuracy=math.fsum(s.accuracy for s in scores) / n,
+        fp=math.fsum(s.fp for s in scores) / n,
+        fn=math.fsum(s.fn for s in scores) / n,
         images=n,
     )
 
