@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tasks.processes import run_to_end
 from tests.conftest import PROJECT_ROOT
 from training.data.preprocess import preprocess
 from training.data.synthetic import generate, labelled_video
@@ -47,12 +47,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     generate(data, train=32, val=4, test=8, seed=11, width=640, height=360)
     preprocess(data, workers=1)
     run_dir = root / "run"
-    done = subprocess.run(
+    done = run_to_end(
         [sys.executable, "-m", "training.train", "--data-root", str(data), "--run-dir", str(run_dir), "--preset",
          "cpu-demo", "--set", "epochs=6", "--set", "batch_size=4", "--set", "num_workers=0", "--set", "log_every=8",
-         "--set", "eval_split=test"],
-        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "2"})
+         "--set", "eval_split=test"], 1800, cwd=PROJECT_ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert done.returncode == 0, done.stderr[-3000:]
     return data, run_dir
 
@@ -96,6 +94,21 @@ def test_all_three_backends_agree_on_new_images(trained: tuple, packaged: dict) 
         assert np.abs(other[0] - eager[0]).max() <= PROB_TOLERANCE and np.abs(other[1] - eager[1]).max() <= 1e-4
     with pytest.raises(PackageError, match=r"expects uint8 BGR images of 256x144"):
         open_backend(package, name="onnx")(np.zeros((1, 288, 512, 3), np.uint8))
+
+
+def test_a_backend_says_where_it_really_runs(packaged: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """ONNX Runtime without a CUDA provider runs a 'cuda' session on the CPU without a word: laneflow says so."""
+    import onnxruntime as ort
+
+    package = load_package(packaged["package"])
+    assert open_backend(package, name="eager").runs_on == "cpu"
+    assert open_backend(package, name="onnx").runs_on == "CPUExecutionProvider"
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this ONNX Runtime has a CUDA provider: nothing falls back")
+    with caplog.at_level("WARNING", logger="laneflow.package"):
+        on_cuda = open_backend(package, name="onnx", device="cuda")
+    assert on_cuda.runs_on == "CPUExecutionProvider" and not on_cuda.on_gpu
+    assert "runs on the CPU, not on cuda" in caplog.text
 
 
 def test_loading_refuses_a_changed_file_and_another_format(packaged: dict, tmp_path: Path) -> None:

@@ -271,25 +271,39 @@ def _unpack(archive: Path, into: Path | None) -> Path:
 
 # --- backends -----------------------------------------------------------------------------------------------
 
-Backend = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+def runs_on_gpu(runs_on: str) -> bool:
+    """Whether a backend's ``runs_on`` (a torch device or an ONNX Runtime provider) is a GPU."""
+    return runs_on.startswith("cuda") or runs_on in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 
-def _checked(config: ModelConfig, run: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> Backend:
-    expected = (config.input_height, config.input_width, 3)
+@dataclass(frozen=True)
+class Backend:
+    """A callable from a uint8 BGR batch to (probabilities, existence) numpy arrays, and where it really runs:
+    the torch device, or the ONNX Runtime execution provider that took the session (ONNX Runtime falls back
+    to the CPU without a word when its CUDA provider is missing)."""
 
-    def backend(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    name: str
+    runs_on: str
+    config: ModelConfig
+    run: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def on_gpu(self) -> bool:
+        return runs_on_gpu(self.runs_on)
+
+    def __call__(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        config = self.config
+        expected = (config.input_height, config.input_width, 3)
         if batch.ndim != 4 or batch.shape[1:] != expected or batch.dtype != np.uint8:
             raise PackageError(f"input batch is {batch.dtype} {tuple(batch.shape)}; the package expects uint8 BGR "
                                f"images of {config.input_width}x{config.input_height}, shaped (N, {expected[0]}, "
                                f"{expected[1]}, 3): resize them with training.inference.resize_for_model")
-        return run(batch)
-
-    return backend
+        return self.run(batch)
 
 
 def open_backend(folder: Path | Package, config: ModelConfig | None = None, name: str = "eager",
                  device: str = "cpu") -> Backend:
-    """A callable from a uint8 BGR batch to (probabilities, existence) numpy arrays, by backend name."""
+    """The package's model behind backend ``name`` on ``device``; ``.runs_on`` says where it actually runs."""
     folder, config = (folder.folder, folder.config) if isinstance(folder, Package) else (Path(folder), config)
     assert config is not None
     if name == "eager":
@@ -304,11 +318,16 @@ def open_backend(folder: Path | Package, config: ModelConfig | None = None, name
     elif name == "onnx":
         import onnxruntime as ort
 
-        available = ort.get_available_providers()
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") and \
-            "CUDAExecutionProvider" in available else ["CPUExecutionProvider"]
+        wanted = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else \
+            ["CPUExecutionProvider"]
+        providers = [p for p in wanted if p in ort.get_available_providers()] or ["CPUExecutionProvider"]
         session = ort.InferenceSession(str(folder / ONNX), providers=providers)
-        return _checked(config, lambda batch: tuple(session.run(None, {"images": batch})))  # type: ignore[return-value]
+        runs_on = session.get_providers()[0]
+        if device.startswith("cuda") and runs_on != "CUDAExecutionProvider":
+            log.warning("ONNX Runtime has no CUDA execution provider here (installed: %s): the onnx backend runs "
+                        "on the CPU, not on %s. Install onnxruntime-gpu for GPU inference, or use torchscript",
+                        ", ".join(ort.get_available_providers()), device)
+        return Backend(name, runs_on, config, lambda batch: tuple(session.run(None, {"images": batch})))
     else:
         raise PackageError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
 
@@ -317,7 +336,7 @@ def open_backend(folder: Path | Package, config: ModelConfig | None = None, name
         probs, existence = module(torch.from_numpy(batch).to(device))
         return probs.cpu().numpy(), existence.cpu().numpy()
 
-    return _checked(config, run)
+    return Backend(name, str(torch.device(device)), config, run)
 
 
 def main(argv: list[str] | None = None) -> int:
