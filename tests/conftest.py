@@ -40,7 +40,7 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run, loudly, if any process the suite started outlived it (then kill it)."""
     deadline = time.monotonic() + LEAK_GRACE_S
-    while (survivors := leaks.marked_processes(SESSION_MARKER)) and time.monotonic() < deadline:
+    while (survivors := leaks.outliving(leaks.marked_processes(SESSION_MARKER))) and time.monotonic() < deadline:
         time.sleep(0.5)
     if not survivors:
         return

@@ -67,6 +67,17 @@ def marked_processes(marker: str) -> list[Survivor]:
     return found
 
 
+#: multiprocessing's own helper processes of *this* interpreter (the forkserver preprocessing uses, the
+#: resource tracker): they read a pipe from it and exit when it exits, so they cannot outlive the suite.
+_INTERPRETER_HELPERS = ("from multiprocessing.forkserver import main",
+                        "from multiprocessing.resource_tracker import main")
+
+
+def outliving(survivors: list[Survivor]) -> list[Survivor]:
+    """The processes that would still run after this interpreter exits."""
+    return [s for s in survivors if not (s.ppid == os.getpid() and any(h in s.command for h in _INTERPRETER_HELPERS))]
+
+
 def kill_all(survivors: list[Survivor]) -> None:
     """SIGKILL what is left (so one leaky run cannot slow or break the next one)."""
     for survivor in survivors:

@@ -127,3 +127,14 @@ def test_a_real_prefect_worker_is_stopped_and_leaves_nothing(prefect_server: dic
             time.sleep(0.5)
     assert worker.returncode is not None and not group_alive(worker.pid)
     assert worker.pid not in {process.pid for process in leaks.marked_processes(SESSION_MARKER)}
+
+
+def test_only_multiprocessing_helpers_of_this_interpreter_are_left_to_it() -> None:
+    """The forkserver and resource tracker exit with us; the same commands under another parent, or anything
+    else under us, would outlive the suite."""
+    ours, other = os.getpid(), os.getpid() + 1
+    helper = "python -B -c from multiprocessing.forkserver import main; main(5, 6)"
+    tracker = "python -B -c from multiprocessing.resource_tracker import main;main(52)"
+    survivors = [leaks.Survivor(1, ours, "S", helper), leaks.Survivor(2, ours, "S", tracker),
+                 leaks.Survivor(3, other, "S", helper), leaks.Survivor(4, ours, "S", "sleep 600")]
+    assert [s.pid for s in leaks.outliving(survivors)] == [3, 4]
