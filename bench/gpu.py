@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(json.dumps(result), flush=True)
     fp32 = next(r["img_per_s"] for r in results if r["precision"] == "fp32" and r["memory_format"] == "contiguous")
-    print(f"\n{'precision':<10}{'memory format':<16}{'img/s':>9}{'vs fp32':>9}{'input stall':>13}{'peak GiB':>10}")
+    print("\nbaseline: fp32 with the contiguous memory format: the same trainer step, loader, batch and device")
+    print(f"{'precision':<10}{'memory format':<16}{'img/s':>9}{'vs fp32':>9}{'input stall':>13}{'peak GiB':>10}")
     for r in results:
         memory = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
         print(f"{r['precision']:<10}{r['memory_format']:<16}{r['img_per_s']:>9.1f}{r['img_per_s'] / fp32:>8.2f}x"

@@ -83,6 +83,8 @@ def main() -> None:
         base_t.append(step_seconds(baseline, batch, args.steps))
         ours_t.append(step_seconds(ours, batch, args.steps))
     base_s, ours_s = min(base_t), min(ours_t)
+    print("baseline: the same network and weights with textbook message passing (a Python loop over slices, "
+          "each slice's conv added to the next, torch.cat at the end); best of 2 alternating runs each")
     print(f"preset {args.preset} at {config.input_width}x{config.input_height}, batch {args.batch_size}, "
           f"{torch.get_num_threads()} threads")
     print(f"per-slice loop message passing : {base_s * 1000:8.0f} ms/step")

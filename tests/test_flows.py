@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +20,7 @@ from flows.restore import restore
 from flows.sweep import sweep
 from flows.train import train_pipeline
 from tasks.platforms import LocalPlatform
+from tasks.processes import run_to_end
 from tests.conftest import PROJECT_ROOT
 from tests.test_pipeline import params_for
 
@@ -45,14 +45,14 @@ def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
     assert resolve_package(LocalPlatform(), "nightly", "champion") == ("nightly", champion["package"])
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
     laneflow = str(Path(sys.executable).parent / "laneflow")
-    shown = subprocess.run([laneflow, "champion", "--volume", "nightly"], env=env, capture_output=True, text=True)
+    shown = run_to_end([laneflow, "champion", "--volume", "nightly"], 600, env=env)
     assert shown.returncode == 0, shown.stderr
     package_dir = laneflow_home / "volumes" / "nightly" / champion["package"]
     assert f"champion of nightly: {champion['run']}" in shown.stdout and str(package_dir) in shown.stdout
     assert f"# Lineage of `{champion['run']}`" in shown.stdout
     image = next((laneflow_home / "volumes" / "nightly" / champion["data_dir"] / "clips").rglob("20.jpg"))
-    predicted = subprocess.run([laneflow, "predict", str(image), "--model", "champion", "--volume", "nightly",
-                                "--out", str(tmp_path / "champion")], env=env, capture_output=True, text=True)
+    predicted = run_to_end([laneflow, "predict", str(image), "--model", "champion", "--volume", "nightly",
+                            "--out", str(tmp_path / "champion")], 600, env=env)
     assert predicted.returncode == 0, predicted.stderr
     assert len((tmp_path / "champion" / "predictions.json").read_text().splitlines()) == 1
 
@@ -129,7 +129,7 @@ def test_a_script_without_a_main_guard_can_call_a_flow(prefect_server: dict, lan
                       "print('trained', result['run'], 'preprocessed', result['dataset_steps']['preprocessed'])\n")
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home),
            "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True)
+    done = run_to_end([sys.executable, str(script)], 1200, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "trained train-" in done.stdout and "preprocessed True" in done.stdout
     assert "bootstrapping phase" not in done.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from flows.params import DataSource, TrainParams
 from flows.predict import predict as predict_flow
 from flows.train import train_pipeline
+from tasks.processes import run_to_end
 
 pytestmark = pytest.mark.slow
 
@@ -106,9 +106,10 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
     laneflow = str(Path(sys.executable).parent / "laneflow")
     for name in (result["snapshot"], run):
-        shown = subprocess.run([laneflow, "lineage", name], env=env, capture_output=True, text=True, check=True)
+        shown = run_to_end([laneflow, "lineage", name], 600, env=env)
+        assert shown.returncode == 0, shown.stderr
         assert f"# Lineage of `{run}`" in shown.stdout and result["dataset_version"] in shown.stdout
-    missing = subprocess.run([laneflow, "lineage", "no-such-run"], env=env, capture_output=True, text=True)
+    missing = run_to_end([laneflow, "lineage", "no-such-run"], 600, env=env)
     assert missing.returncode == 1 and "no run named 'no-such-run'" in missing.stderr
 
     assert {"laneflow.snapshot.created", "laneflow.training.finished"} <= laneflow_events()
