@@ -1,8 +1,20 @@
 """Pure pieces of launching Horovod training, shared by every platform's launcher.
 
-The command line (``horovodrun ... python -m training.train ...``), the parsing of what the job prints
-(horovodrun prefixes every line with ``[rank]<stream>:``; rank 0 prints JSON events), and the reading of
-how a job ended: resumable (preempted, a worker killed) or not (bad configuration, a crash).
+The command line (``horovodrun ... python -m training.train ...``), the parsing of what the job prints,
+and the reading of how a job ended: resumable (preempted, a worker killed) or not (bad configuration, a
+crash). Two launch paths tag output differently, and both are read the same way:
+
+- Gloo (``horovodrun --gloo``, the local platform): ``[<rank>]<stdout>:text``; a failed rank is reported
+  as ``Process name: <rank>`` / ``Exit code: <code>`` (horovod ``runner/gloo_run.py``).
+- OpenMPI (``horovodrun --hostfile`` with Horovod built with MPI, the MPI operator's launcher): horovod
+  ``runner/mpi_run.py`` execs ``mpirun --allow-run-as-root --tag-output``, so lines are
+  ``[<jobid>,<rank>]<stdout>:text`` (OpenMPI 4.1 ``orte/mca/iof/base/iof_base_output.c``:
+  ``"[%s,%s]<%s>:"`` of the local job id and the rank; the tag is repeated after every chunk a read
+  returns, so a long line can carry it again in its middle). A rank that exits non-zero is reported
+  by mpirun on stderr as ``Process name: [[<family>,<jobid>],<rank>]`` / ``Exit code:    <code>`` (padded;
+  ``orte/tools/orterun/help-orterun.txt`` ``orterun:non-zero-exit``), one killed by a signal as
+  ``mpirun noticed that process rank <r> with PID <p> on node <n> exited on signal <s> (<name>).``
+  (``orterun:proc-aborted-strsignal``); mpirun then exits with the rank's code (128 + signal).
 """
 
 from __future__ import annotations
@@ -24,8 +36,12 @@ EXIT_PREEMPTED = 75  # training.train: stopped on request after a checkpoint
 #: the launcher pod evicted — the operator appends the last failed launcher pod's reason to
 #: ``BackoffLimitExceeded`` (kubeflow/mpi-operator ``updateMPIJobFailedStatus``).
 EVICTED_REASONS = ("MPIJobEvicted", "BackoffLimitExceeded/Evicted")
-_PREFIX = re.compile(r"^\[(?P<rank>\d+)\]<(?P<stream>stdout|stderr)>:")
-_RANK_EXIT = re.compile(r"^Exit code: (?P<code>-?\d+)\s*$")
+_PREFIX = re.compile(r"^\[(?:(?P<job>\d+),)?(?P<rank>\d+)\]<(?P<stream>stdout|stderr|stddiag)>:")
+#: How horovodrun (Gloo) and mpirun (OpenMPI) name the first process that failed, and with which code.
+_PROCESS_NAME = re.compile(r"^Process name:\s*(?:\[\[\d+,\d+\],(?P<mpi_rank>\d+)\]|(?P<rank>\d+))\s*$")
+_RANK_EXIT = re.compile(r"^Exit code:\s+(?P<code>-?\d+)\s*$")
+_RANK_SIGNAL = re.compile(r"^mpirun noticed that process rank (?P<rank>\d+) with PID \d+ on node (?P<node>\S+) "
+                          r"exited on signal (?P<signal>\d+)")
 
 
 def trainer_args(preset: str, settings: dict[str, str], data_root: str, run_dir: str) -> list[str]:
@@ -63,7 +79,8 @@ def parse_output_line(line: str) -> OutputLine:
     rank = None
     match = _PREFIX.match(line)
     if match:
-        rank, line = int(match["rank"]), line[match.end():]
+        rank, tag = int(match["rank"]), match.group(0)
+        line = line[match.end():].replace(tag, "")  # OpenMPI repeats the tag after each chunk of a long line
     event = None
     if line.startswith("{") and '"event"' in line:
         try:
@@ -98,9 +115,37 @@ class JobOutput:
             self.on_event(parsed.event)
             return
         self.tail.append(parsed.text)
-        if "Exit code:" in parsed.text:
+        if is_exit_report(parsed.text):
             self.exit_lines.append(parsed.text)
         self.on_log(parsed.text)
+
+
+def is_exit_report(text: str) -> bool:
+    """A line in which horovodrun or mpirun names a failed rank or its exit code."""
+    text = text.strip()
+    return bool(_PROCESS_NAME.match(text) or _RANK_EXIT.match(text) or _RANK_SIGNAL.match(text))
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """The first rank that failed, as the launcher reported it (rank None when it did not say)."""
+
+    rank: int | None
+    code: int
+
+
+def first_rank_exit(lines: list[str]) -> RankExit | None:
+    """The first failed rank and its code from horovodrun's or mpirun's report, None when there is none."""
+    rank: int | None = None
+    for raw in lines:
+        text = parse_output_line(raw).text.strip()
+        if named := _PROCESS_NAME.match(text):
+            rank = int(named["mpi_rank"] if named["mpi_rank"] is not None else named["rank"])
+        elif exited := _RANK_EXIT.match(text):
+            return RankExit(rank, int(exited["code"]))
+        elif signalled := _RANK_SIGNAL.match(text):
+            return RankExit(int(signalled["rank"]), 128 + int(signalled["signal"]))
+    return None
 
 
 @dataclass(frozen=True)
@@ -121,18 +166,19 @@ def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]
     names = [event.get("event") for event in events]
     if launcher_code == 0 and "done" in names:
         return ExitReading(True, False, "finished")
-    rank_codes = [int(m["code"]) for m in (_RANK_EXIT.match(parse_output_line(x).text.strip()) for x in lines) if m]
-    code = rank_codes[0] if rank_codes else launcher_code
+    reported = first_rank_exit(lines)
+    code = reported.code if reported else launcher_code
+    who = f" on rank {reported.rank}" if reported and reported.rank is not None else ""
     if "preempted" in names or code == EXIT_PREEMPTED:
-        return ExitReading(False, True, "preempted: it checkpointed and can resume")
+        return ExitReading(False, True, f"preempted: it checkpointed and can resume{who}")
     if code < 0 or code in (128 + 9, 128 + 15):
         signal_no = -code if code < 0 else code - 128
-        return ExitReading(False, True, f"a training process was killed by signal {signal_no}")
+        return ExitReading(False, True, f"a training process was killed by signal {signal_no}{who}")
     if code == EXIT_CONFIG_ERROR:
-        return ExitReading(False, False, "training refused its configuration or data (exit code 2)")
+        return ExitReading(False, False, f"training refused its configuration or data (exit code 2){who}")
     if launcher_code == 0:
         return ExitReading(False, False, "the launcher exited 0 but training never reported 'done'")
-    return ExitReading(False, False, f"training failed with exit code {code}")
+    return ExitReading(False, False, f"training failed with exit code {code}{who}")
 
 
 def read_mpijob_failure(reason: str, exit_lines: list[str], events: list[dict[str, Any]]) -> ExitReading:

@@ -15,11 +15,12 @@ from pydantic import ValidationError
 from flows.params import DataSource, SweepError, TrainParams, expand_sweep, params_from_record, takes_train_params
 from flows.sweep import leaderboard
 from tasks.champion import decide_champion, selection_accuracy
-from tasks.k8s.logs import LogCursor, LogFormatError, parse_timestamp
-from tasks.launch import horovodrun_command, parse_output_line, read_exit, read_mpijob_failure
+from tasks.k8s.logs import LogCursor, LogFormatError, format_timestamp, parse_timestamp
+from tasks.launch import JobOutput, horovodrun_command, parse_output_line, read_exit, read_mpijob_failure
 from tasks.lineage import build_lineage, render_lineage_markdown
 from tasks.names import InvalidName, run_name, snapshot_name, validate_name
 from tasks.platforms import TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
+from tasks.platforms.base import last_attempt, outcome_from_events
 from tasks.report import eval_series, metrics_rows, step_series, thumbnail_jpeg, training_curve_png
 from tasks.retry import is_transient
 from training.data.fetch import ChecksumMismatch, TransientFetchError
@@ -55,6 +56,32 @@ def test_a_reconnect_drops_the_overlap_and_keeps_lines_sharing_a_timestamp() -> 
     cursor.start_reading()
     assert cursor.accept(lines[3], 0.0) is None
     assert cursor.accept("2026-11-30T10:00:01.000000000Z e\n", 0.0) == "e"
+
+
+def test_a_reconnect_that_starts_past_the_last_line_records_the_gap_it_could_not_read() -> None:
+    cursor = LogCursor()
+    cursor.start_reading("launcher-a")
+    assert cursor.accept("2026-11-30T10:00:00.100000000Z a\n", 0.0) == "a"
+    cursor.start_reading("launcher-a")  # the window covers "a", but the file was rotated: it starts at "d"
+    assert cursor.accept("2026-11-30T10:00:02.000000000Z d\n", 0.0) == "d"
+    assert cursor.gaps == [(parse_timestamp("2026-11-30T10:00:00.100000000Z"),
+                            parse_timestamp("2026-11-30T10:00:02.000000000Z"))]
+    assert format_timestamp(cursor.gaps[0][0]) == "2026-11-30T10:00:00.100000000Z"
+    cursor.start_reading("launcher-a")  # an ordinary reconnect: "d" comes again first, then "e"
+    assert [cursor.accept(line, 0.0) for line in ("2026-11-30T10:00:02.000000000Z d\n",
+                                                  "2026-11-30T10:00:03.000000000Z e\n")] == [None, "e"]
+    cursor.start_reading("launcher-b")  # another pod (the launcher replaced) has nothing to replay
+    assert cursor.accept("2026-11-30T10:00:09.000000000Z f\n", 0.0) == "f"
+    assert len(cursor.gaps) == 1
+
+
+def test_a_resumed_runs_record_is_read_from_its_newest_start() -> None:
+    record = "\n".join(json.dumps(e) for e in [
+        {"event": "start", "step": 0, "total_steps": 4}, {"event": "step", "step": 1},
+        {"event": "preempted", "step": 1},
+        {"event": "start", "step": 1, "total_steps": 4}, {"event": "step", "step": 4}, {"event": "done", "step": 4}])
+    assert [e["event"] for e in last_attempt(record + "\n")] == ["start", "step", "done"]
+    assert outcome_from_events("j", last_attempt(record), 1.0, []).resumed_from == 1
 
 
 def test_the_reconnect_window_covers_the_last_line_on_either_clock() -> None:
@@ -124,6 +151,49 @@ def test_output_lines_are_split_into_rank_text_and_event() -> None:
     assert (plain.rank, plain.text, plain.event) == (1, "2026 rank1 laneflow.train resuming", None)
     assert parse_output_line('{"event": broken').event is None
     assert parse_output_line('{"event": "done", "step": 3}').rank is None
+
+
+def test_openmpi_tagged_lines_are_read_as_gloo_ones() -> None:
+    """``mpirun --tag-output`` (what ``horovodrun --hostfile`` runs with Horovod built with MPI) tags lines
+    ``[<jobid>,<rank>]<stream>:`` and repeats the tag after each chunk of a long line."""
+    line = parse_output_line('[1,0]<stdout>:{"event": "step", "step": 10, "loss": 0.5}\n')
+    assert (line.rank, line.event) == (0, {"event": "step", "step": 10, "loss": 0.5})
+    other = parse_output_line("[1,1]<stderr>:2026 rank1 laneflow.train resuming")
+    assert (other.rank, other.text) == (1, "2026 rank1 laneflow.train resuming")
+    split = parse_output_line('[1,0]<stdout>:{"event": "eval", "split": [1,0]<stdout>:"val"}')
+    assert split.event == {"event": "eval", "split": "val"}
+
+
+#: What mpirun (OpenMPI 4.1) prints on stderr when a rank exits non-zero or is killed: help-orterun.txt
+#: ``orterun:non-zero-exit`` and ``orterun:proc-aborted-strsignal``, between lines of dashes.
+MPIRUN_NONZERO = ["-" * 74, "Primary job  terminated normally, but 1 process returned",
+                  "a non-zero exit code. Per user-direction, the job has been aborted.", "-" * 74, "-" * 74,
+                  "mpirun detected that one or more processes exited with non-zero status, thus causing",
+                  "the job to be terminated. The first process to do so was:", "",
+                  "  Process name: [[14108,1],1]", "  Exit code:    {code}", "-" * 74]
+MPIRUN_SIGNAL = ["-" * 74, "mpirun noticed that process rank 1 with PID 0 on node train-x-worker-1 exited on "
+                 "signal 9 (Killed).", "-" * 74]
+
+
+def mpirun_report(code: int) -> list[str]:
+    return [line.format(code=code) for line in MPIRUN_NONZERO]
+
+
+@pytest.mark.parametrize(("code", "lines", "events", "succeeded", "resumable", "reason"), [
+    (75, mpirun_report(75), [], False, True, "preempted: it checkpointed and can resume on rank 1"),
+    (3, mpirun_report(3), [], False, False, "training failed with exit code 3 on rank 1"),
+    (2, mpirun_report(2), [], False, False, "configuration or data (exit code 2) on rank 1"),
+    (137, MPIRUN_SIGNAL, [], False, True, "killed by signal 9 on rank 1"),
+    (1, ["Process name: 1", "Exit code: 3"], [], False, False, "exit code 3 on rank 1"),  # horovodrun --gloo
+])
+def test_exit_reading_under_mpirun_names_the_rank(code: int, lines: list[str], events: list[dict],
+                                                  succeeded: bool, resumable: bool, reason: str) -> None:
+    output = JobOutput(on_event=lambda _: None, on_log=lambda _: None)
+    for line in lines:
+        output.feed(line, may_be_event=False)
+    reading = read_exit(code, output.exit_lines, events)
+    assert (reading.succeeded, reading.resumable, reading.reason.endswith(reason)) == (succeeded, resumable, True), \
+        reading.reason
 
 
 @pytest.mark.parametrize(("code", "lines", "events", "succeeded", "resumable", "reason"), [

@@ -12,6 +12,7 @@ tasks; everything it raises is either ``TransientPlatformError`` (retry me) or a
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Any
@@ -104,6 +105,13 @@ def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s:
         resumed_from=int(starts[-1]["step"]) if starts else 0,
         eval={k: v for k, v in evals[-1].items() if k != "event"} if evals else {},
         duration_s=round(duration_s, 3), log_tail=log_tail)
+
+
+def last_attempt(metrics_jsonl: str) -> list[dict[str, Any]]:
+    """The events of a run's ``metrics.jsonl`` since its newest ``start`` (a resumed run appends to it)."""
+    events = [json.loads(line) for line in metrics_jsonl.splitlines() if line.strip()]
+    starts = [index for index, event in enumerate(events) if event.get("event") == "start"]
+    return events[starts[-1]:] if starts else events
 
 
 def paths_in(folder: str, summary: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from prefect_kubernetes.credentials import KubernetesCredentials
 from pydantic import Field, PrivateAttr
 
 from tasks.anf import AnfVolume
-from tasks.k8s.logs import LogCursor, LogFormatError
+from tasks.k8s.logs import LogCursor, LogFormatError, format_timestamp
 from tasks.k8s.manifests import (
     MANAGED_BY,
     MOUNT_PATH,
@@ -52,6 +52,7 @@ from tasks.platforms.base import (
     TrainingSpec,
     TransientPlatformError,
     VolumeRef,
+    last_attempt,
     outcome_from_events,
     paths_in,
 )
@@ -306,7 +307,8 @@ class ClusterPlatform(Platform):
             if exc.status in (400, 404):  # container not started yet, or the pod is gone
                 return False
             raise
-        cursor.start_reading()
+        cursor.start_reading(pod.metadata.name)
+        gaps_before = len(cursor.gaps)
         until = min(deadline, time.monotonic() + STREAM_WINDOW_S)
         try:
             for raw in _stream_lines(response):
@@ -314,6 +316,12 @@ class ClusterPlatform(Platform):
                     text = cursor.accept(raw, time.time())
                 except LogFormatError:  # a line cut short by the end of the stream: it comes again whole
                     continue
+                if len(cursor.gaps) > gaps_before:
+                    gaps_before = len(cursor.gaps)
+                    after, before = (format_timestamp(stamp) for stamp in cursor.gaps[-1])
+                    sink(f"laneflow: the kubelet rotated pod {pod.metadata.name}'s log while laneflow "
+                         f"reconnected: lines written after {after} and before {before} cannot be read from the "
+                         "API; the run's metrics.jsonl on the volume keeps every training event")
                 if text is not None:
                     sink(text)
                 if time.monotonic() > until:
@@ -423,7 +431,11 @@ class ClusterPlatform(Platform):
                     self._check_warnings(core, job, warnings_seen, on_log)
                 streamed = self._follow_log(core, selector, cursor, output.feed, deadline)
                 if state == "succeeded":
-                    return outcome_from_events(name, output.events, time.monotonic() - started, list(output.tail))
+                    events = output.events
+                    if cursor.gaps:  # lines rotated away unread: the run's own record has every event
+                        events = last_attempt(self.read_file(handle.spec.volume,
+                                                             f"{handle.spec.run_dir}/metrics.jsonl").decode())
+                    return outcome_from_events(name, events, time.monotonic() - started, list(output.tail))
                 if state == "failed":
                     break
                 if time.monotonic() > deadline:
