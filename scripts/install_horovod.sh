@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install Horovod (scripts/versions.env: 0.28.1; PyTorch + Gloo, CPU) into the active Python environment.
+# Install Horovod (scripts/versions.env: 0.28.1; PyTorch, Gloo and — where OpenMPI is installed — MPI; CPU)
+# into the active Python environment. With MPI, one wheel runs both launch paths laneflow uses:
+# `horovodrun --gloo` locally and `horovodrun --hostfile` (mpirun) as the MPI operator's launcher does.
 #
 # Why a script: Horovod's last release does not build against current torch out of the box
 # (C++17 is required by torch headers, CMake >= 4 rejects its old policy). Building takes
@@ -8,7 +10,8 @@
 #
 # Usage: scripts/install_horovod.sh [PYTHON]      (default: python from PATH)
 # Env:   LANEFLOW_WHEEL_CACHE  wheel cache dir     (default: ~/.cache/laneflow/wheels)
-#        HOROVOD_GPU_OPERATIONS=NCCL               (GPU images; default CPU/Gloo only)
+#        HOROVOD_GPU_OPERATIONS=NCCL               (GPU images; default CPU only)
+#        LANEFLOW_HOROVOD_MPI=0|1                  (default: 1 when mpicc is on PATH — Debian's libopenmpi-dev)
 set -euo pipefail
 
 PY=${1:-python}
@@ -18,6 +21,11 @@ CACHE=${LANEFLOW_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/laneflow/wheels}
 # A GPU build must never be mistaken for the CPU one: keep them in separate cache folders.
 FLAVOUR=${HOROVOD_GPU_OPERATIONS:+gpu-${HOROVOD_GPU_OPERATIONS,,}}
 FLAVOUR=${FLAVOUR:-cpu}
+if [ -z "${LANEFLOW_HOROVOD_MPI:-}" ]; then
+    if command -v mpicc >/dev/null 2>&1; then LANEFLOW_HOROVOD_MPI=1; else LANEFLOW_HOROVOD_MPI=0; fi
+fi
+# With and without MPI are different wheels: a wheel without MPI must never satisfy a machine with it.
+[ "$LANEFLOW_HOROVOD_MPI" = 1 ] && FLAVOUR="$FLAVOUR-mpi"
 CACHE="$CACHE/horovod-$FLAVOUR"
 
 die() { echo "install_horovod: error: $*" >&2; exit 1; }
@@ -28,11 +36,14 @@ command -v "$PY" >/dev/null 2>&1 || die "python interpreter '$PY' not found; pas
 check_build() {
     local out
     out=$("$PY" -m horovod.runner.launch --check-build 2>&1) || return 1
-    grep -q '\[X\] PyTorch' <<<"$out" && grep -q '\[X\] Gloo' <<<"$out"
+    grep -q '\[X\] PyTorch' <<<"$out" && grep -q '\[X\] Gloo' <<<"$out" || return 1
+    [ "$LANEFLOW_HOROVOD_MPI" != 1 ] || grep -q '\[X\] MPI' <<<"$out"
 }
+WANTED="PyTorch + Gloo"
+[ "$LANEFLOW_HOROVOD_MPI" = 1 ] && WANTED="PyTorch + Gloo + MPI"
 
 if "$PY" -c "import horovod, sys; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" 2>/dev/null && check_build; then
-    log "horovod $HOROVOD_VERSION with PyTorch and Gloo already installed"
+    log "horovod $HOROVOD_VERSION with $WANTED already installed"
     exit 0
 fi
 
@@ -42,7 +53,7 @@ mkdir -p "$CACHE"
 wheel=$(ls "$CACHE"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -1 || true)
 
 if [ -z "$wheel" ]; then
-    log "no cached wheel in $CACHE; building horovod $HOROVOD_VERSION from source (~12 min on 2 cores)"
+    log "no cached wheel in $CACHE; building horovod $HOROVOD_VERSION ($WANTED) from source (~6-12 min on 2 cores)"
     for tool in g++ make; do
         command -v "$tool" >/dev/null 2>&1 || die "'$tool' is required to build horovod; install it (Debian: apt-get install -y build-essential)"
     done
@@ -68,8 +79,13 @@ if [ -z "$wheel" ]; then
         grep -q 'set(CMAKE_CXX_STANDARD 17)' "$f" || die "could not switch $f to C++17"
     done
 
-    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-        HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+    if [ "$LANEFLOW_HOROVOD_MPI" = 1 ]; then
+        command -v mpicc >/dev/null 2>&1 || die "LANEFLOW_HOROVOD_MPI=1 needs OpenMPI's mpicc (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
+        export HOROVOD_WITH_MPI=1
+    else
+        export HOROVOD_WITHOUT_MPI=1
+    fi
     export HOROVOD_CPU_OPERATIONS=${HOROVOD_CPU_OPERATIONS:-GLOO}
     export MAKEFLAGS="-j$(nproc)"
     "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$src" \
@@ -86,5 +102,5 @@ fi
 
 "$PY" -m pip install -q cloudpickle psutil pyyaml packaging cffi || die "could not install horovod's runtime requirements"
 "$PY" -m pip install -q --no-deps --force-reinstall "$wheel" || die "could not install $wheel"
-check_build || die "horovod installed but 'horovodrun --check-build' does not list PyTorch and Gloo; delete $wheel and rerun to rebuild"
-log "horovod $HOROVOD_VERSION ready (PyTorch + Gloo)"
+check_build || die "horovod installed but 'horovodrun --check-build' does not list $WANTED; delete $wheel and rerun to rebuild"
+log "horovod $HOROVOD_VERSION ready ($WANTED)"
