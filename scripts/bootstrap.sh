@@ -40,8 +40,9 @@ echo "bootstrap: installing $TORCH_SPEC"
 quiet_pip install -q "$TORCH_SPEC" || die "could not install $TORCH_SPEC"
 
 # Debian packages, installed when we may (root + apt): OpenMPI (Horovod is built with it, so
-# `horovodrun --hostfile` runs mpirun as the MPI operator's launcher does) and OpenSSH (the emulated
-# cluster's launcher reaches its workers' real sshd). Without them Horovod is built with Gloo only and the
+# `horovodrun --hostfile` runs mpirun as the MPI operator's launcher does), OpenSSH (the emulated
+# cluster's launcher reaches its workers' real sshd) and iproute2 (each emulated pod gets a network
+# namespace of its own). Without them Horovod is built with Gloo only and the
 # cluster training tests skip, saying why.
 apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
@@ -49,9 +50,10 @@ apt_install() {
           DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1; }
 }
 as_root_with_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
-if as_root_with_apt && ! { command -v mpicc && command -v mpirun && [ -x /usr/sbin/sshd ]; } >/dev/null 2>&1; then
-    echo "bootstrap: installing openmpi-bin libopenmpi-dev openssh-server openssh-client (Debian packages)"
-    apt_install openmpi-bin libopenmpi-dev openssh-server openssh-client ||
+if as_root_with_apt &&
+        ! { command -v mpicc && command -v mpirun && [ -x /usr/sbin/sshd ] && command -v ip; } >/dev/null 2>&1; then
+    echo "bootstrap: installing openmpi-bin libopenmpi-dev openssh-server openssh-client iproute2 (Debian packages)"
+    apt_install openmpi-bin libopenmpi-dev openssh-server openssh-client iproute2 ||
         echo "bootstrap: warning: could not install OpenMPI/OpenSSH; Horovod gets Gloo only and the cluster training tests skip" >&2
 fi
 

@@ -91,6 +91,22 @@ def synthetic_archive(synthetic_source: Path, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="session")
+def served_archive(synthetic_archive: tuple[Path, str]) -> Iterator[tuple[str, str]]:
+    """The synthetic archive over HTTP at the pod network's node address (url, sha256): what pods of the
+    emulated cluster download (a pod has its own network and a private /tmp, as a container does: neither
+    127.0.0.1 nor a file:// URL of this machine's /tmp means this machine there)."""
+    from tests.cluster.network import node_address
+    from tests.cluster.runtime import pod_runtime_missing
+
+    if (missing := pod_runtime_missing()) is not None:
+        pytest.skip(missing)
+    archive, sha256 = synthetic_archive
+    with RunningServer(host=node_address()) as state:
+        state.files[archive.name] = archive.read_bytes()
+        yield state.url(archive.name), sha256
+
+
+@pytest.fixture(scope="session")
 def synthetic_artifacts(synthetic_source: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     """The same dataset as TuSimple ships it: train_set.zip, test_set.zip and test_label.json (url, sha256, kind)."""
     packed = pack_artifacts(synthetic_source, tmp_path_factory.mktemp("artifacts"))

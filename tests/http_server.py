@@ -115,9 +115,12 @@ def make_handler(state: FileServer) -> type[BaseHTTPRequestHandler]:
 
 
 class RunningServer:
-    def __init__(self) -> None:
-        self.state = FileServer()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
+    """The file server on ``host`` (loopback unless told otherwise: pods of the emulated cluster reach this
+    machine at the pod network's node address instead)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.state = FileServer(host=host)
+        self._httpd = ThreadingHTTPServer((host, 0), make_handler(self.state))
         self._httpd.daemon_threads = True
         self.state.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)

@@ -17,11 +17,14 @@ The controllers behave as their upstream source says (each model cites the file 
 - The MPI operator (kubeflow/mpi-operator v0.8 ``pkg/controller/mpi_job_controller.go``,
   ``pkg/apis/kubeflow/v2beta1/default.go``, ``pkg/apis/kubeflow/validation/validation.go``): defaults in
   memory (launcher ``restartPolicy: OnFailure``), validates in the controller — a refused job gets one
-  Warning event ``ValidationError`` and no condition — creates worker pods (Ready after an image pull)
-  and the launcher as a batch Job ``<job>-launcher`` (at once under ``AtStartup``, after every worker is
-  Ready under ``WaitForWorkersReady``); its conditions follow the launcher Job (``BackoffLimitExceeded/
-  <pod reason>``, ``DeadlineExceeded``) and evicted workers (``MPIJobEvicted``). A launcher started
-  before its workers are reachable fails the way horovodrun's SSH check does.
+  Warning event ``ValidationError`` and no condition — creates the Secret ``<job>-ssh`` (a fresh ECDSA
+  P-521 key pair), the ConfigMap ``<job>-config`` (``hostfile``, ``discover_hosts.sh`` of Running
+  workers), worker pods (host name ``<job>-worker-<i>`` in subdomain ``<job>``, ``K_MPI_JOB_ROLE``, the
+  keys at ``sshAuthMountPath``, ``/usr/sbin/sshd -De`` when the container sets no command) and the
+  launcher as a batch Job ``<job>-launcher`` (the OpenMPI ``OMPI_MCA_*`` env, the keys, the ConfigMap at
+  ``/etc/mpi``; at once under ``AtStartup``, after every worker is Ready under ``WaitForWorkersReady``);
+  its conditions follow the launcher Job (``BackoffLimitExceeded/<pod reason>``, ``DeadlineExceeded``)
+  and evicted workers (``MPIJobEvicted``).
 - The snapshot controller (kubernetes-csi/external-snapshotter v8.6 ``pkg/common-controller``): retries,
   keeps only the last error in ``status.error`` and clears it when ``readyToUse`` turns true.
 - The kubelet's logs (kubernetes ``pkg/kubelet/kuberuntime/logs/logs.go``): ``timestamps`` in
@@ -29,14 +32,18 @@ The controllers behave as their upstream source says (each model cites the file 
   returns only the current file, and ``follow`` streams that carry on across rotations (PR #115702)
   and end when the container exits.
 
-Containers really run here: a container's command runs on this machine with ``/data`` mapped to the
-claim's folder and ``horovodrun --hostfile`` turned into ``horovodrun -H localhost:N --gloo``.
+Containers really run here, through the pod runtime (``tests/cluster/runtime.py``): each container's
+command, resolved against its image (read from the Dockerfile that builds it), with its env, working
+directory, host name and volumes, in namespaces of its own. The MPI operator's launcher reaches its
+workers' real ``sshd`` with the operator's key and runs the real ``mpirun``. Nothing here knows laneflow's
+commands or paths.
 Faults are queued per call type (``("POST", "mpijobs")``): 429 with Retry-After, 500, a reset before
 or after the call took effect, 403. Every request is recorded with its namespace and RBAC verb.
 """
 
 from __future__ import annotations
 
+import base64
 import calendar
 import contextlib
 import copy
@@ -45,10 +52,7 @@ import os
 import random
 import re
 import shutil
-import signal
 import string
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -59,7 +63,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests.cluster.network import PodNetwork
+from tests.cluster.runtime import (
+    ContainerProcess,
+    ImageRegistry,
+    Mount,
+    configmap_bytes,
+    container_env,
+    container_spec,
+    hosts_file,
+    quantity_bytes,
+    secret_bytes,
+    stage_files,
+)
+from tests.cluster.runtime import start as start_container
 from tests.k8s_schemas import Rejection, apply_crd_defaults, check, invalid, not_supported, required
+from tests.leaks import MARKER as SESSION_MARKER
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # resource -> (group, version, kind, namespaced)
 RESOURCES: dict[str, tuple[str, str, str, bool]] = {
@@ -69,6 +90,8 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "pods/log": ("", "v1", "Pod", True),
     "events": ("", "v1", "Event", True),
     "serviceaccounts": ("", "v1", "ServiceAccount", True),
+    "secrets": ("", "v1", "Secret", True),
+    "configmaps": ("", "v1", "ConfigMap", True),
     "jobs": ("batch", "v1", "Job", True),
     "mpijobs": ("kubeflow.org", "v2beta1", "MPIJob", True),
     "volumesnapshots": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshot", True),
@@ -122,14 +145,17 @@ class Cluster:
     faults: dict[tuple[str, str], list[Fault]] = field(default_factory=lambda: defaultdict(list))
     requests: list[Request] = field(default_factory=list)
     logs: dict[tuple[str, str], ContainerLog] = field(default_factory=dict)
-    processes: dict[tuple[str, str], subprocess.Popen] = field(default_factory=dict)  # (ns, pod)
+    #: The running container of each pod, by (namespace, pod).
+    containers: dict[tuple[str, str], ContainerProcess] = field(default_factory=dict)
+    #: Images that exist (by reference); any other cannot be pulled.
+    images: ImageRegistry = field(default_factory=lambda: ImageRegistry(PROJECT_ROOT))
+    #: Each pod's network namespace and IP (from its first container start to its deletion), by (namespace, pod).
+    pod_networks: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     changed: threading.Condition = field(init=False)
     initial_pv_modes: list[str] = field(default_factory=lambda: ["ReadWriteOnce"])
-    #: MPIJob launchers print a CUDA out-of-memory error and exit 1; worker 0 reports OOMKilled.
-    fail_mpijobs: bool = False
-    #: How long worker pods pull their image before they are Ready; launcher pods pull for a fifth of it.
-    image_pull_s: float = 1.0
+    #: How long a pod's image takes to pull before its container starts.
+    image_pull_s: float = 0.2
     #: The kubelet's containerLogMaxSize (10 MiB by default upstream).
     log_max_bytes: int = 10 * 1024 * 1024
     #: Cut every follow stream after this many lines (a dropped connection), when set.
@@ -192,8 +218,13 @@ class Cluster:
             if obj is None:
                 return
             obj["status"].update({"phase": "Failed", "reason": "Evicted", "message": message})
-            _kill(self, namespace, pod)
+            _kill(self, namespace, pod, grace_s=0)
             _sync_owner(self, obj)
+
+    def container_pids(self, namespace: str, pod: str) -> list[int]:
+        """The processes of a pod's container (its PID namespace), for tests that kill one of them."""
+        container = self.containers.get((namespace, pod))
+        return container.pids() if container else []
 
     def permissions_used(self, namespace: str | None = None) -> set[tuple[str, str]]:
         """(verb, resource) of every request (in ``namespace``, or cluster-scoped with None and all)."""
@@ -565,18 +596,6 @@ def _record_event(cluster: Cluster, obj: dict, kind: str, reason: str, message: 
 
 # --- processes ---------------------------------------------------------------------------------------
 
-def _container_command(cluster: Cluster, namespace: str, command: list[str], claim: str | None) -> list[str]:
-    """The container's command as it runs here: /data is the claim's folder, horovodrun uses Gloo on localhost."""
-    data = str(cluster.claim_dir(namespace, claim)) if claim else "/nonexistent"
-    argv = [arg.replace("/data", data, 1) if arg.startswith("/data") else arg for arg in command]
-    if argv[0] == "horovodrun" and "--hostfile" in argv:
-        at = argv.index("--hostfile")
-        np_ = argv[argv.index("-np") + 1]
-        argv[at:at + 2] = ["-H", f"localhost:{np_}", "--gloo"]
-    bin_dir = Path(sys.executable).parent
-    return [str(bin_dir / arg) if arg in ("horovodrun", "python") else arg for arg in argv]
-
-
 def _append_log(cluster: Cluster, log: ContainerLog, text: str) -> None:
     """A line into the container's current log file, rotating it first when it would grow past the limit."""
     size = len(text.encode())
@@ -587,34 +606,134 @@ def _append_log(cluster: Cluster, log: ContainerLog, text: str) -> None:
     log.current_bytes += size
 
 
-def _start_container(cluster: Cluster, pod: dict, argv: list[str], on_exit: Callable[[int], None]) -> None:
-    """Run the pod's container here; its output becomes the pod's log, its exit the container status."""
+def _pod_network(cluster: Cluster, namespace: str, name: str) -> tuple[str, str]:
+    """The pod's network namespace and IP, made when its first container starts (the CNI plugin's ADD)."""
+    key = (namespace, name)
+    if key not in cluster.pod_networks:
+        cluster.pod_networks[key] = PodNetwork.shared().attach()
+    return cluster.pod_networks[key]
+
+
+def _release_network(cluster: Cluster, namespace: str, name: str) -> None:
+    """The CNI plugin's DEL: the namespace's name goes at once; the kernel frees it when its last process exits."""
+    network = cluster.pod_networks.pop((namespace, name), None)
+    if network is not None:
+        PodNetwork.detach(network[0])
+
+
+def _fqdn(pod: dict) -> str | None:
+    spec, namespace = pod["spec"], pod["metadata"]["namespace"]
+    if not spec.get("subdomain"):
+        return None
+    return f"{spec.get('hostname') or pod['metadata']['name']}.{spec['subdomain']}.{namespace}.svc.cluster.local"
+
+
+def _mounts(cluster: Cluster, pod: dict, container: dict, folder: Path) -> list[Mount]:
+    """The container's volumeMounts made concrete, as the kubelet's volume manager would."""
+    namespace = pod["metadata"]["namespace"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    mounts = []
+    for mount in container.get("volumeMounts") or []:
+        volume = volumes.get(mount["name"])
+        if volume is None:
+            raise LookupError(f'volumeMount "{mount["name"]}" names no volume of the pod')
+        if mount.get("subPath"):
+            raise LookupError(f'volumeMount "{mount["name"]}": subPath is not emulated')
+        target, readonly = mount["mountPath"], bool(mount.get("readOnly"))
+        if "persistentVolumeClaim" in volume:
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            pvc = cluster.objects["persistentvolumeclaims"].get((namespace, claim))
+            if pvc is None or (pvc.get("status") or {}).get("phase") != "Bound":
+                raise LookupError(f'persistentvolumeclaim "{claim}" not found or not bound')
+            readonly = readonly or bool(volume["persistentVolumeClaim"].get("readOnly"))
+            mounts.append(Mount(target, cluster.claim_dir(namespace, claim), readonly))
+        elif "secret" in volume or "configMap" in volume:
+            kind, source = ("secrets", volume["secret"]) if "secret" in volume else ("configmaps", volume["configMap"])
+            name = source.get("secretName") or source.get("name")
+            obj = cluster.objects[kind].get((namespace, name))
+            if obj is None:
+                raise LookupError(f'{kind[:-1]} "{name}" not found')
+            data = secret_bytes(obj) if kind == "secrets" else configmap_bytes(obj)
+            staged = stage_files(folder / "volumes" / mount["name"], data, source.get("items"),
+                                 source.get("defaultMode", 0o644))
+            mounts.append(Mount(target, staged, readonly=True))  # the kubelet mounts these read-only
+        elif "emptyDir" in volume:
+            empty = volume["emptyDir"] or {}
+            if empty.get("medium") == "Memory":
+                limit = empty.get("sizeLimit")
+                mounts.append(Mount(target, tmpfs=True, tmpfs_bytes=quantity_bytes(limit) if limit else None))
+            else:
+                directory = folder / "empty-dirs" / mount["name"]
+                directory.mkdir(parents=True, exist_ok=True)
+                mounts.append(Mount(target, directory, readonly))
+        else:
+            raise LookupError(f'volume "{mount["name"]}": {sorted(volume)} is not emulated')
+    return mounts
+
+
+def _lookup_key(cluster: Cluster, namespace: str) -> Callable[[str, str, str], str | None]:
+    def lookup(kind: str, name: str, key: str) -> str | None:
+        obj = cluster.objects["secrets" if kind == "secret" else "configmaps"].get((namespace, name))
+        if obj is None:
+            return None
+        data = secret_bytes(obj) if kind == "secret" else configmap_bytes(obj)
+        return data[key].decode() if key in data else None
+    return lookup
+
+
+def _start_container(cluster: Cluster, pod: dict, on_exit: Callable[[int], None]) -> None:
+    """Pull the pod's image and run its (first) container; its output becomes the pod's log, its exit the
+    container status. An image nobody builds fails to pull (ErrImagePull, a Warning event)."""
     namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+    container = pod["spec"]["containers"][0]
+    image = cluster.images.pull(container.get("image", ""))
+    if image is None:
+        message = (f'Failed to pull image "{container.get("image")}": rpc error: code = NotFound desc = failed to '
+                   f'pull and unpack image "{container.get("image")}": not found')
+        _set_container_state(pod, {"waiting": {"reason": "ErrImagePull", "message": message}}, ready=False)
+        _record_event(cluster, pod, "Warning", "Failed", message, "kubelet")
+        return
+    netns, ip = _pod_network(cluster, namespace, name)
+    hostname = pod["spec"].get("hostname") or name
+    others = [(cluster.pod_networks[(ns, other)][1], fqdn) for (ns, other), obj in cluster.objects["pods"].items()
+              if ns == namespace and other != name and (ns, other) in cluster.pod_networks and (fqdn := _fqdn(obj))]
+    folder = cluster.root / "pods" / namespace / name
+    instance = f"c{pod['status'].get('containerStatuses', [{}])[0].get('restartCount', 0)}"
+    try:
+        env = container_env(image, container, pod, hostname, ip, _lookup_key(cluster, namespace))
+        env[SESSION_MARKER] = os.environ.get(SESSION_MARKER, "")  # bookkeeping of the test suite, not the pod's
+        spec = container_spec(image, container, pod, sandbox=folder / instance / "fs", hostname=hostname,
+                              hosts=hosts_file(ip, hostname, _fqdn(pod), others), env=env,
+                              mounts=_mounts(cluster, pod, container, folder), project_paths=[PROJECT_ROOT])
+    except (LookupError, ValueError) as exc:
+        message = f"Error: {exc}"
+        _set_container_state(pod, {"waiting": {"reason": "CreateContainerConfigError", "message": message}}, False)
+        _record_event(cluster, pod, "Warning", "Failed", message, "kubelet")
+        return
     log = ContainerLog()
     cluster.logs[(namespace, name)] = log
-    pod["status"].update({"phase": "Running", "startTime": pod["status"].get("startTime") or _now()})
+    pod["status"].update({"phase": "Running", "startTime": pod["status"].get("startTime") or _now(),
+                          "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": PodNetwork.shared().gateway})
     _set_container_state(pod, {"running": {"startedAt": _now()}}, ready=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    cluster.processes[(namespace, name)] = process
+    grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
 
-    def pump() -> None:
-        for line in process.stdout:
-            with cluster.lock:
-                _append_log(cluster, log, line)
-                cluster.changed.notify_all()
-            if cluster.on_log_line is not None:
-                cluster.on_log_line(cluster, namespace, name, line)
-        code = process.wait()
+    def line(text: str) -> None:
+        with cluster.lock:
+            _append_log(cluster, log, text)
+            cluster.changed.notify_all()
+        if cluster.on_log_line is not None:
+            cluster.on_log_line(cluster, namespace, name, text)
+
+    def exited(code: int) -> None:
         with cluster.lock:
             log.running = False
-            if cluster.processes.get((namespace, name)) is process:
-                cluster.processes.pop((namespace, name))
+            if cluster.containers.get((namespace, name)) is running:
+                cluster.containers.pop((namespace, name))
                 on_exit(code)
             cluster.changed.notify_all()
 
-    threading.Thread(target=pump, daemon=True, name=f"container-{name}").start()
+    running = start_container(spec, folder / instance, netns, grace, line, exited)
+    cluster.containers[(namespace, name)] = running
 
 
 def _set_container_state(pod: dict, state: dict, ready: bool, restarts: int | None = None) -> None:
@@ -628,11 +747,12 @@ def _set_container_state(pod: dict, state: dict, ready: bool, restarts: int | No
                                     "lastTransitionTime": _now()}]
 
 
-def _kill(cluster: Cluster, namespace: str, pod: str) -> None:
-    process = cluster.processes.pop((namespace, pod), None)
-    if process and process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+def _kill(cluster: Cluster, namespace: str, pod: str, grace_s: float | None = None) -> None:
+    """The kubelet stops the pod's container: SIGTERM, SIGKILL after the grace period (in the background,
+    as a DELETE returns before the pod is gone)."""
+    container = cluster.containers.pop((namespace, pod), None)
+    if container is not None:
+        threading.Thread(target=container.stop, args=(grace_s,), daemon=True, name=f"stop-{pod}").start()
     log = cluster.logs.get((namespace, pod))
     if log:
         log.running = False
@@ -699,9 +819,10 @@ def _delete(cluster: Cluster, resource: str, obj: dict) -> None:
     cluster.operator_specs.pop((namespace, obj["metadata"]["name"]), None) if resource == "mpijobs" else None
     if resource == "pods":
         _kill(cluster, namespace, obj["metadata"]["name"])
+        _release_network(cluster, namespace, obj["metadata"]["name"])
         cluster.logs.pop((namespace, obj["metadata"]["name"]), None)
     uid = obj["metadata"]["uid"]
-    for child_resource in ("jobs", "pods"):
+    for child_resource in ("jobs", "pods", "secrets", "configmaps"):
         for child in list(cluster.objects[child_resource].values()):
             if any(ref.get("uid") == uid for ref in child["metadata"].get("ownerReferences") or []):
                 _delete(cluster, child_resource, child)
@@ -752,11 +873,6 @@ def _bind_pvc(cluster: Cluster, pvc: dict) -> None:
 
 # --- the Job controller ---------------------------------------------------------------------------------
 
-def _claim_of(pod_spec: dict) -> str | None:
-    return next((v["persistentVolumeClaim"]["claimName"] for v in pod_spec.get("volumes") or []
-                 if "persistentVolumeClaim" in v), None)
-
-
 def _start_job(cluster: Cluster, job: dict) -> None:
     job["status"] = {"active": 0, "failed": 0, "succeeded": 0, "startTime": _now()}
     spec = job["spec"]
@@ -782,28 +898,20 @@ def _new_job_pod(cluster: Cluster, job: dict) -> None:
         return
     job["status"]["active"] = 1
     namespace = job["metadata"]["namespace"]
-    launcher_of = _owner_of(cluster, job)
-    pull = cluster.image_pull_s / 5 if launcher_of is not None else 0.0
-    _later(cluster, pull, lambda: _run_job_container(cluster, job, pod, namespace))
+    _later(cluster, cluster.image_pull_s, lambda: _run_job_container(cluster, job, pod, namespace))
 
 
 def _run_job_container(cluster: Cluster, job: dict, pod: dict, namespace: str) -> None:
     if (namespace, pod["metadata"]["name"]) not in cluster.objects["pods"]:
         return
-    mpijob = _owner_of(cluster, job)
-    command = pod["spec"]["containers"][0].get("command") or ["true"]
-    if mpijob is not None:
-        argv = _launcher_argv(cluster, mpijob, namespace, command)
-    else:
-        argv = _container_command(cluster, namespace, command, _claim_of(pod["spec"]))
-    _start_container(cluster, pod, argv, lambda code: _job_container_exited(cluster, job, pod, argv, code))
+    _start_container(cluster, pod, lambda code: _job_container_exited(cluster, job, pod, code))
 
 
-def _job_container_exited(cluster: Cluster, job: dict, pod: dict, argv: list[str], code: int) -> None:
+def _job_container_exited(cluster: Cluster, job: dict, pod: dict, code: int) -> None:
     namespace = pod["metadata"]["namespace"]
     if (namespace, pod["metadata"]["name"]) not in cluster.objects["pods"]:
         return
-    reason = "Completed" if code == 0 else "Error"
+    reason = "Completed" if code == 0 else "Error"  # OOMKilled only where a memory limit is enforced: none here
     terminated = {"terminated": {"exitCode": code, "reason": reason, "finishedAt": _now()}}
     restart_policy = pod["spec"].get("restartPolicy", "Always")
     if code != 0 and restart_policy == "OnFailure":
@@ -814,7 +922,7 @@ def _job_container_exited(cluster: Cluster, job: dict, pod: dict, argv: list[str
         if restarts > job["spec"]["backoffLimit"]:
             _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
             return
-        _start_container(cluster, pod, argv, lambda again: _job_container_exited(cluster, job, pod, argv, again))
+        _start_container(cluster, pod, lambda again: _job_container_exited(cluster, job, pod, again))
         return
     pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
     _set_container_state(pod, terminated, ready=False)
@@ -965,40 +1073,141 @@ def _start_mpijob(cluster: Cluster, job: dict) -> None:
     if (launcher["template"].get("spec") or {}).get("restartPolicy"):
         _record_event(cluster, job, "Warning", "SetPodTemplateRestartPolicy",
                       "Restart policy in pod template overridden by restart policy in replica spec", OPERATOR)
+    _operator_objects(cluster, job, spec)
     base_labels = {"training.kubeflow.org/operator-name": "mpi-operator", "training.kubeflow.org/job-name": name}
     worker = replicas.get("Worker")
     for index in range(worker["replicas"] if worker else 0):
-        template = copy.deepcopy(worker["template"])
-        template.setdefault("spec", {})["restartPolicy"] = worker["restartPolicy"]
+        template = _worker_template(job, spec, index)
         pod = _make_pod(cluster, job, f"{name}-worker-{index}", template, {
             **base_labels, "training.kubeflow.org/job-role": "worker",
             "training.kubeflow.org/replica-index": str(index)})
         if pod is None:
             return
-        _later(cluster, cluster.image_pull_s, lambda pod=pod: _worker_ready(cluster, pod))
+        _later(cluster, cluster.image_pull_s, lambda pod=pod: _run_worker(cluster, job, pod))
     if spec["launcherCreationPolicy"] == "AtStartup":
         _create_launcher(cluster, job, spec)
     _sync_mpijob(cluster, job)
 
 
-def _worker_ready(cluster: Cluster, pod: dict) -> None:
+#: ``sshVolumeItems`` (mpi_job_controller.go v0.8.0 L142-155): the Secret's two keys as the three files
+#: ssh expects.
+SSH_ITEMS = [{"key": "ssh-privatekey", "path": "id_rsa"}, {"key": "ssh-publickey", "path": "id_rsa.pub"},
+             {"key": "ssh-publickey", "path": "authorized_keys"}]
+
+
+def _hostfile(job: dict, spec: dict) -> str:
+    """``newConfigMap`` (L1309-1354) for OpenMPI: ``<job>-worker-<i>.<job>.<ns>.svc slots=<n>`` per worker."""
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    workers = spec["mpiReplicaSpecs"].get("Worker", {}).get("replicas", 0)
+    return "".join(f"{name}-worker-{i}.{name}.{namespace}.svc slots={spec['slotsPerWorker']}\n"
+                   for i in range(workers))
+
+
+def _discover_hosts(job: dict, running: list[str]) -> str:
+    """``updateDiscoverHostsInConfigMap`` (L1357-1381): only Running workers, sorted by name."""
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    return "#!/bin/sh\n" + "".join(f"echo {pod}.{name}.{namespace}.svc\n" for pod in sorted(running))
+
+
+def _operator_objects(cluster: Cluster, job: dict, spec: dict) -> None:
+    """The ConfigMap ``<job>-config`` and the Secret ``<job>-ssh`` (``newSSHAuthSecret`` L1416-1451: a fresh
+    ECDSA P-521 key, PEM "EC PRIVATE KEY", public key in authorized_keys format), owned by the job."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    owner = [{"apiVersion": job["apiVersion"], "kind": "MPIJob", "name": name, "uid": job["metadata"]["uid"],
+              "controller": True}]
+    key = ec.generate_private_key(ec.SECP521R1())
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/ssh-auth",
+              "metadata": {"name": f"{name}-ssh", "namespace": namespace, "labels": {"app": name},
+                           "ownerReferences": owner},
+              "data": {"ssh-privatekey": base64.b64encode(private).decode(),
+                       "ssh-publickey": base64.b64encode(public + b"\n").decode()}}
+    config = {"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": {"name": f"{name}-config", "namespace": namespace, "labels": {"app": name},
+                           "ownerReferences": owner},
+              "data": {"hostfile": _hostfile(job, spec), "discover_hosts.sh": _discover_hosts(job, [])}}
+    for resource, obj in (("secrets", secret), ("configmaps", config)):
+        _stamp_metadata(cluster, obj, namespace)
+        cluster.objects[resource][(namespace, obj["metadata"]["name"])] = obj
+
+
+def _setup_ssh(pod_spec: dict, job_name: str, spec: dict) -> None:
+    """``setupSSHOnPod`` (L1764-1787): the key Secret on the first container at ``sshAuthMountPath``; mode
+    0600 only at /root/.ssh."""
+    secret: dict[str, Any] = {"secretName": f"{job_name}-ssh", "items": SSH_ITEMS}
+    if spec["sshAuthMountPath"] == "/root/.ssh":
+        secret["defaultMode"] = 0o600
+    pod_spec.setdefault("volumes", []).append({"name": "ssh-auth", "secret": secret})
+    pod_spec["containers"][0].setdefault("volumeMounts", []).append(
+        {"name": "ssh-auth", "mountPath": spec["sshAuthMountPath"]})
+
+
+def _worker_template(job: dict, spec: dict, index: int) -> dict:
+    """``newWorker`` (L1473-1525): host name and subdomain, ``K_MPI_JOB_ROLE=worker``, the replica's
+    restartPolicy, ``/usr/sbin/sshd -De`` when the container sets neither command nor args, the ssh keys."""
+    name = job["metadata"]["name"]
+    worker = spec["mpiReplicaSpecs"]["Worker"]
+    template = copy.deepcopy(worker["template"])
+    pod_spec = template.setdefault("spec", {})
+    pod_spec.update({"hostname": f"{name}-worker-{index}", "subdomain": name,
+                     "restartPolicy": "Never" if worker["restartPolicy"] == "ExitCode" else worker["restartPolicy"]})
+    container = pod_spec["containers"][0]
+    container.setdefault("env", []).append({"name": "K_MPI_JOB_ROLE", "value": "worker"})
+    if not container.get("command") and not container.get("args"):
+        container["command"] = ["/usr/sbin/sshd", "-De"]
+    _setup_ssh(pod_spec, name, spec)
+    return template
+
+
+def _run_worker(cluster: Cluster, job: dict, pod: dict) -> None:
     if (pod["metadata"]["namespace"], pod["metadata"]["name"]) not in cluster.objects["pods"]:
         return
-    if pod["status"].get("phase") == "Pending":
-        pod["status"].update({"phase": "Running", "startTime": _now()})
-        _set_container_state(pod, {"running": {"startedAt": _now()}}, ready=True)
+    _start_container(cluster, pod, lambda code: _worker_exited(cluster, pod, code))
+    _sync_owner(cluster, pod)
+
+
+def _worker_exited(cluster: Cluster, pod: dict, code: int) -> None:
+    if (pod["metadata"]["namespace"], pod["metadata"]["name"]) not in cluster.objects["pods"]:
+        return
+    if pod["status"].get("phase") != "Failed":  # an eviction already set it
+        pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+    _set_container_state(pod, {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                              "finishedAt": _now()}}, ready=False)
     _sync_owner(cluster, pod)
 
 
 def _create_launcher(cluster: Cluster, job: dict, spec: dict) -> None:
-    """``newLauncherJob`` (L1554-1674): a batch Job whose pod gets the replica's restartPolicy."""
+    """``newLauncherJob``/``newLauncherPodTemplate`` (L1528-1640): a batch Job whose pod gets the replica's
+    restartPolicy, host name ``<job>-launcher`` in the job's subdomain, ``K_MPI_JOB_ROLE=launcher``, the
+    OpenMPI variables, empty NVIDIA variables (the launcher gets no GPU), the ssh keys and the hostfile
+    ConfigMap at /etc/mpi (hostfile 0444, discover_hosts.sh 0555)."""
     namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
     launcher = spec["mpiReplicaSpecs"]["Launcher"]
     template = copy.deepcopy(launcher["template"])
     template.setdefault("metadata", {}).setdefault("labels", {}).update({
         "training.kubeflow.org/operator-name": "mpi-operator", "training.kubeflow.org/job-name": name,
         "training.kubeflow.org/job-role": "launcher"})
-    template.setdefault("spec", {})["restartPolicy"] = launcher["restartPolicy"]
+    pod_spec = template.setdefault("spec", {})
+    pod_spec.update({"restartPolicy": launcher["restartPolicy"], "hostname": f"{name}-launcher", "subdomain": name})
+    container = pod_spec["containers"][0]
+    container.setdefault("env", []).extend([
+        {"name": "K_MPI_JOB_ROLE", "value": "launcher"},
+        {"name": "OMPI_MCA_orte_keep_fqdn_hostnames", "value": "true"},
+        {"name": "OMPI_MCA_orte_default_hostfile", "value": "/etc/mpi/hostfile"},
+        {"name": "OMPI_MCA_plm_rsh_args", "value": "-o ConnectionAttempts=10"},
+        {"name": "OMPI_MCA_orte_set_default_slots", "value": str(spec["slotsPerWorker"])},
+        {"name": "NVIDIA_VISIBLE_DEVICES"}, {"name": "NVIDIA_DRIVER_CAPABILITIES"}])
+    _setup_ssh(pod_spec, name, spec)
+    pod_spec.setdefault("volumes", []).append({"name": "mpi-job-config", "configMap": {
+        "name": f"{name}-config", "items": [{"key": "hostfile", "path": "hostfile", "mode": 0o444},
+                                            {"key": "discover_hosts.sh", "path": "discover_hosts.sh",
+                                             "mode": 0o555}]}})
+    container.setdefault("volumeMounts", []).append({"name": "mpi-job-config", "mountPath": "/etc/mpi"})
     policy = spec["runPolicy"]
     launcher_spec: dict[str, Any] = {"template": template, "podReplacementPolicy": "Failed"}
     for key in ("backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished"):
@@ -1024,28 +1233,6 @@ def _workers(cluster: Cluster, job: dict) -> list[dict]:
 
 def _launcher_job(cluster: Cluster, job: dict) -> dict | None:
     return cluster.objects["jobs"].get((job["metadata"]["namespace"], f"{job['metadata']['name']}-launcher"))
-
-
-def _launcher_argv(cluster: Cluster, job: dict, namespace: str, command: list[str]) -> list[str]:
-    """What the launcher runs here; before its workers are reachable, horovodrun's SSH check fails."""
-    name = job["metadata"]["name"]
-    not_ready = [p["metadata"]["name"] for p in _workers(cluster, job)
-                 if (p["status"].get("conditions") or [{}])[0].get("status") != "True"]
-    if not_ready:
-        host = f"{not_ready[0]}.{name}.{namespace}.svc"
-        script = ("import sys\n"
-                  f"print('ssh: connect to host {host} port 22: Connection refused', flush=True)\n"
-                  f"print('ssh not successful for host {host}:', flush=True)\n"
-                  "print('RuntimeError: could not connect to some hosts via ssh', flush=True)\n"
-                  "sys.exit(1)\n")
-        return [sys.executable, "-c", script]
-    if cluster.fail_mpijobs:
-        return [sys.executable, "-c", "import sys, time; time.sleep(0.5); "
-                                      "print('Traceback: CUDA error: out of memory', flush=True); sys.exit(1)"]
-    spec = cluster.operator_specs[(namespace, name)]
-    claim = _claim_of(spec["mpiReplicaSpecs"]["Worker"]["template"]["spec"]) if "Worker" in \
-        spec["mpiReplicaSpecs"] else None
-    return _container_command(cluster, namespace, command, claim)
 
 
 def _sync_mpijob(cluster: Cluster, job: dict) -> None:
@@ -1095,12 +1282,10 @@ def _sync_mpijob(cluster: Cluster, job: dict) -> None:
     if not _finished(job) and launcher is not None and launcher_running >= 1 and \
             all(p["status"].get("phase") == "Running" for p in workers):
         _mpi_condition(job, "Running", "True", "MPIJobRunning", f"MPIJob {namespace}/{name} is running.")
-    if cluster.fail_mpijobs and _finished(job):  # the workers ran out of GPU memory (0) or lost their peer
-        for index, pod in enumerate(workers):
-            if pod["status"].get("phase") == "Running":
-                pod["status"]["phase"] = "Failed"
-                _set_container_state(pod, {"terminated": {"exitCode": 137 if index == 0 else 1,
-                                                          "reason": "OOMKilled" if index == 0 else "Error"}}, False)
+    config = cluster.objects["configmaps"].get((namespace, f"{name}-config"))
+    if config is not None:
+        config["data"]["discover_hosts.sh"] = _discover_hosts(
+            job, [p["metadata"]["name"] for p in workers if p["status"].get("phase") == "Running"])
     if _finished(job) and job["status"].get("completionTime") and spec["runPolicy"]["cleanPodPolicy"] in \
             ("Running", "All"):
         for pod in workers:
@@ -1196,6 +1381,13 @@ class KubernetesEmulator:
         self.server.shutdown()
         self.server.server_close()
         with self.cluster.lock:
-            for key in list(self.cluster.processes):
-                _kill(self.cluster, *key)
+            containers = list(self.cluster.containers.values())
+            self.cluster.containers.clear()
+            for log in self.cluster.logs.values():
+                log.running = False
             self.cluster.changed.notify_all()
+        for container in containers:  # the node goes away: every container is killed, and waited for
+            container.stop(grace_s=0)
+        with self.cluster.lock:
+            for namespace, name in list(self.cluster.pod_networks):
+                _release_network(self.cluster, namespace, name)

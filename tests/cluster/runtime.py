@@ -1,0 +1,313 @@
+"""The kubelet and container runtime of the emulated cluster: each pod's container runs its real command,
+with its image's configuration, its env, its working directory, its host name and every volume at its
+``mountPath``, in namespaces of its own (``podinit.py`` builds the file system and execs the command).
+
+What runs for real and what is modelled:
+
+- real: the container's process tree (PID 1 of its own PID namespace; mount and UTS namespaces; a private
+  overlay root), bind-mounted PVC folders, Secret and ConfigMap files with their modes (read-only, as the
+  kubelet mounts them), ``emptyDir`` (``medium: Memory`` as a tmpfs of ``sizeLimit``), the container's
+  exit code and its output as the pod log;
+- modelled: the image (``images.py``: the project's environment plus the Dockerfile's facts), the pod
+  network (``network.py``: a network namespace per pod with an address of its own on a bridge of this
+  machine, as the reference CNI ``bridge`` plugin sets a node up; no NetworkPolicy, no Services but the
+  headless ones' DNS), cluster DNS (every pod's ``/etc/hosts`` names the pods of its namespace that have a
+  subdomain, as the headless Service's DNS records would, as of the container's start), Ready = the
+  container runs (no probes, as the kubelet reports a container without a readiness probe). The API server
+  is not reachable from pods (nothing laneflow runs in a pod calls it), so ``KUBERNETES_SERVICE_*`` is not set.
+
+Kubernetes behaviour followed: command replaces ENTRYPOINT and args replace CMD
+(``images.container_argv``); ``$(VAR)`` references in command, args and env values are expanded from the
+container's env, ``$$`` escapes (pkg/kubelet/kuberuntime ``kubecontainer.ExpandContainerCommandAndArgs``,
+third_party/forked/golang/expansion); the kubelet adds ``HOSTNAME``; Secret and ConfigMap files default to
+mode 0644 (``defaultMode``), ``items`` map keys to paths with their own ``mode``; a container is stopped
+with SIGTERM to its PID 1, then SIGKILL after the pod's ``terminationGracePeriodSeconds`` (default 30); an
+exit by signal reports code 128 + signal.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.cluster.images import ImageConfig, container_argv, read_image
+
+PODINIT = Path(__file__).with_name("podinit.py")
+#: The interpreter the project's environment is: bound wherever an image has its virtual environment.
+PROJECT_ENV = Path(sys.prefix)
+_QUANTITY = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_SUFFIX = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_REF = re.compile(r"\$\$|\$\(([A-Za-z_][-._A-Za-z0-9]*)\)")
+
+
+@functools.cache
+def pod_runtime_missing() -> str | None:
+    """Why the emulated cluster cannot run pods here, or None: namespaces (root, util-linux, iproute2), and
+    what the training image runs (sshd, mpirun, Horovod with MPI)."""
+    if os.geteuid() != 0:
+        return "the pod runtime needs root (mount, UTS, PID and network namespaces; CI runs as root)"
+    for tool, package in (("unshare", "util-linux"), ("nsenter", "util-linux"), ("ip", "iproute2")):
+        if shutil.which(tool) is None:
+            return f"the pod runtime needs {tool} (Debian's {package})"
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--uts", "--net", "true"], capture_output=True)
+    if done.returncode != 0:
+        return f"namespaces are refused here: {done.stderr.decode(errors='replace').strip()}"
+    if not Path("/usr/sbin/sshd").exists() or shutil.which("mpirun") is None:
+        return "needs Debian's openssh-server and openmpi-bin (scripts/bootstrap.sh installs them as root)"
+    check = subprocess.run([str(Path(sys.executable).parent / "horovodrun"), "--check-build"], capture_output=True,
+                           text=True)
+    if "[X] MPI" not in check.stdout:
+        return "Horovod was built without MPI (install libopenmpi-dev, then scripts/install_horovod.sh rebuilds it)"
+    return None
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes quantity (``8Gi``, ``500M``) in bytes (apimachinery resource.Quantity, plain suffixes)."""
+    match = _QUANTITY.match(str(quantity))
+    if not match:
+        raise ValueError(f"quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
+                         f": {quantity!r}")
+    return int(float(match["number"]) * _SUFFIX[match["suffix"]])
+
+
+def expand_references(value: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` from ``env`` (left as written when undefined), ``$$`` → ``$``."""
+    def replace(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env[name] if name in env else match.group(0)
+    return _REF.sub(replace, value)
+
+
+@dataclass
+class ImageRegistry:
+    """The images that exist: each built from one of the project's Dockerfiles, by the names the platform
+    block configures. Anything else cannot be pulled."""
+
+    context: Path
+    dockerfiles: dict[str, Path] = field(default_factory=dict)
+    _read: dict[str, ImageConfig] = field(default_factory=dict)
+
+    def add(self, reference: str, dockerfile: Path) -> None:
+        self.dockerfiles[reference] = dockerfile
+        self._read.pop(reference, None)
+
+    def pull(self, reference: str) -> ImageConfig | None:
+        if reference not in self.dockerfiles:
+            return None
+        if reference not in self._read:
+            self._read[reference] = read_image(reference, self.dockerfiles[reference], self.context)
+        return self._read[reference]
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One volumeMount made concrete: a host folder or file bound there, or a tmpfs."""
+
+    target: str
+    source: Path | None = None
+    readonly: bool = False
+    tmpfs_bytes: int | None = None
+    tmpfs: bool = False
+
+
+def stage_files(folder: Path, data: dict[str, bytes], items: list[dict] | None, default_mode: int) -> Path:
+    """A Secret or ConfigMap volume's files as the kubelet's atomic writer lays them out
+    (pkg/volume/util/atomic_writer.go): the payload in a timestamped ``..<time>`` directory, ``..data`` a
+    symlink to it, and each top-level name a symlink into ``..data``. Every key (or the ``items`` chosen, at
+    their ``path``) with ``defaultMode`` or the item's ``mode`` (volume/secret, volume/configmap)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    stamp = time.strftime("..%Y_%m_%d_%H_%M_%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}"
+    payload = folder / stamp
+    payload.mkdir(parents=True)
+    chosen = items if items else [{"key": key, "path": key} for key in data]
+    for item in chosen:
+        if item["key"] not in data:
+            raise KeyError(f"couldn't find key {item['key']} in the volume's source")
+        target = payload / item["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data[item["key"]])
+        os.chmod(target, item.get("mode", default_mode))
+    (folder / "..data").symlink_to(stamp)
+    for top in sorted({Path(item["path"]).parts[0] for item in chosen}):
+        (folder / top).symlink_to(f"..data/{top}")
+    return folder
+
+
+def secret_bytes(secret: dict) -> dict[str, bytes]:
+    return {key: base64.b64decode(value) for key, value in (secret.get("data") or {}).items()} | \
+        {key: value.encode() for key, value in (secret.get("stringData") or {}).items()}
+
+
+def configmap_bytes(configmap: dict) -> dict[str, bytes]:
+    return {key: value.encode() for key, value in (configmap.get("data") or {}).items()}
+
+
+def hosts_file(ip: str, hostname: str, fqdn: str | None, others: list[tuple[str, str]]) -> str:
+    """The kubelet's managed /etc/hosts (pkg/kubelet/kubelet_pods.go ``managedHostsFileContent``), plus the
+    records cluster DNS would answer for the namespace's pods with a subdomain (``others``: ip, fqdn)."""
+    lines = ["# Kubernetes-managed hosts file.", "127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
+             "fe00::0\tip6-localnet", "fe00::0\tip6-mcastprefix", "fe00::1\tip6-allnodes", "fe00::2\tip6-allrouters"]
+    lines.append(f"{ip}\t{fqdn}\t{hostname}" if fqdn else f"{ip}\t{hostname}")
+    lines.append("# cluster DNS (emulated): the namespace's pods by their headless-service names")
+    for other_ip, other_fqdn in others:
+        short = other_fqdn.removesuffix(".cluster.local")
+        lines.append(f"{other_ip}\t{other_fqdn}\t{short}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class ContainerProcess:
+    """A running container: ``unshare`` and, below it, the container's PID 1."""
+
+    process: subprocess.Popen
+    sandbox: Path
+    grace_s: float
+
+    def init_pid(self) -> int | None:
+        try:
+            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
+
+    def pids(self) -> list[int]:
+        """Every process of the container (its PID namespace)."""
+        init = self.init_pid()
+        if init is None:
+            return []
+        try:
+            namespace = os.readlink(f"/proc/{init}/ns/pid")
+        except OSError:
+            return []
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.readlink(entry / "ns" / "pid") == namespace:
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        return found
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM to the container's PID 1, SIGKILL (of the whole PID namespace) after the grace period."""
+        grace = self.grace_s if grace_s is None else grace_s
+        init = self.init_pid()
+        if init is not None and grace > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while self.process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if self.process.poll() is None:
+            init = self.init_pid()
+            if init is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(init, signal.SIGKILL)  # PID 1 gone: the kernel kills the rest of the namespace
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    @staticmethod
+    def exit_code(returncode: int) -> int:
+        return 128 - returncode if returncode < 0 else returncode
+
+
+def container_env(image: ImageConfig, container: dict, pod: dict, hostname: str, ip: str,
+                  lookup: Callable[[str, str, str], str | None]) -> dict[str, str]:
+    """Image ENV, then what the kubelet adds, then the container's ``env`` in order (``$(VAR)`` expanded
+    from what came before). ``lookup(kind, name, key)`` reads a Secret or ConfigMap key."""
+    env = dict(image.env)
+    env["HOSTNAME"] = hostname
+    fields = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
+              "status.podIP": ip, "spec.nodeName": "emulated-node",
+              "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default")}
+    for item in container.get("env") or []:
+        if "valueFrom" in item:
+            source = item["valueFrom"]
+            if "fieldRef" in source:
+                value = fields.get(source["fieldRef"]["fieldPath"])
+            elif "secretKeyRef" in source or "configMapKeyRef" in source:
+                kind = "secret" if "secretKeyRef" in source else "configmap"
+                ref = source.get("secretKeyRef") or source.get("configMapKeyRef")
+                value = lookup(kind, ref["name"], ref["key"])
+            else:
+                value = None
+            if value is None:
+                raise KeyError(f"env {item['name']}: cannot resolve {json.dumps(source)}")
+        else:
+            value = expand_references(item.get("value", ""), env)
+        env[item["name"]] = value
+    return env
+
+
+def container_spec(image: ImageConfig, container: dict, pod: dict, *, sandbox: Path, hostname: str,
+                   hosts: str, env: dict[str, str], mounts: list[Mount],
+                   project_paths: list[Path]) -> dict:
+    """What ``podinit.py`` needs to build the container and exec its command."""
+    argv = [expand_references(arg, env) for arg in container_argv(image, container.get("command"),
+                                                                  container.get("args"))]
+    if not argv:
+        raise ValueError("no command specified: the image has no ENTRYPOINT or CMD and the container sets none")
+    binds = [{"source": str(path), "target": str(path), "readonly": True} for path in project_paths]
+    binds += [{"source": str(source), "target": target, "readonly": True} for source, target in image.files]
+    binds += [{"source": str(PROJECT_ENV), "target": venv, "readonly": True} for venv in image.venvs]
+    tmpfs = []
+    for mount in mounts:
+        if mount.tmpfs:
+            tmpfs.append({"target": mount.target, "size": mount.tmpfs_bytes})
+        else:
+            binds.append({"source": str(mount.source), "target": mount.target, "readonly": mount.readonly})
+    return {"sandbox": str(sandbox), "hostname": hostname, "binds": binds, "tmpfs": tmpfs,
+            "dirs": list(image.made_dirs), "files": {"/etc/hosts": hosts, "/etc/hostname": hostname + "\n"},
+            "cwd": container.get("workingDir") or image.workdir, "env": env, "argv": argv}
+
+
+def start(spec: dict, folder: Path, netns: str, grace_s: float, on_line: Callable[[str], None],
+          on_exit: Callable[[int], None]) -> ContainerProcess:
+    """Run the container described by ``spec`` in the pod's network namespace ``netns``; its output goes line
+    by line to ``on_line``, its exit code (128 + signal when killed) to ``on_exit``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_file = folder / "container.json"
+    spec_file.write_text(json.dumps(spec))
+    sandbox = Path(spec["sandbox"])
+    sandbox.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{netns}",
+         "unshare", "--pid", "--kill-child=SIGKILL", "--mount", "--uts", "--propagation", "private",
+         sys.executable, "-I", str(PODINIT), str(spec_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
+        start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                     **{k: v for k, v in os.environ.items() if k == "LANEFLOW_TEST_SESSION"}})
+    running = ContainerProcess(process, sandbox, grace_s)
+
+    def pump() -> None:
+        assert process.stdout is not None
+        with (folder / "output.log").open("a", encoding="utf-8") as kept:  # for whoever debugs a test
+            for line in process.stdout:
+                kept.write(line)
+                kept.flush()
+                on_line(line)
+        on_exit(ContainerProcess.exit_code(process.wait()))
+
+    threading.Thread(target=pump, daemon=True, name=f"container-{folder.name}").start()
+    return running
