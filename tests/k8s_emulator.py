@@ -147,6 +147,8 @@ class Cluster:
     logs: dict[tuple[str, str], ContainerLog] = field(default_factory=dict)
     #: The running container of each pod, by (namespace, pod).
     containers: dict[tuple[str, str], ContainerProcess] = field(default_factory=dict)
+    #: Containers being stopped (in their grace period), so the node's shutdown can finish them.
+    terminating: list[ContainerProcess] = field(default_factory=list)
     #: Images that exist (by reference); any other cannot be pulled.
     images: ImageRegistry = field(default_factory=lambda: ImageRegistry(PROJECT_ROOT))
     #: Each pod's network namespace and IP (from its first container start to its deletion), by (namespace, pod).
@@ -752,6 +754,7 @@ def _kill(cluster: Cluster, namespace: str, pod: str, grace_s: float | None = No
     as a DELETE returns before the pod is gone)."""
     container = cluster.containers.pop((namespace, pod), None)
     if container is not None:
+        cluster.terminating[:] = [c for c in cluster.terminating if c.process.poll() is None] + [container]
         threading.Thread(target=container.stop, args=(grace_s,), daemon=True, name=f"stop-{pod}").start()
     log = cluster.logs.get((namespace, pod))
     if log:
@@ -1381,7 +1384,7 @@ class KubernetesEmulator:
         self.server.shutdown()
         self.server.server_close()
         with self.cluster.lock:
-            containers = list(self.cluster.containers.values())
+            containers = list(self.cluster.containers.values()) + self.cluster.terminating
             self.cluster.containers.clear()
             for log in self.cluster.logs.values():
                 log.running = False
