@@ -2,7 +2,8 @@
 
 Retried: a resumable training stop, connection resets and timeouts, HTTP 429 and 5xx from any client
 (kubernetes, Azure, httpx), an interrupted download. Never retried: validation errors, 4xx other than
-429, a training job that refused its configuration or crashed — running those again changes nothing.
+429, a training job that refused its configuration or crashed, a stage past its deadline (another try
+would wait as long again) — running those again changes nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from prefect.tasks import exponential_backoff
 
-from tasks.platforms.base import TrainingFailed, TransientPlatformError
+from tasks.platforms.base import StageDeadlineExceeded, TrainingFailed, TransientPlatformError
 from training.data.fetch import TransientFetchError
 
 
@@ -30,7 +31,8 @@ def _status(exc: BaseException) -> int | None:
 
 def is_transient(exc: BaseException | None) -> bool:
     """True when the same call may succeed if made again later."""
-    if exc is None or isinstance(exc, TrainingFailed | ValueError | PermissionError | FileNotFoundError):
+    if exc is None or isinstance(exc, TrainingFailed | StageDeadlineExceeded | ValueError | PermissionError
+                                  | FileNotFoundError):
         return False
     if isinstance(exc, TransientPlatformError | TransientFetchError | ConnectionError | TimeoutError
                   | http.client.RemoteDisconnected | http.client.IncompleteRead):

@@ -7,6 +7,7 @@ from prefect.blocks.core import Block
 from tasks.platforms.base import (
     Platform,
     SnapshotRef,
+    StageDeadlineExceeded,
     TrainingFailed,
     TrainingHandle,
     TrainingInterrupted,
@@ -24,7 +25,8 @@ PLATFORM_TYPES: list[type[Platform]] = [LocalPlatform, ClusterPlatform]
 
 __all__ = [
     "DEFAULT_PLATFORM", "PLATFORM_TYPES", "ClusterPlatform", "LocalPlatform", "Platform", "SnapshotRef",
-    "TrainingFailed", "TrainingHandle", "TrainingInterrupted", "TrainingOutcome", "TrainingSpec",
+    "StageDeadlineExceeded", "TrainingFailed", "TrainingHandle", "TrainingInterrupted", "TrainingOutcome",
+    "TrainingSpec",
     "TransientPlatformError", "VolumeRef", "load_platform",
 ]
 

@@ -31,6 +31,11 @@ class TrainingInterrupted(TransientPlatformError):
     """The training job stopped before finishing but can resume from its newest checkpoint."""
 
 
+class StageDeadlineExceeded(RuntimeError):
+    """A stage ran past its deadline. Not retried: another try would wait as long again; the platform
+    stopped what the stage had started before raising."""
+
+
 class TrainingFailed(RuntimeError):
     """The training job failed for a reason a retry will not fix; carries the job's log tail."""
 

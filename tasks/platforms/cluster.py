@@ -45,6 +45,7 @@ from tasks.platforms.base import (
     LogSink,
     Platform,
     SnapshotRef,
+    StageDeadlineExceeded,
     TrainingFailed,
     TrainingHandle,
     TrainingInterrupted,
@@ -119,6 +120,8 @@ class ClusterPlatform(Platform):
     service_account: str = Field("laneflow-training", description="service account of the job pods")
     runai_project: str | None = Field(None, description="schedule with Run:ai in namespace runai-<project>")
     poll_interval_s: float = Field(5.0, gt=0, description="how often job state and logs are read")
+    prepare_deadline_s: float = Field(12 * 3600, gt=0, description="the dataset stage's deadline: past it the "
+                                                                   "prepare Job is deleted and the stage fails")
     api_attempts: int = Field(6, ge=1, description="tries per API call on 429/5xx/connection errors")
     api_timeout_s: float = Field(120.0, gt=0, description="an API call unanswered this long fails and is tried "
                                                           "again (connecting: at most 30 s)")
@@ -243,14 +246,19 @@ class ClusterPlatform(Platform):
 
     # --- jobs on the claim ---------------------------------------------------------------------------
     def _run_job(self, body: dict, log: LogSink, timeout_s: float, delete_after: bool = False) -> list[str]:
-        """Run a batch Job to completion (adopting one of the same name), streaming its pod's log."""
+        """Run a batch Job to completion, streaming its pod's log. A Job of ours of the same name is adopted
+        while it runs or once it succeeded, and replaced when it failed: Jobs live a day after finishing
+        (``ttlSecondsAfterFinished``), and the reason to run a stage again is that its cause was fixed."""
         core, batch, _ = self._apis()
         name = body["metadata"]["name"]
-        self._create_or_adopt("jobs",
-                              lambda: batch.create_namespaced_job(self._ns(), body, field_validation=STRICT),
-                              lambda: batch.read_namespaced_job(name, self._ns()),
-                              lambda job: (job.metadata.labels or {}).get("app.kubernetes.io/managed-by") ==
-                              "laneflow", name)
+        job, created = self._create_or_adopt(
+            "jobs", lambda: batch.create_namespaced_job(self._ns(), body, field_validation=STRICT),
+            lambda: batch.read_namespaced_job(name, self._ns()),
+            lambda job: (job.metadata.labels or {}).get("app.kubernetes.io/managed-by") == "laneflow", name)
+        if not created and job.status and job.status.failed and not job.status.succeeded:
+            log(f"laneflow: job {self._ns()}/{name} failed in an earlier attempt; replacing it")
+            self._delete_job(batch, name, wait=True)
+            self._call("create", "jobs", batch.create_namespaced_job, self._ns(), body, field_validation=STRICT)
         seen: list[str] = []
         cursor = LogCursor()
 
@@ -271,20 +279,36 @@ class ClusterPlatform(Platform):
                     tail = "\n".join(seen[-LOG_TAIL:])
                     raise RuntimeError(f"job {self._ns()}/{name} failed; its log ends:\n{tail}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"job {self._ns()}/{name} did not finish within {timeout_s:.0f} s")
+                    delete_after = True  # stop what the stage started: a deadline is not retried
+                    raise StageDeadlineExceeded(
+                        f"job {self._ns()}/{name} did not finish within {timeout_s:.0f} s (the stage's deadline); "
+                        "it was deleted with its pod. Its log ends:\n" + "\n".join(seen[-LOG_TAIL:]))
                 if not streamed:
                     time.sleep(self.poll_interval_s)
         finally:
             if delete_after:
                 self._delete_job(batch, name)
 
-    def _delete_job(self, batch: kubernetes.client.BatchV1Api, name: str) -> None:
+    def _delete_job(self, batch: kubernetes.client.BatchV1Api, name: str, wait: bool = False) -> None:
+        """Delete a Job and its pods (``Foreground`` when waiting: the Job goes only once its pods have)."""
         try:
             self._call("delete", "jobs", batch.delete_namespaced_job, name, self._ns(),
-                       propagation_policy="Background")
+                       propagation_policy="Foreground" if wait else "Background")
         except ApiException as exc:
             if exc.status != 404:
                 raise
+        if not wait:
+            return
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                self._call("get", "jobs", batch.read_namespaced_job, name, self._ns())
+            except ApiException as exc:
+                if exc.status == 404:
+                    return
+                raise
+            time.sleep(self.poll_interval_s)
+        raise TimeoutError(f"job {self._ns()}/{name} was not deleted within 5 minutes")
 
     def _follow_log(self, core: kubernetes.client.CoreV1Api, selector: str, cursor: LogCursor, sink: LogSink,
                     deadline: float) -> bool:
@@ -342,7 +366,7 @@ class ClusterPlatform(Platform):
         name = validate_name(f"prepare-{volume.name[:36].rstrip('-')}-{key}", "job")
         body = render_data_job(name, self.layout(), volume.name, artifacts,
                                self._job_labels(name, {"volume": volume.name}))
-        lines = self._run_job(body, log, timeout_s=12 * 3600)
+        lines = self._run_job(body, log, timeout_s=self.prepare_deadline_s)
         return _last_event(lines, "prepared", f"dataset job {name}")
 
     def _file_job(self, kind: str, volume: VolumeRef, relative_path: str, script: str, *args: str) -> list[str]:
@@ -600,7 +624,7 @@ class ClusterPlatform(Platform):
                 if error:
                     raise RuntimeError(f"VolumeSnapshot {snapshot.name} failed: the snapshot controller still "
                                        f"reports '{error}' after {timeout_s:.0f} s")
-                raise TimeoutError(f"VolumeSnapshot {snapshot.name} not ready within {timeout_s:.0f} s")
+                raise StageDeadlineExceeded(f"VolumeSnapshot {snapshot.name} not ready within {timeout_s:.0f} s")
             time.sleep(self.poll_interval_s)
 
     def list_snapshots(self) -> list[SnapshotRef]:
