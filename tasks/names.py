@@ -14,6 +14,9 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 #: RFC 1035 label: like DNS-1123 but starting with a letter (Services and MPI worker host names).
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 63
+#: RFC 1123 subdomain: the names of storage classes, snapshot classes and service accounts.
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+MAX_SUBDOMAIN = 253
 
 
 class InvalidName(ValueError):
@@ -29,6 +32,16 @@ def validate_name(value: str, what: str) -> str:
     if not DNS_LABEL.match(value):
         raise InvalidName(f"{what} name '{value}' is not a DNS-1123 label: use lowercase letters, digits and '-', "
                           "starting and ending with a letter or digit")
+    return value
+
+
+def validate_subdomain(value: str, what: str) -> str:
+    """``value`` if it is a DNS-1123 subdomain (what Kubernetes requires of most object names)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidName(f"{what} must be a non-empty string")
+    if len(value) > MAX_SUBDOMAIN or not DNS_SUBDOMAIN.match(value):
+        raise InvalidName(f"{what} '{value}' is not a DNS-1123 subdomain: use at most {MAX_SUBDOMAIN} lowercase "
+                          "letters, digits, '-' and '.', starting and ending with a letter or digit")
     return value
 
 

@@ -44,7 +44,8 @@ def test_a_failed_prepare_job_is_replaced_when_the_stage_runs_again_after_the_fi
         server.files[archive.name] = archive.read_bytes()  # the cause is fixed
         summary = platform.prepare_dataset(volume, [artifact], logs.append)
     assert summary["dataset_dir"].startswith("datasets/")
-    assert (cluster.claim_dir("lanes", volume.name) / summary["dataset_dir"] / "seg_label" / "list" / "train_gt.txt").exists()
+    dataset = cluster.claim_dir("lanes", volume.name) / summary["dataset_dir"]
+    assert (dataset / "seg_label" / "list" / "train_gt.txt").exists()
     assert any("failed in an earlier attempt; replacing it" in line for line in logs)
     (job,) = cluster.objects["jobs"].values()  # the replacement, succeeded
     assert job["status"].get("succeeded") == 1

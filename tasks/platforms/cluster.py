@@ -24,7 +24,7 @@ import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 from prefect_kubernetes.credentials import KubernetesCredentials
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator
 
 from tasks.anf import AnfVolume
 from tasks.k8s.logs import LogCursor, LogFormatError, format_timestamp
@@ -38,8 +38,9 @@ from tasks.k8s.manifests import (
     render_pvc,
     render_snapshot,
 )
+from tasks.k8s.quantity import validate_size
 from tasks.launch import LOG_TAIL, JobOutput, parse_output_line, read_mpijob_failure
-from tasks.names import validate_name
+from tasks.names import validate_name, validate_subdomain
 from tasks.platforms.base import (
     EventSink,
     LogSink,
@@ -131,6 +132,30 @@ class ClusterPlatform(Platform):
     anf: AnfVolume | None = Field(None, description="the Azure NetApp Files volume behind the PVC, to change its "
                                                     "service level around training")
     _clients: _ClientCache = PrivateAttr(default_factory=lambda: _ClientCache())
+
+    # Checked when the block is made or loaded, not when a stage sends them: a typo found hours late costs
+    # the stages before it (the API server would refuse the PVC or the MPIJob only then).
+    @field_validator("volume_size", "shm_size")
+    @classmethod
+    def _sizes_are_quantities(cls, value: str, info: ValidationInfo) -> str:
+        return validate_size(value, info.field_name)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_is_a_label(cls, value: str) -> str:
+        return validate_name(value, "namespace")
+
+    @field_validator("storage_class", "snapshot_class", "service_account")
+    @classmethod
+    def _names_are_subdomains(cls, value: str, info: ValidationInfo) -> str:
+        return validate_subdomain(value, info.field_name)
+
+    @field_validator("runai_project")
+    @classmethod
+    def _project_makes_a_namespace(cls, value: str | None) -> str | None:
+        if value is not None:
+            validate_name(f"runai-{value}", "Run:ai project namespace")
+        return value
 
     # --- plumbing ------------------------------------------------------------------------------------
     def layout(self) -> ClusterLayout:

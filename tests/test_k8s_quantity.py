@@ -1,0 +1,70 @@
+"""Kubernetes quantities and names in a cluster platform block are checked when the block is made, as the
+API server would check them when a stage sends them (issue 19, item 8)."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.k8s.quantity import InvalidQuantity, parse_quantity, validate_size
+from tasks.platforms import ClusterPlatform
+
+# The API server's own two steps, reimplemented from apimachinery pkg/api/resource/quantity.go
+# (``splitRE`` and ``ErrFormatWrong``) and suffix.go (the suffixes it knows), not from laneflow's grammar.
+_SPLIT = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
+_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "": 1, "n": Decimal("1e-9"),
+             "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "P": 10**15, "E": 10**18}
+
+
+def api_server_value(text: str) -> Decimal | None:
+    match = _SPLIT.match(text)
+    if match is None:
+        return None  # "quantities must match the regular expression ..."
+    number, suffix = match.groups()
+    if number.count(".") > 1 or number in (".", "+.", "-."):
+        return None  # "unable to parse numeric part of quantity"
+    if suffix in _SUFFIXES:
+        return Decimal(number) * Decimal(_SUFFIXES[suffix])
+    exponent = re.fullmatch(r"[eE]([+-]?[0-9]+)", suffix)
+    if exponent is None:
+        return None  # "unable to parse quantity's suffix"
+    return Decimal(number) * Decimal(10) ** int(exponent[1])
+
+
+@pytest.mark.parametrize("text", ["100Gi", "8Gi", "64Ki", "1.5Gi", "500M", "1e3", "2E6", "0.5", ".5", "5.", "+1k",
+                                  "-1", "250m", "3n", "7u", "1E", "8GB", "8 Gi", "Bogus_Value!", "1.2.3Gi", "Gi",
+                                  "", "8gi", "8KI", "1e", "1ee3", "0x10", "8Gu"])
+def test_quantities_are_accepted_and_valued_as_the_api_server_does(text: str) -> None:
+    expected = api_server_value(text)
+    if expected is None:
+        with pytest.raises(InvalidQuantity, match="is not a Kubernetes quantity"):
+            parse_quantity(text)
+    else:
+        assert parse_quantity(text) == expected
+
+
+def test_sizes_must_be_whole_positive_byte_counts() -> None:
+    assert validate_size("100Gi", "volume_size") == "100Gi"
+    for text, why in (("0", "more than 0"), ("-1Gi", "more than 0"), ("0.5", "fraction of a byte")):
+        with pytest.raises(InvalidQuantity, match=why):
+            validate_size(text, "volume_size")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("shm_size", "8GB", "shm_size '8GB' is not a Kubernetes quantity"),
+    ("volume_size", "100 Gi", "volume_size '100 Gi' is not a Kubernetes quantity"),
+    ("namespace", "Lanes", "namespace name 'Lanes' is not a DNS-1123 label"),
+    ("storage_class", "azure_netapp", "storage_class 'azure_netapp' is not a DNS-1123 subdomain"),
+    ("snapshot_class", "", "snapshot_class must be a non-empty string"),
+    ("service_account", "Training", "service_account 'Training' is not a DNS-1123 subdomain"),
+    ("runai_project", "p" * 60, "has 66 characters; at most 63"),
+])
+def test_a_cluster_platform_block_with_a_typo_is_refused_when_it_is_made(field: str, value: str,
+                                                                         message: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        ClusterPlatform(**{field: value})
+    assert ClusterPlatform(shm_size="64Mi", volume_size="1.5Ti", storage_class="azure-netapp-files").shm_size == "64Mi"
