@@ -36,13 +36,17 @@ class PodNetwork:
 
     def __init__(self) -> None:
         tag = os.getpid() % 100_000
-        # 10.<100..199>.0.0/16 by process, so two sessions on one machine do not share a subnet.
-        self.subnet = ipaddress.ip_network(f"10.{100 + tag % 100}.0.0/16")
+        # A /24 of 198.18.0.0/15 (RFC 2544's benchmarking range, which no real network routes) per process,
+        # so two sessions on one machine do not share a subnet and this machine's own routes are untouched.
+        block = os.getpid() % 512
+        self.subnet = ipaddress.ip_network(f"198.{18 + block // 256}.{block % 256}.0/24")
         self.gateway = str(self.subnet.network_address + 1)
         self.bridge = f"lfbr{tag}"
         self.prefix = f"lf{tag}"
         self._hosts = itertools.count(2)
         self._names = itertools.count(1)
+        # A bridge of this name belongs to a dead process that had our PID (a session killed before exit).
+        _ip("link", "del", self.bridge, check=False)
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -59,7 +63,10 @@ class PodNetwork:
         """A new pod's network namespace, configured: (namespace name, pod IP)."""
         with self._lock:
             number = next(self._names)
-            address = str(self.subnet.network_address + next(self._hosts))
+            host = next(self._hosts)
+            if host >= self.subnet.num_addresses - 1:
+                raise RuntimeError(f"the emulated pod network {self.subnet} has no address left for another pod")
+            address = str(self.subnet.network_address + host)
         namespace, host_side, pod_side = f"{self.prefix}-{number}", f"{self.prefix}h{number}", f"{self.prefix}c{number}"
         _ip("netns", "add", namespace)
         _ip("link", "add", host_side, "type", "veth", "peer", "name", pod_side)
