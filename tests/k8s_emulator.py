@@ -845,6 +845,11 @@ def _bind_pvc(cluster: Cluster, pvc: dict) -> None:
             problem = f"snapshot {source['name']} not bound"
         elif not snapshot["status"].get("readyToUse"):
             problem = f"snapshot {source['name']} is not Ready"
+        elif quantity_bytes(str(pvc["spec"]["resources"]["requests"]["storage"])) < \
+                quantity_bytes(str(snapshot["status"]["restoreSize"])):
+            problem = (f"requested volume size {quantity_bytes(str(pvc['spec']['resources']['requests']['storage']))}"
+                       f" is less than the size {quantity_bytes(str(snapshot['status']['restoreSize']))} for the "
+                       f"source snapshot {source['name']}")
         if problem:
             _record_event(cluster, pvc, "Warning", "ProvisioningFailed", f"failed to provision volume with "
                           f"StorageClass \"{pvc['spec'].get('storageClassName')}\": error getting handle for "
@@ -1322,9 +1327,13 @@ def _snapshot(cluster: Cluster, snapshot: dict) -> None:
             return
         claim = snapshot["spec"]["source"]["persistentVolumeClaimName"]
         target = cluster.root / "snapshots" / namespace / name
-        shutil.copytree(cluster.claim_dir(namespace, claim), target, symlinks=True,
-                        ignore=shutil.ignore_patterns("cache"))
-        snapshot["status"] = {"readyToUse": True, "creationTime": _now(), "restoreSize": "1Gi",
+        shutil.copytree(cluster.claim_dir(namespace, claim), target, symlinks=True)  # the whole volume
+        # restoreSize: the size the CSI driver reports for the snapshot (CreateSnapshot's size_bytes); for a
+        # filesystem volume as ANF's, the source volume's size (external-snapshotter sets it from the driver).
+        pv = cluster.objects["persistentvolumes"][("", cluster.objects["persistentvolumeclaims"][(namespace, claim)]
+                                                   ["spec"]["volumeName"])]
+        snapshot["status"] = {"readyToUse": True, "creationTime": _now(),
+                              "restoreSize": pv["spec"]["capacity"]["storage"],
                               "boundVolumeSnapshotContentName": f"snapcontent-{snapshot['metadata']['uid']}"}
 
     _later(cluster, 0.05, attempt)

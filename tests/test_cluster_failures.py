@@ -64,3 +64,22 @@ def test_a_stage_past_its_deadline_deletes_its_job_and_is_not_retried(
             platform.prepare_dataset(volume, [Artifact(server.url(archive.name), sha256)], lambda _: None)
     assert not is_transient(caught.value)  # the task's retry policy does not run it again for as long
     assert cluster.count("jobs") == 0 and cluster.count("pods") == 0
+
+
+def test_a_restore_is_sized_from_its_snapshot_when_the_volume_was_grown(emulator: tuple) -> None:
+    """After README's advice to grow a full volume, the block's volume_size is smaller than the volume's
+    snapshots; the CSI provisioner refuses a claim smaller than a snapshot's restoreSize."""
+    emu, cluster = emulator
+    grown = cluster_platform(emu, volume_size="3Gi")
+    volume = grown.ensure_volume("data")
+    (cluster.claim_dir("lanes", "data") / "runs").mkdir()
+    (cluster.claim_dir("lanes", "data") / "runs" / "model.pt").write_bytes(b"weights")
+    snapshot = grown.wait_for_snapshot(grown.create_snapshot(volume, "data-train-0123456789ab", "datasets/x",
+                                                             "runs", {"run": "train-0123456789ab"}), timeout_s=60)
+    platform = cluster_platform(emu, volume_size="1Gi")  # the block as it was before the volume grew
+    restored = platform.restore_snapshot(snapshot.name, "restored")
+    platform.ensure_shared_access(restored)  # waits until the claim is bound
+    claim = cluster.objects["persistentvolumeclaims"][("lanes", "restored")]
+    assert claim["status"]["phase"] == "Bound" and claim["status"]["capacity"]["storage"] == "3Gi"
+    assert (cluster.claim_dir("lanes", "restored") / "runs" / "model.pt").read_bytes() == b"weights"
+    assert not [e for e in cluster.events_for("restored") if e["reason"] == "ProvisioningFailed"]

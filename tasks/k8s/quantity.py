@@ -51,3 +51,8 @@ def validate_size(text: str, what: str) -> str:
     if value != value.to_integral_value():
         raise InvalidQuantity(f"{what} {text!r} is a fraction of a byte: {HINT}")
     return text
+
+
+def larger_size(first: str, second: str) -> str:
+    """The larger of two quantities, as written (a restore asks for at least its snapshot's size)."""
+    return second if parse_quantity(second, "size") > parse_quantity(first, "size") else first

@@ -12,6 +12,7 @@ once naming the verb and resource the service account lacks.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import re
@@ -38,7 +39,7 @@ from tasks.k8s.manifests import (
     render_pvc,
     render_snapshot,
 )
-from tasks.k8s.quantity import validate_size
+from tasks.k8s.quantity import larger_size, validate_size
 from tasks.launch import LOG_TAIL, JobOutput, parse_output_line, read_mpijob_failure
 from tasks.names import validate_name, validate_subdomain
 from tasks.platforms.base import (
@@ -670,8 +671,16 @@ class ClusterPlatform(Platform):
         if self.snapshotter == "anf":
             raise ValueError(f"'{snapshot_name}' is an ANF snapshot: create a volume from it in Azure (or revert the "
                              "volume) and adopt that volume; laneflow restores CSI VolumeSnapshots only")
-        self.find_lineage(snapshot_name)  # KeyError naming it when it does not exist
-        body = render_pvc(volume_name, self.layout(), {**MANAGED_BY}, from_snapshot=snapshot_name)
+        snapshot = self._read_snapshot(snapshot_name)  # KeyError naming it when it does not exist
+        restore_size = (snapshot.get("status") or {}).get("restoreSize")
+        if restore_size is None:
+            raise RuntimeError(f"VolumeSnapshot {self._ns()}/{snapshot_name} is not ready to use yet (no restoreSize):"
+                               " wait until its readyToUse is true, then restore again")
+        # The CSI provisioner refuses a claim smaller than the snapshot: a volume grown after the block's
+        # volume_size was set is restored at its own size.
+        size = larger_size(self.volume_size, str(restore_size))
+        body = render_pvc(volume_name, dataclasses.replace(self.layout(), volume_size=size), {**MANAGED_BY},
+                          from_snapshot=snapshot_name)
 
         def restored_from_it(claim: Any) -> bool:
             source = claim.spec.data_source
@@ -691,16 +700,18 @@ class ClusterPlatform(Platform):
                 raise KeyError(f"no ANF snapshot named '{name}' of volume '{self._anf().volume}'")
             volume = VolumeRef(name=match["volume"], location=f"{self._ns()}/{match['volume']}")
             return json.loads(self.read_file(volume, f"runs/{match['run']}/lineage.json"))
+        return _snapshot_ref(self._read_snapshot(name)).lineage
+
+    def _read_snapshot(self, name: str) -> dict[str, Any]:
         _, _, custom = self._apis()
         group, version, plural = SNAPSHOTS
         try:
-            found = self._call("get", "volumesnapshots", custom.get_namespaced_custom_object, group, version,
-                               self._ns(), plural, name)
+            return self._call("get", "volumesnapshots", custom.get_namespaced_custom_object, group, version,
+                              self._ns(), plural, name)
         except ApiException as exc:
             if exc.status == 404:
                 raise KeyError(f"no VolumeSnapshot named '{name}' in namespace '{self._ns()}'") from None
             raise
-        return _snapshot_ref(found).lineage
 
     # --- service level -------------------------------------------------------------------------------
     def current_service_level(self, volume: VolumeRef) -> str | None:
