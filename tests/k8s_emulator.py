@@ -80,6 +80,9 @@ from tests.cluster.runtime import start as start_container
 from tests.k8s_schemas import Rejection, apply_crd_defaults, check, invalid, not_supported, required
 from tests.leaks import MARKER as SESSION_MARKER
 
+#: The emulated cluster's one node.
+NODE_NAME = "emulated-node"
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # resource -> (group, version, kind, namespaced)
@@ -158,6 +161,11 @@ class Cluster:
     initial_pv_modes: list[str] = field(default_factory=lambda: ["ReadWriteOnce"])
     #: How long a pod's image takes to pull before its container starts.
     image_pull_s: float = 0.2
+    #: After a failed pull, when the kubelet reports ImagePullBackOff (10 s upstream).
+    image_pull_backoff_s: float = 1.0
+    #: The one node's allocatable resources (bytes, milli-CPU, counts), what the scheduler fits pods into.
+    node_capacity: dict[str, int] = field(default_factory=lambda: {
+        "cpu": 64_000, "memory": 256 * 2**30, "ephemeral-storage": 2**40, "nvidia.com/gpu": 8})
     #: The kubelet's containerLogMaxSize (10 MiB by default upstream).
     log_max_bytes: int = 10 * 1024 * 1024
     #: Cut every follow stream after this many lines (a dropped connection), when set.
@@ -688,12 +696,24 @@ def _start_container(cluster: Cluster, pod: dict, on_exit: Callable[[int], None]
     container status. An image nobody builds fails to pull (ErrImagePull, a Warning event)."""
     namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
     container = pod["spec"]["containers"][0]
+    if not _schedule(cluster, pod):
+        return
     image = cluster.images.pull(container.get("image", ""))
     if image is None:
-        message = (f'Failed to pull image "{container.get("image")}": rpc error: code = NotFound desc = failed to '
-                   f'pull and unpack image "{container.get("image")}": not found')
+        # kubelet pkg/kubelet/images/image_manager.go: a failed pull is ErrImagePull with a Failed event, and
+        # the next tries ImagePullBackOff with BackOff events (back-off from 10 s upstream; shortened here).
+        reference = container.get("image")
+        message = (f'Failed to pull image "{reference}": rpc error: code = NotFound desc = failed to '
+                   f'pull and unpack image "{reference}": not found')
         _set_container_state(pod, {"waiting": {"reason": "ErrImagePull", "message": message}}, ready=False)
         _record_event(cluster, pod, "Warning", "Failed", message, "kubelet")
+
+        def back_off() -> None:
+            if cluster.objects["pods"].get((namespace, name)) is pod:
+                waiting = f'Back-off pulling image "{reference}"'
+                _set_container_state(pod, {"waiting": {"reason": "ImagePullBackOff", "message": waiting}}, False)
+                _record_event(cluster, pod, "Normal", "BackOff", waiting, "kubelet")
+        _later(cluster, cluster.image_pull_backoff_s, back_off)
         return
     netns, ip = _pod_network(cluster, namespace, name)
     hostname = pod["spec"].get("hostname") or name
@@ -736,6 +756,50 @@ def _start_container(cluster: Cluster, pod: dict, on_exit: Callable[[int], None]
 
     running = start_container(spec, folder / instance, netns, grace, line, exited)
     cluster.containers[(namespace, name)] = running
+
+
+def _requests(pod: dict) -> dict[str, int]:
+    """What a pod asks of its node (milli-CPU, bytes, counts): requests, with limits standing in where only
+    limits are set (the API server's defaulting does this, and extended resources such as GPUs are given
+    as limits)."""
+    total: dict[str, int] = defaultdict(int)
+    for container in pod["spec"].get("containers") or []:
+        resources = container.get("resources") or {}
+        for resource, quantity in {**(resources.get("limits") or {}), **(resources.get("requests") or {})}.items():
+            text = str(quantity)
+            if resource == "cpu":
+                total[resource] += int(text[:-1]) if text.endswith("m") else int(float(text) * 1000)
+            else:
+                total[resource] += quantity_bytes(text)
+    return total
+
+
+def _schedule(cluster: Cluster, pod: dict) -> bool:
+    """kube-scheduler's fit check against the one node: a pod whose requests do not fit beside the pods
+    bound there stays Pending, PodScheduled=False/Unschedulable, with a FailedScheduling event worded as
+    the scheduler words it (pkg/scheduler ``FitError.Error``: "0/1 nodes are available: 1 Insufficient
+    <resource>. preemption: ..."); one that fits is bound (``spec.nodeName``). Not retried when room frees
+    up (no test needs the second chance)."""
+    if pod["spec"].get("nodeName"):
+        return True
+    used: dict[str, int] = defaultdict(int)
+    for other in cluster.objects["pods"].values():
+        if other is not pod and other["spec"].get("nodeName") and \
+                other["status"].get("phase") not in ("Succeeded", "Failed"):
+            for resource, amount in _requests(other).items():
+                used[resource] += amount
+    short = sorted(resource for resource, amount in _requests(pod).items()
+                   if used[resource] + amount > cluster.node_capacity.get(resource, 0))
+    if not short:
+        pod["spec"]["nodeName"] = NODE_NAME
+        return True
+    message = ("0/1 nodes are available: " + ", ".join(f"1 Insufficient {resource}" for resource in short)
+               + ". preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod.")
+    pod["status"].update({"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+         "lastTransitionTime": _now()}]})
+    _record_event(cluster, pod, "Warning", "FailedScheduling", message, "default-scheduler")
+    return False
 
 
 def _set_container_state(pod: dict, state: dict, ready: bool, restarts: int | None = None) -> None:

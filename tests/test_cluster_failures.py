@@ -4,18 +4,20 @@ started and is not retried."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tasks.platforms import StageDeadlineExceeded
+from tasks.k8s.diagnose import PodProblem, ProblemClock, pod_problems
+from tasks.platforms import PodsNotRunning, StageDeadlineExceeded
 from tasks.retry import is_transient
 from tests.cluster.network import node_address
 from tests.cluster.runtime import pod_runtime_missing
 from tests.http_server import Fault, RunningServer
 from tests.k8s_emulator import Cluster, KubernetesEmulator
-from tests.test_cluster_platform import cluster_platform
+from tests.test_cluster_platform import cluster_platform, spec_for
 from training.data.sources import Artifact
 
 
@@ -83,3 +85,66 @@ def test_a_restore_is_sized_from_its_snapshot_when_the_volume_was_grown(emulator
     assert claim["status"]["phase"] == "Bound" and claim["status"]["capacity"]["storage"] == "3Gi"
     assert (cluster.claim_dir("lanes", "restored") / "runs" / "model.pt").read_bytes() == b"weights"
     assert not [e for e in cluster.events_for("restored") if e["reason"] == "ProvisioningFailed"]
+
+
+def test_an_image_that_cannot_be_pulled_fails_the_stage_within_the_grace_period_naming_it(
+        emulator: tuple, served_archive: tuple[str, str]) -> None:
+    emu, cluster = emulator
+    platform = cluster_platform(emu, pod_problem_grace_s=3)
+    platform = platform.model_copy(update={"data_image": "registry.example.org/laneflow-data:typo"})
+    volume = platform.ensure_volume("data")
+    logs: list[str] = []
+    with pytest.raises(PodsNotRunning) as caught:
+        platform.prepare_dataset(volume, [Artifact(*served_archive)], logs.append)
+    message = str(caught.value)
+    assert re.search(r"pod prepare-data-[0-9a-f]{16}-\w+ is not running \((ErrImagePull|ImagePullBackOff): ", message)
+    assert "registry.example.org/laneflow-data:typo" in message and "data_image" in message
+    assert any("the stage fails if it lasts 3 s" in line for line in logs)  # said at once, before failing
+    assert not is_transient(caught.value)
+    assert cluster.count("jobs") == 0 and cluster.count("pods") == 0  # nothing left pulling
+
+
+def test_workers_no_node_can_hold_fail_training_naming_the_missing_resource(emulator: tuple) -> None:
+    emu, cluster = emulator
+    platform = cluster_platform(emu, pod_problem_grace_s=2, gpus_per_worker=16)  # the node has 8
+    volume = platform.ensure_volume("data")
+    handle = platform.submit_training(spec_for(volume.name, workers=16))  # one worker pod of 16 GPUs
+    with pytest.raises(PodsNotRunning, match=r"Unschedulable: 0/1 nodes are available: 1 Insufficient "
+                                             r"nvidia\.com/gpu\..*lower gpus_per_worker") as caught:
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
+    assert "train-0123456789ab-worker-" in str(caught.value)
+    assert cluster.count("mpijobs") == 0 and cluster.count("pods") == 0
+    scheduling = [e for e in cluster.objects["events"].values() if e["reason"] == "FailedScheduling"]
+    assert scheduling and all(e["source"]["component"] == "default-scheduler" for e in scheduling)
+
+
+def _pod(name: str, *, phase: str = "Pending", waiting: str | None = None, unschedulable: bool = False) -> dict:
+    status: dict = {"phase": phase}
+    if waiting:
+        status["containerStatuses"] = [{"name": "main", "state": {"waiting": {"reason": waiting, "message": "m"}}}]
+    if unschedulable:
+        status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                 "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]
+    return {"metadata": {"name": name}, "status": status}
+
+
+def test_pod_problems_are_read_from_waiting_reasons_and_the_scheduling_condition() -> None:
+    pods = [_pod("a", waiting="ContainerCreating"), _pod("b", waiting="ImagePullBackOff"),
+            _pod("c", unschedulable=True), _pod("d", phase="Failed", waiting="CrashLoopBackOff"),
+            _pod("e", unschedulable=True)]
+    scale_up = {"reason": "TriggeredScaleUp", "involvedObject": {"kind": "Pod", "name": "e"}}
+    problems = pod_problems(pods, [scale_up])
+    assert [(p.pod, p.reason, p.scaling_up) for p in problems] == [
+        ("b", "ImagePullBackOff", False), ("c", "Unschedulable", False), ("e", "Unschedulable", True)]
+    assert "data_image for the dataset stage" in problems[0].describe() and "gpus_per_worker" in problems[1].describe()
+
+
+def test_a_problem_fails_only_after_its_grace_and_one_that_clears_starts_over() -> None:
+    clock = ProblemClock(grace_s=60, scale_up_grace_s=900, first_seen={})
+    pulling, scaling = PodProblem("a", "ErrImagePull", ""), PodProblem("b", "Unschedulable", "", scaling_up=True)
+    assert clock.overdue([pulling, scaling], now=0.0) == ([pulling, scaling], [])
+    assert clock.overdue([pulling, scaling], now=59.0) == ([], [])
+    assert clock.overdue([pulling, scaling], now=60.0) == ([], [pulling])  # the autoscaler gets longer
+    assert clock.overdue([scaling], now=100.0) == ([], [])  # the pull succeeded: forgotten
+    assert clock.overdue([pulling, scaling], now=101.0) == ([pulling], [])  # failing again: a new clock
+    assert clock.overdue([pulling, scaling], now=900.0)[1] == [pulling, scaling]

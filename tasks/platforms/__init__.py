@@ -6,6 +6,7 @@ from prefect.blocks.core import Block
 
 from tasks.platforms.base import (
     Platform,
+    PodsNotRunning,
     SnapshotRef,
     StageDeadlineExceeded,
     TrainingFailed,
@@ -24,7 +25,8 @@ DEFAULT_PLATFORM = "local"
 PLATFORM_TYPES: list[type[Platform]] = [LocalPlatform, ClusterPlatform]
 
 __all__ = [
-    "DEFAULT_PLATFORM", "PLATFORM_TYPES", "ClusterPlatform", "LocalPlatform", "Platform", "SnapshotRef",
+    "DEFAULT_PLATFORM", "PLATFORM_TYPES", "ClusterPlatform", "LocalPlatform", "Platform", "PodsNotRunning",
+    "SnapshotRef",
     "StageDeadlineExceeded", "TrainingFailed", "TrainingHandle", "TrainingInterrupted", "TrainingOutcome",
     "TrainingSpec",
     "TransientPlatformError", "VolumeRef", "load_platform",

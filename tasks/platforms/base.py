@@ -36,6 +36,11 @@ class StageDeadlineExceeded(RuntimeError):
     stopped what the stage had started before raising."""
 
 
+class PodsNotRunning(RuntimeError):
+    """A stage's pods cannot run (image, scheduling, configuration) and did not recover within the grace
+    period. Not retried: the cause is in the cluster or the platform block; the message says what to fix."""
+
+
 class TrainingFailed(RuntimeError):
     """The training job failed for a reason a retry will not fix; carries the job's log tail."""
 

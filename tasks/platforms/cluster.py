@@ -28,6 +28,7 @@ from prefect_kubernetes.credentials import KubernetesCredentials
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator
 
 from tasks.anf import AnfVolume
+from tasks.k8s.diagnose import ProblemClock, pod_problems
 from tasks.k8s.logs import LogCursor, LogFormatError, format_timestamp
 from tasks.k8s.manifests import (
     MANAGED_BY,
@@ -46,6 +47,7 @@ from tasks.platforms.base import (
     EventSink,
     LogSink,
     Platform,
+    PodsNotRunning,
     SnapshotRef,
     StageDeadlineExceeded,
     TrainingFailed,
@@ -122,6 +124,10 @@ class ClusterPlatform(Platform):
     service_account: str = Field("laneflow-training", description="service account of the job pods")
     runai_project: str | None = Field(None, description="schedule with Run:ai in namespace runai-<project>")
     poll_interval_s: float = Field(5.0, gt=0, description="how often job state and logs are read")
+    pod_problem_grace_s: float = Field(60.0, ge=0, description="how long a stage's pod may stay unable to run (image "
+                                       "pull, scheduling, configuration) before the stage fails naming why")
+    scale_up_grace_s: float = Field(900.0, ge=0, description="the same while a cluster autoscaler adds a node for "
+                                                             "the pod (its TriggeredScaleUp event)")
     prepare_deadline_s: float = Field(12 * 3600, gt=0, description="the dataset stage's deadline: past it the "
                                                                    "prepare Job is deleted and the stage fails")
     api_attempts: int = Field(6, ge=1, description="tries per API call on 429/5xx/connection errors")
@@ -293,11 +299,18 @@ class ClusterPlatform(Platform):
             log(line)
 
         deadline = time.monotonic() + timeout_s
+        clock = self._problem_clock()
         try:
             while True:
                 job = self._call("get", "jobs", batch.read_namespaced_job, name, self._ns())
                 status = job.status
                 finished = bool(status and (status.succeeded or status.failed))
+                if not finished:
+                    try:
+                        self._check_pods(core, f"job-name={name}", clock, log)
+                    except PodsNotRunning:
+                        delete_after = True  # nothing it started will run: leave nothing waiting
+                        raise
                 streamed = self._follow_log(core, f"job-name={name}", cursor, collect, deadline)
                 if finished:
                     if status.succeeded:
@@ -471,6 +484,7 @@ class ClusterPlatform(Platform):
         output = JobOutput(on_event, on_log)
         warnings_seen: set[str] = set()
         cursor = LogCursor()
+        clock = self._problem_clock()
 
         try:
             while True:
@@ -479,6 +493,8 @@ class ClusterPlatform(Platform):
                 state = _mpijob_state(job)
                 if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
                     self._check_warnings(core, job, warnings_seen, on_log)
+                if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
+                    self._check_pods(core, f"training.kubeflow.org/job-name={name}", clock, output.feed)
                 streamed = self._follow_log(core, selector, cursor, output.feed, deadline)
                 if state == "succeeded":
                     events = output.events
@@ -525,6 +541,29 @@ class ClusterPlatform(Platform):
             if key not in seen:
                 seen.add(key)
                 on_log(f"warning from the MPI operator: {key}")
+
+    def _problem_clock(self) -> ProblemClock:
+        return ProblemClock(self.pod_problem_grace_s, self.scale_up_grace_s, {})
+
+    def _check_pods(self, core: kubernetes.client.CoreV1Api, selector: str, clock: ProblemClock,
+                    log: LogSink) -> None:
+        """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace."""
+        pods = [core.api_client.sanitize_for_serialization(pod) for pod in
+                self._call("list", "pods", core.list_namespaced_pod, self._ns(), label_selector=selector).items]
+        problems = pod_problems(pods, [])
+        if any(problem.reason == "Unschedulable" for problem in problems):  # is an autoscaler adding a node?
+            events = self._call("list", "events", core.list_namespaced_event, self._ns(),
+                                field_selector="involvedObject.kind=Pod,reason=TriggeredScaleUp").items
+            problems = pod_problems(pods, [core.api_client.sanitize_for_serialization(e) for e in events])
+        new, late = clock.overdue(problems, time.monotonic())
+        for problem in new:
+            grace = clock.grace_for(problem)
+            log(f"laneflow: {problem.describe()}"
+                + ("; a cluster autoscaler is adding a node for it" if problem.scaling_up else "")
+                + f"; the stage fails if it lasts {grace:.0f} s")
+        if late:
+            raise PodsNotRunning(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late)
+                                 + " (the stage's Job was deleted)")
 
     def _pod_reasons(self, core: kubernetes.client.CoreV1Api, name: str) -> str:
         pods = self._call("list", "pods", core.list_namespaced_pod, self._ns(),

@@ -239,7 +239,7 @@ def container_env(image: ImageConfig, container: dict, pod: dict, hostname: str,
     env = dict(image.env)
     env["HOSTNAME"] = hostname
     fields = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
-              "status.podIP": ip, "spec.nodeName": "emulated-node",
+              "status.podIP": ip, "spec.nodeName": pod["spec"].get("nodeName", ""),
               "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default")}
     for item in container.get("env") or []:
         if "valueFrom" in item:

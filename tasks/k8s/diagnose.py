@@ -1,0 +1,98 @@
+"""Why a stage's pods are not running, read from their status as the kubelet and scheduler report it (pure).
+
+A pod that cannot pull its image, cannot be scheduled or cannot be configured never writes a log line
+and its Job or MPIJob never fails: without reading the pods the stage would wait until its deadline,
+hours later. Each problem below is what a user meets first on a new cluster, with what to do about it.
+
+Sources: container waiting reasons from the kubelet (``pkg/kubelet/images/types.go``: ``ErrImagePull``,
+``ImagePullBackOff``, ``InvalidImageName``; ``pkg/kubelet/kuberuntime``: ``CreateContainerConfigError``,
+``CrashLoopBackOff``), the ``PodScheduled=False`` condition with reason ``Unschedulable`` that
+kube-scheduler sets, and the cluster autoscaler's ``TriggeredScaleUp`` event on a pod it is adding a
+node for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+IMAGE = ("check the image reference in the platform block (image for training and evaluation, data_image for "
+         "the dataset stage): its registry, name and tag, that it was pushed there, and that the nodes may pull "
+         "it (imagePullSecrets of the service account)")
+ADVICE = {
+    "ErrImagePull": IMAGE,
+    "ImagePullBackOff": IMAGE,
+    "InvalidImageName": "the image reference is not valid: fix image / data_image in the platform block",
+    "CreateContainerConfigError": "a Secret or ConfigMap the pod refers to, or one of its keys, is missing: "
+                                  "create it in the namespace",
+    "CrashLoopBackOff": "the container keeps exiting right after it starts: its log says why",
+    "Unschedulable": "no node has what the pod asks for: lower gpus_per_worker or workers, or add nodes with "
+                     "those resources (a cluster autoscaler needs a node pool that has them)",
+}
+#: Waiting reasons that are part of a normal start.
+STARTING = {"ContainerCreating", "PodInitializing"}
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    """One pod that cannot run, and why."""
+
+    pod: str
+    reason: str
+    message: str
+    #: The cluster autoscaler is adding a node for it: worth waiting longer.
+    scaling_up: bool = False
+
+    @property
+    def advice(self) -> str:
+        return ADVICE.get(self.reason, "see kubectl describe pod for the events")
+
+    def describe(self) -> str:
+        message = f": {self.message}" if self.message else ""
+        return f"pod {self.pod} is not running ({self.reason}{message}); {self.advice}"
+
+
+def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[PodProblem]:
+    """The problems of ``pods`` (API dicts, camelCase), given the namespace's recent ``events``."""
+    scaling = {e["involvedObject"]["name"] for e in events
+               if e.get("reason") == "TriggeredScaleUp" and (e.get("involvedObject") or {}).get("kind") == "Pod"}
+    found = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        if status.get("phase") in ("Succeeded", "Failed"):
+            continue  # finished: the Job or MPIJob reports it
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False" and \
+                    condition.get("reason") == "Unschedulable":
+                found.append(PodProblem(name, "Unschedulable", condition.get("message", ""), name in scaling))
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting")
+            if waiting and waiting.get("reason") and waiting["reason"] not in STARTING:
+                found.append(PodProblem(name, waiting["reason"], waiting.get("message", "")))
+    return found
+
+
+@dataclass
+class ProblemClock:
+    """When each problem was first seen, so one that lasts past a grace period fails the stage and one that
+    clears (an image pull that succeeds on retry, a node the autoscaler added) does not."""
+
+    grace_s: float
+    scale_up_grace_s: float
+    first_seen: dict[tuple[str, str], float]
+
+    def grace_for(self, problem: PodProblem) -> float:
+        return self.scale_up_grace_s if problem.scaling_up else self.grace_s
+
+    def overdue(self, problems: list[PodProblem], now: float) -> tuple[list[PodProblem], list[PodProblem]]:
+        """(new problems to report, problems past their grace period)."""
+        current = {(p.pod, p.reason) for p in problems}
+        for key in list(self.first_seen):
+            if key not in current:
+                del self.first_seen[key]
+        new = [p for p in problems if (p.pod, p.reason) not in self.first_seen]
+        for problem in new:
+            self.first_seen[(problem.pod, problem.reason)] = now
+        late = [p for p in problems if now - self.first_seen[(p.pod, p.reason)] >= self.grace_for(p)]
+        return new, late
