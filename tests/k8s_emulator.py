@@ -186,6 +186,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
+        for namespace in ("default", "kube-system", "kube-public"):  # what every cluster has
+            self.add_namespace(namespace)
         # What an administrator applied before laneflow ran (deployments/base): the ANF classes.
         self.objects["storageclasses"][("", STORAGE_CLASS)] = {
             "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": STORAGE_CLASS},
@@ -195,6 +197,11 @@ class Cluster:
             "metadata": {"name": SNAPSHOT_CLASS}, "driver": "csi.trident.netapp.io", "deletionPolicy": "Retain"}
 
     # --- for tests ----------------------------------------------------------------------------------
+    def add_namespace(self, name: str) -> None:
+        """A namespace an administrator created (``kubectl create namespace``)."""
+        self.objects["namespaces"][("", name)] = {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}, "status": {"phase": "Active"}}
+
     def claim_dir(self, namespace: str, claim: str) -> Path:
         pvc = self.objects["persistentvolumeclaims"][(namespace, claim)]
         return self.root / "pv" / pvc["spec"]["volumeName"]
@@ -461,6 +468,11 @@ class _Handler(BaseHTTPRequestHandler):
                                                                       f"({obj['apiVersion']}) does not match the "
                                                                       f"expected kind {kind}"))
             obj_key = (namespace or "", obj["metadata"]["name"])
+            if namespaced and ("", namespace) not in cluster.objects["namespaces"]:
+                # apiserver's NamespaceLifecycle admission plugin (plugin/pkg/admission/namespace/lifecycle):
+                # creating in a namespace that does not exist is NotFound, naming the namespace.
+                return 404, _status_body(404, "NotFound", f'namespaces "{namespace}" not found',
+                                         details={"name": namespace, "kind": "namespaces"}), []
             if obj_key in store:
                 return 409, _status_body(409, "AlreadyExists", f'{resource}{"." + group if group else ""} '
                                                                f'"{obj_key[1]}" already exists',
@@ -1434,8 +1446,10 @@ class _Server(ThreadingHTTPServer):
 class KubernetesEmulator:
     """``with KubernetesEmulator(tmp) as cluster: ...``; ``cluster.url`` is the API server address."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, namespaces: tuple[str, ...] = ("lanes",)) -> None:
         self.cluster = Cluster(root=root)
+        for namespace in namespaces:  # created by an administrator before laneflow runs
+            self.cluster.add_namespace(namespace)
         handler = type("Handler", (_Handler,), {"cluster": self.cluster})
         self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

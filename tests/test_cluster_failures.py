@@ -12,6 +12,7 @@ import pytest
 
 from tasks.k8s.diagnose import PodProblem, ProblemClock, pod_problems
 from tasks.platforms import PodsNotRunning, StageDeadlineExceeded
+from tasks.platforms.cluster import NamespaceNotFound
 from tasks.retry import is_transient
 from tests.cluster.network import node_address
 from tests.cluster.runtime import pod_runtime_missing
@@ -148,3 +149,12 @@ def test_a_problem_fails_only_after_its_grace_and_one_that_clears_starts_over() 
     assert clock.overdue([scaling], now=100.0) == ([], [])  # the pull succeeded: forgotten
     assert clock.overdue([pulling, scaling], now=101.0) == ([pulling], [])  # failing again: a new clock
     assert clock.overdue([pulling, scaling], now=900.0)[1] == [pulling, scaling]
+
+
+def test_a_namespace_that_does_not_exist_is_named_with_the_manifests_that_create_it(emulator: tuple) -> None:
+    emu, cluster = emulator
+    platform = cluster_platform(emu, namespace="perception")
+    with pytest.raises(NamespaceNotFound, match=r"namespace 'perception' does not exist .*deployments/base"
+                                                r".*deployments/runai"):
+        platform.ensure_volume("data")
+    assert cluster.count("persistentvolumeclaims") == 0

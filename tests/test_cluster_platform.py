@@ -196,6 +196,7 @@ def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
         prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], emulator: tuple) -> None:
     emu, cluster = emulator
     cluster.load(rendered("base"))
+    cluster.add_namespace("runai-perception")  # Run:ai makes the project's namespace with the project
     name = saved(emu, "emu-runai", namespace="laneflow", runai_project="perception")
     # deployments/base alone grants nothing in the project's namespace: the first call is refused.
     with pytest.raises(PermissionError, match="may not 'get' persistentvolumeclaims in namespace 'runai-perception'"):

@@ -210,6 +210,13 @@ class ClusterPlatform(Platform):
                         f"the service account may not '{verb}' {resource} in namespace '{self._ns()}'; grant it "
                         f"(deployments/base/rbac.yaml lists every permission laneflow needs): {_message(exc)}"
                     ) from None
+                if exc.status == 404 and (missing := _missing_namespace(exc)) is not None:
+                    raise NamespaceNotFound(
+                        f"namespace '{missing}' does not exist on this cluster, so laneflow cannot create "
+                        f"{resource} there. `kubectl apply -k deployments/base` creates namespace laneflow (the "
+                        "block's default); a Run:ai project's namespace runai-<project> comes with the project, "
+                        "and `kubectl apply -k deployments/runai` prepares it for laneflow; or set the block's "
+                        "namespace to one that exists") from None
                 if exc.status != 429 and exc.status < 500:
                     raise
                 wait = _retry_after(exc) or delay
@@ -764,6 +771,22 @@ class ClusterPlatform(Platform):
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+
+class NamespaceNotFound(LookupError):
+    """The block's namespace does not exist (the NamespaceLifecycle admission plugin's 404 on create)."""
+
+
+def _missing_namespace(exc: ApiException) -> str | None:
+    """The namespace a 404 says does not exist (``namespaces "x" not found``), or None for any other 404."""
+    try:
+        status = json.loads(exc.body or "{}")
+    except (TypeError, ValueError):
+        return None
+    details = status.get("details") or {}
+    if details.get("kind") == "namespaces" and details.get("name"):
+        return str(details["name"])
+    return None
+
 
 def _stays_on(volume: VolumeRef, relative_path: str) -> None:
     if relative_path.startswith("/") or ".." in relative_path.split("/"):
