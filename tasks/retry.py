@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect.tasks import exponential_backoff
 
-from tasks.platforms.base import PodsNotRunning, StageDeadlineExceeded, TrainingFailed, TransientPlatformError
+from tasks.platforms.base import StageBlocked, StageDeadlineExceeded, TrainingFailed, TransientPlatformError
 from training.data.fetch import TransientFetchError
 
 
@@ -31,7 +31,7 @@ def _status(exc: BaseException) -> int | None:
 
 def is_transient(exc: BaseException | None) -> bool:
     """True when the same call may succeed if made again later."""
-    if exc is None or isinstance(exc, TrainingFailed | StageDeadlineExceeded | PodsNotRunning | ValueError
+    if exc is None or isinstance(exc, TrainingFailed | StageDeadlineExceeded | StageBlocked | ValueError
                                   | PermissionError | FileNotFoundError):
         return False
     if isinstance(exc, TransientPlatformError | TransientFetchError | ConnectionError | TimeoutError

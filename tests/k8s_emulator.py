@@ -912,6 +912,13 @@ def _delete(cluster: Cluster, resource: str, obj: dict) -> None:
 def _bind_pvc(cluster: Cluster, pvc: dict) -> None:
     namespace, name = pvc["metadata"]["namespace"], pvc["metadata"]["name"]
     pvc["status"] = {"phase": "Pending"}
+    storage_class = pvc["spec"].get("storageClassName")
+    if storage_class and ("", storage_class) not in cluster.objects["storageclasses"]:
+        # kube-controller-manager's PV controller (pkg/controller/volume/persistentvolume/pv_controller.go
+        # provisionClaimOperation -> findProvisionablePlugin): the class lister's NotFound, as a Warning.
+        _record_event(cluster, pvc, "Warning", "ProvisioningFailed",
+                      f'storageclass.storage.k8s.io "{storage_class}" not found', "persistentvolume-controller")
+        return
     source = pvc["spec"].get("dataSource")
     if source and source.get("kind") == "VolumeSnapshot":
         # external-provisioner getSnapshotSource: same namespace, bound and readyToUse, big enough.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tasks.k8s.diagnose import PodProblem, ProblemClock, pod_problems
-from tasks.platforms import PodsNotRunning, StageDeadlineExceeded
+from tasks.platforms import StageBlocked, StageDeadlineExceeded
 from tasks.platforms.cluster import NamespaceNotFound
 from tasks.retry import is_transient
 from tests.cluster.network import node_address
@@ -95,7 +95,7 @@ def test_an_image_that_cannot_be_pulled_fails_the_stage_within_the_grace_period_
     platform = platform.model_copy(update={"data_image": "registry.example.org/laneflow-data:typo"})
     volume = platform.ensure_volume("data")
     logs: list[str] = []
-    with pytest.raises(PodsNotRunning) as caught:
+    with pytest.raises(StageBlocked) as caught:
         platform.prepare_dataset(volume, [Artifact(*served_archive)], logs.append)
     message = str(caught.value)
     assert re.search(r"pod prepare-data-[0-9a-f]{16}-\w+ is not running \((ErrImagePull|ImagePullBackOff): ", message)
@@ -110,7 +110,7 @@ def test_workers_no_node_can_hold_fail_training_naming_the_missing_resource(emul
     platform = cluster_platform(emu, pod_problem_grace_s=2, gpus_per_worker=16)  # the node has 8
     volume = platform.ensure_volume("data")
     handle = platform.submit_training(spec_for(volume.name, workers=16))  # one worker pod of 16 GPUs
-    with pytest.raises(PodsNotRunning, match=r"Unschedulable: 0/1 nodes are available: 1 Insufficient "
+    with pytest.raises(StageBlocked, match=r"Unschedulable: 0/1 nodes are available: 1 Insufficient "
                                              r"nvidia\.com/gpu\..*lower gpus_per_worker") as caught:
         platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
     assert "train-0123456789ab-worker-" in str(caught.value)
@@ -158,3 +158,14 @@ def test_a_namespace_that_does_not_exist_is_named_with_the_manifests_that_create
                                                 r".*deployments/runai"):
         platform.ensure_volume("data")
     assert cluster.count("persistentvolumeclaims") == 0
+
+
+def test_a_storage_class_that_does_not_exist_fails_the_volume_stage_naming_it(emulator: tuple) -> None:
+    emu, cluster = emulator
+    platform = cluster_platform(emu, storage_class="premium-anf", pod_problem_grace_s=1)
+    volume = platform.ensure_volume("data")
+    with pytest.raises(StageBlocked, match=r'persistentvolumeclaim data is not bound \(ProvisioningFailed: '
+                                           r'storageclass\.storage\.k8s\.io "premium-anf" not found\); '
+                                           r'.*storage_class'):
+        platform.ensure_shared_access(volume)
+    assert cluster.objects["persistentvolumeclaims"][("lanes", "data")]["status"]["phase"] == "Pending"

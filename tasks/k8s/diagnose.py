@@ -26,6 +26,9 @@ ADVICE = {
     "CreateContainerConfigError": "a Secret or ConfigMap the pod refers to, or one of its keys, is missing: "
                                   "create it in the namespace",
     "CrashLoopBackOff": "the container keeps exiting right after it starts: its log says why",
+    "ProvisioningFailed": "the storage class cannot provision the claim: check storage_class in the platform block "
+                          "(kubectl get storageclass; deployments/base/storageclass-anf.yaml is an example) and "
+                          "the CSI provisioner's log",
     "Unschedulable": "no node has what the pod asks for: lower gpus_per_worker or workers, or add nodes with "
                      "those resources (a cluster autoscaler needs a node pool that has them)",
 }
@@ -42,6 +45,7 @@ class PodProblem:
     message: str
     #: The cluster autoscaler is adding a node for it: worth waiting longer.
     scaling_up: bool = False
+    kind: str = "pod"
 
     @property
     def advice(self) -> str:
@@ -49,7 +53,8 @@ class PodProblem:
 
     def describe(self) -> str:
         message = f": {self.message}" if self.message else ""
-        return f"pod {self.pod} is not running ({self.reason}{message}); {self.advice}"
+        state = "is not bound" if self.kind == "persistentvolumeclaim" else "is not running"
+        return f"{self.kind} {self.pod} {state} ({self.reason}{message}); {self.advice}"
 
 
 def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[PodProblem]:
@@ -71,6 +76,17 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> li
             if waiting and waiting.get("reason") and waiting["reason"] not in STARTING:
                 found.append(PodProblem(name, waiting["reason"], waiting.get("message", "")))
     return found
+
+
+def claim_problems(claim: str, events: list[dict[str, Any]]) -> list[PodProblem]:
+    """The newest ``ProvisioningFailed`` Warning of a Pending claim (the PV controller's or the CSI
+    provisioner's, e.g. ``storageclass.storage.k8s.io "x" not found``), from the namespace's events."""
+    failed = [e for e in events if e.get("reason") == "ProvisioningFailed" and e.get("type") == "Warning"
+              and (e.get("involvedObject") or {}).get("name") == claim]
+    if not failed:
+        return []
+    newest = max(failed, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return [PodProblem(claim, "ProvisioningFailed", newest.get("message", ""), kind="persistentvolumeclaim")]
 
 
 @dataclass

@@ -6,8 +6,8 @@ from prefect.blocks.core import Block
 
 from tasks.platforms.base import (
     Platform,
-    PodsNotRunning,
     SnapshotRef,
+    StageBlocked,
     StageDeadlineExceeded,
     TrainingFailed,
     TrainingHandle,
@@ -25,11 +25,22 @@ DEFAULT_PLATFORM = "local"
 PLATFORM_TYPES: list[type[Platform]] = [LocalPlatform, ClusterPlatform]
 
 __all__ = [
-    "DEFAULT_PLATFORM", "PLATFORM_TYPES", "ClusterPlatform", "LocalPlatform", "Platform", "PodsNotRunning",
+    "DEFAULT_PLATFORM",
+    "PLATFORM_TYPES",
+    "ClusterPlatform",
+    "LocalPlatform",
+    "Platform",
     "SnapshotRef",
-    "StageDeadlineExceeded", "TrainingFailed", "TrainingHandle", "TrainingInterrupted", "TrainingOutcome",
+    "StageBlocked",
+    "StageDeadlineExceeded",
+    "TrainingFailed",
+    "TrainingHandle",
+    "TrainingInterrupted",
+    "TrainingOutcome",
     "TrainingSpec",
-    "TransientPlatformError", "VolumeRef", "load_platform",
+    "TransientPlatformError",
+    "VolumeRef",
+    "load_platform",
 ]
 
 

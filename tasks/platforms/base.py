@@ -36,9 +36,10 @@ class StageDeadlineExceeded(RuntimeError):
     stopped what the stage had started before raising."""
 
 
-class PodsNotRunning(RuntimeError):
-    """A stage's pods cannot run (image, scheduling, configuration) and did not recover within the grace
-    period. Not retried: the cause is in the cluster or the platform block; the message says what to fix."""
+class StageBlocked(RuntimeError):
+    """A stage cannot progress: its pods cannot run (image, scheduling, configuration) or its claim cannot be
+    provisioned, and it did not recover within the grace period. Not retried: the cause is in the cluster or
+    the platform block; the message says what to fix."""
 
 
 class TrainingFailed(RuntimeError):

@@ -15,6 +15,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -28,7 +29,7 @@ from prefect_kubernetes.credentials import KubernetesCredentials
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator
 
 from tasks.anf import AnfVolume
-from tasks.k8s.diagnose import ProblemClock, pod_problems
+from tasks.k8s.diagnose import ProblemClock, claim_problems, pod_problems
 from tasks.k8s.logs import LogCursor, LogFormatError, format_timestamp
 from tasks.k8s.manifests import (
     MANAGED_BY,
@@ -47,8 +48,8 @@ from tasks.platforms.base import (
     EventSink,
     LogSink,
     Platform,
-    PodsNotRunning,
     SnapshotRef,
+    StageBlocked,
     StageDeadlineExceeded,
     TrainingFailed,
     TrainingHandle,
@@ -64,6 +65,7 @@ from tasks.platforms.base import (
 from training.data.sources import Artifact, dataset_key, validate_artifacts
 
 T = TypeVar("T")
+_LOG = logging.getLogger("laneflow.cluster")
 MPI = ("kubeflow.org", "v2beta1", "mpijobs")
 SNAPSHOTS = ("snapshot.storage.k8s.io", "v1", "volumesnapshots")
 LINEAGE_ANNOTATION = "laneflow.io/lineage"
@@ -263,13 +265,26 @@ class ClusterPlatform(Platform):
     def ensure_shared_access(self, volume: VolumeRef) -> str:
         core, _, _ = self._apis()
         deadline = time.monotonic() + 600
+        clock = self._problem_clock()
         while True:
             claim = self._call("get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim,
                                volume.name, self._ns())
             if claim.spec.volume_name and (claim.status and claim.status.phase == "Bound"):
                 break
+            # Pending: is the provisioner refusing it (no such storage class, a restore too small, quota)?
+            events = self._call("list", "events", core.list_namespaced_event, self._ns(),
+                                field_selector=f"involvedObject.kind=PersistentVolumeClaim,"
+                                               f"involvedObject.name={volume.name}").items
+            problems = claim_problems(volume.name, [core.api_client.sanitize_for_serialization(e) for e in events])
+            new, late = clock.overdue(problems, time.monotonic())
+            for problem in new:
+                _LOG.warning("laneflow: %s; the stage fails if it lasts %.0f s", problem.describe(),
+                                     clock.grace_for(problem))
+            if late:
+                raise StageBlocked(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late))
             if time.monotonic() > deadline:
-                raise TimeoutError(f"PVC {volume.location} is not bound after 10 minutes; check its storage class")
+                raise StageDeadlineExceeded(f"PVC {volume.location} is not bound after 10 minutes and no event says "
+                                            "why; check its storage class and provisioner")
             time.sleep(self.poll_interval_s)
         pv_name = claim.spec.volume_name
         pv = self._call("get", "persistentvolumes", core.read_persistent_volume, pv_name)
@@ -315,7 +330,7 @@ class ClusterPlatform(Platform):
                 if not finished:
                     try:
                         self._check_pods(core, f"job-name={name}", clock, log)
-                    except PodsNotRunning:
+                    except StageBlocked:
                         delete_after = True  # nothing it started will run: leave nothing waiting
                         raise
                 streamed = self._follow_log(core, f"job-name={name}", cursor, collect, deadline)
@@ -569,7 +584,7 @@ class ClusterPlatform(Platform):
                 + ("; a cluster autoscaler is adding a node for it" if problem.scaling_up else "")
                 + f"; the stage fails if it lasts {grace:.0f} s")
         if late:
-            raise PodsNotRunning(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late)
+            raise StageBlocked(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late)
                                  + " (the stage's Job was deleted)")
 
     def _pod_reasons(self, core: kubernetes.client.CoreV1Api, name: str) -> str:
