@@ -30,6 +30,7 @@ from tasks.pipeline import (
     prepare_dataset,
     promote_service_level,
     publish_artifacts,
+    return_volume_home,
     submit_training,
     wait_for_training,
 )
@@ -49,6 +50,8 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
     name = run_name(flow_run.id)
     stopped = platform.cancel_training(name, VolumeRef(name=params.volume, location=""))
     print(f"laneflow: training job {name} {'stopped' if stopped else 'was not running'} ({state.name})")
+    # The flow's own code did not get to return a promoted volume: do it here, or say how.
+    return_volume_home(platform, VolumeRef(name=params.volume, location=""), f"flow run {state.name.lower()}")
 
 
 @flow(name="train_pipeline", on_cancellation=[stop_training], on_crashed=[stop_training])
@@ -63,7 +66,18 @@ def train_pipeline(params: TrainParams) -> dict[str, Any]:
     volume = ensure_dataset_volume(platform, params.volume)
     need = ThroughputNeed(workers=params.workers, images_per_second_per_worker=params.images_per_second_per_worker,
                           bytes_per_image=params.bytes_per_image)
-    # Inside the transaction: if anything after the promotion fails, its rollback demotes the volume.
+    # Inside the transaction: if anything after the promotion fails, its rollback demotes the volume; a
+    # promotion that itself failed (Azure still moving the volume) is returned by the except below.
+    try:
+        return _train_on(params, platform, volume, need, run)
+    except BaseException:
+        return_volume_home(platform, volume, "a failed run")
+        raise
+
+
+def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: ThroughputNeed,
+              run: str) -> dict[str, Any]:
+    logger = get_run_logger()
     with transaction():
         previous_level = promote_service_level(platform, volume, params.promote, need, run)
         dataset = prepare_dataset(platform, volume, params.source.to_artifacts())

@@ -9,6 +9,7 @@ and 5xx.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar, Literal
 
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
@@ -50,6 +51,8 @@ class AnfVolume(Block):
     polling_interval_s: float = Field(10.0, ge=0, description="how often a long-running operation is polled when "
                                                               "the service names no Retry-After")
     _management_client: Any = PrivateAttr(None)
+    #: Pool changes of ours that outlived operation_timeout_s: Azure carries on with them.
+    _in_flight: list[tuple[str, Any]] = PrivateAttr(default_factory=list)
 
     # --- clients -------------------------------------------------------------------------------------
     def _verify(self) -> str | bool:
@@ -111,6 +114,7 @@ class AnfVolume(Block):
             raise ValueError(f"no capacity pool configured for service level '{level}' (configured: {known})")
         from azure.mgmt.netapp.models import PoolChangeRequest
 
+        self.settle()  # the volume's level means nothing while an earlier move of ours runs
         pool, current, _ = self.locate()
         if current == level:
             return False
@@ -123,8 +127,30 @@ class AnfVolume(Block):
         except HttpResponseError as exc:
             raise AnfError(f"{operation} failed: {_reason(exc)}") from None
         if not poller.done():
-            raise AnfError(f"{operation} did not finish within {self.operation_timeout_s:.0f} s")
+            self._in_flight.append((operation, poller))
+            raise AnfError(f"{operation} did not finish within {self.operation_timeout_s:.0f} s; Azure carries "
+                           "on with it")
         return True
+
+    def settle(self) -> None:
+        """Wait for moves of ours that outlived their timeout (once more as long), so that a level read, or a
+        move back, happens after them and is not undone by them."""
+        while self._in_flight:
+            operation, poller = self._in_flight[0]
+            with contextlib.suppress(HttpResponseError):  # it failed: the volume did not move
+                poller.result(timeout=self.operation_timeout_s)
+            if not poller.done():
+                raise AnfError(f"{operation} is still running after {2 * self.operation_timeout_s:.0f} s")
+            self._in_flight.pop(0)
+
+    def pool_change_command(self, level: str) -> str:
+        """What an operator runs to move the volume to ``level`` by hand (Az.NetAppFiles PowerShell)."""
+        try:
+            pool = self.locate()[0]
+        except Exception:  # the command is for when laneflow could not do it: do not depend on Azure here
+            pool = "<its current pool>"
+        return (f"Set-AzNetAppFilesVolumePool -ResourceGroupName {self.resource_group} -AccountName {self.account} "
+                f"-PoolName {pool} -Name {self.volume} -NewPoolResourceId {self.pool_ids.get(level, '<pool id>')}")
 
     def create_snapshot(self, name: str) -> str:
         """An ANF snapshot of the volume (adopted when one of that name exists); returns its resource id."""

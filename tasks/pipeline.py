@@ -13,6 +13,8 @@ volume, the dataset, the training job (which resumes from its checkpoint), the s
 from __future__ import annotations
 
 import json
+import logging
+import re
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -24,7 +26,9 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
+from prefect.exceptions import MissingContextError
 from prefect.transactions import get_transaction
+from prefect.variables import Variable
 
 from tasks.lineage import render_lineage_markdown
 from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, TrainingOutcome, TrainingSpec, VolumeRef
@@ -51,27 +55,39 @@ def _resource(kind: str, name: str) -> dict[str, str]:
     return {"prefect.resource.id": f"laneflow.{kind}.{name}", "prefect.resource.name": name}
 
 
+def home_level_key(volume: VolumeRef) -> str:
+    """The Prefect variable that holds the level a promoted volume must return to (by volume name: the
+    cancellation and crash hooks know only the run's parameters)."""
+    return "laneflow-home-level-" + re.sub(r"[^a-z0-9-]+", "-", volume.name.lower()).strip("-")
+
+
 @task(name="promote_service_level", task_run_name="promote-{volume.name}", **_TASK)
 def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, need: ThroughputNeed,
                           run: str) -> str | None:
     """Move the volume to the cheapest level that feeds this run, inside the flow's transaction.
 
-    Returns the level it had, which ``demote_service_level`` restores after training; if anything after
-    this fails, the transaction's rollback restores it instead.
+    Returns the level to return to, which ``demote_service_level`` restores after training; if anything
+    fails, the flow returns the volume there (``return_volume_home``). That level is recorded once, in a
+    Prefect variable, before any change: a retry that finds the volume already moved, or a later run after
+    a crash, still knows where it came from.
     """
     logger = get_run_logger()
     level = platform.current_service_level(volume)
     if level is None:
         logger.info("service level: not applicable on %s; nothing to promote", type(platform).__name__)
         return None
+    home = Variable.get(home_level_key(volume), default=None) or level
+    if home != level:
+        logger.warning("service level: volume %s is on %s but was on %s before an earlier run moved it; it "
+                       "returns to %s after this run", volume.name, level, home, home)
     transaction = get_transaction()
     if transaction is not None:  # what the rollback hook needs
         transaction.set("platform", platform)
         transaction.set("volume", volume)
-        transaction.set("previous_level", level)
+        transaction.set("previous_level", home)
     if not wanted:
         logger.info("service level stays %s (promotion is off for this run)", level)
-        return level
+        return home
     quota_tib, ceiling = platform.service_level_limits(volume) or (0.0, "Ultra")
     choice = choose_service_level(need, quota_tib, ceiling)
     create_markdown_artifact(markdown=render_tier_markdown(choice, need), key=f"service-level-{run}",
@@ -79,10 +95,11 @@ def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, n
     logger.info("service level: %s", choice.reason)
     if choice.level is None or LEVEL_ORDER.index(choice.level) <= LEVEL_ORDER.index(level):
         logger.info("service level stays %s", level)
-        return level
+        return home
+    Variable.set(home_level_key(volume), home, overwrite=True)  # before the change: every exit can find it
     if platform.change_service_level(volume, choice.level):
         _level_changed(volume, level, choice.level, "promoted for training")
-    return level
+    return home
 
 
 def _level_changed(volume: VolumeRef, before: str, after: str, why: str) -> None:
@@ -91,24 +108,54 @@ def _level_changed(volume: VolumeRef, before: str, after: str, why: str) -> None
                payload={"from": before, "to": after, "why": why})
 
 
+def return_volume_home(platform: Platform, volume: VolumeRef, why: str) -> bool:
+    """Put a promoted volume back on its recorded level (on failure, cancellation or crash); when that is
+    impossible, say so loudly with the command that does it. True when the volume is home."""
+    try:
+        logger: Any = get_run_logger()  # the run's log, in the UI
+    except MissingContextError:  # a state hook outside the run
+        logger = logging.getLogger("laneflow.service_level")
+    key = home_level_key(volume)
+    home = Variable.get(key, default=None)
+    if home is None:
+        return True  # never promoted, or already returned
+    changed, error = False, None
+    for _ in range(3):  # a move that outlives its wait is waited for again by the next try
+        try:
+            changed, error = platform.change_service_level(volume, home), None
+            break
+        except Exception as exc:
+            error = exc
+    if error is not None:
+        command = platform.service_level_command(volume, home) or "move it in the Azure portal"
+        logger.error("LANEFLOW COULD NOT RETURN volume %s to %s after %s (%s): it stays on its higher, costlier "
+                     "level until moved. Run: %s — or run the pipeline again, which returns it first (the level is "
+                     "kept in Prefect variable %s)", volume.name, home, why, error, command, key)
+        print(f"laneflow: volume {volume.name} is NOT back on {home}: run {command}")
+        return False
+    Variable.unset(key)
+    if changed:
+        logger.warning("service level of %s returned to %s (%s)", volume.name, home, why)
+        emit_event("laneflow.service_level.changed", resource=_resource("volume", volume.name),
+                   payload={"to": home, "why": why})
+    return True
+
+
 @promote_service_level.on_rollback
 def _demote_on_rollback(transaction: Any) -> None:
     """Something after the promotion failed: put the volume back where it was."""
-    platform, volume, previous = (transaction.get("platform"), transaction.get("volume"),
-                                  transaction.get("previous_level"))
-    if previous is not None and platform.change_service_level(volume, previous):
-        emit_event("laneflow.service_level.changed", resource=_resource("volume", volume.name),
-                   payload={"to": previous, "why": "rollback after a failure"})
+    return_volume_home(transaction.get("platform"), transaction.get("volume"), "rollback after a failure")
 
 
 @task(name="demote_service_level", task_run_name="demote-{volume.name}", **_TASK)
 def demote_service_level(platform: Platform, volume: VolumeRef, previous: str | None) -> bool:
-    """Put the volume back to the level it had before training."""
+    """Put the volume back to the level it had before training, and forget the record of it."""
     if previous is None:
         get_run_logger().info("service level: not applicable; nothing to demote")
         return False
     current = platform.current_service_level(volume)
     changed = platform.change_service_level(volume, previous)
+    Variable.unset(home_level_key(volume))
     if changed:
         _level_changed(volume, current or "?", previous, "training done")
     else:

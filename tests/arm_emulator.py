@@ -15,7 +15,8 @@ api-version azure-mgmt-netapp 18.0.0 defaults to) and what the real service answ
 - the operation resource: the Azure-AsyncOperation URL answers ``200`` with ``{id, name, status,
   startTime, endTime, percentComplete, properties, error}`` (ARM RPC ``async-api-reference.md``);
   the Location URL answers ``202`` while running, then the final result (the Snapshot for a create,
-  nothing for a pool change), or the error;
+  nothing for a pool change), or the error. An operation ends on Azure's clock (``operation_s`` after
+  it was accepted), whether anyone polls it or not: a client that stops waiting does not stop the move;
 - errors as ``{"error": {"code", "message"}}`` (common-types v6 ``ErrorResponse``); a missing
   ``api-version`` is refused as ARM refuses it.
 
@@ -71,11 +72,29 @@ class Arm:
     operations: dict[str, dict] = field(default_factory=dict)
     faults: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # op -> statuses
     fail_operations: set[str] = field(default_factory=set)  # ops whose LRO ends Failed
-    polls_until_done: int = 2
+    #: How long a long-running operation runs on Azure's side, from its acceptance.
+    operation_s: float = 0.2
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)  # (method, path, headers)
     actions: list[str] = field(default_factory=list)  # the RBAC action of each ARM request
     secrets_seen: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def advance(self) -> None:
+        """Operations whose time has come end now (their effect applied), polled or not."""
+        with self.lock:
+            for record in self.operations.values():
+                if "outcome" not in record and time.monotonic() >= record["due"]:
+                    if record["op"] in self.fail_operations:
+                        record["outcome"] = ("Failed", None)
+                    else:
+                        record["outcome"] = ("Succeeded", record["effect"]())
+
+    def run_out(self) -> None:
+        """Let every accepted operation reach its end (what Azure does while nobody looks), for assertions."""
+        pending = [r["due"] for r in self.operations.values() if "outcome" not in r]
+        if pending:
+            time.sleep(max(0.0, max(pending) - time.monotonic()))
+        self.advance()
 
     def pool_of(self, volume: str) -> str:
         return self.volumes[volume]["pool"]
@@ -108,6 +127,7 @@ class _Handler(BaseHTTPRequestHandler):
         path, query = parts.path, urllib.parse.parse_qs(parts.query)
         arm = self.arm
         arm.requests.append((method, path, dict(self.headers)))
+        arm.advance()
         if path.endswith("/.well-known/openid-configuration"):
             tenant = path.split("/")[1]
             base = f"{arm.base}/{tenant}"
@@ -221,7 +241,8 @@ class _Handler(BaseHTTPRequestHandler):
         url = (f"{self.arm.base}/subscriptions/{subscription}/providers/{PROVIDER}/locations/{self.arm.location}/"
                f"operationResults/{operation}?api-version={API_VERSION}")
         self.arm.operations[operation] = {"op": op, "effect": effect, "polls": 0, "resource": resource,
-                                          "action": action, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ")}
+                                          "action": action, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                          "due": time.monotonic() + self.arm.operation_s}
         self._send(status, body, {"Azure-AsyncOperation": url,
                                   "Location": f"{url}&operationResultResponseType=Location"})
 
@@ -231,11 +252,6 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "NotFound", f"operation {operation} not found")
             return
         record["polls"] += 1
-        if record["polls"] >= self.arm.polls_until_done and "outcome" not in record:
-            if record["op"] in self.arm.fail_operations:
-                record["outcome"] = ("Failed", None)
-            else:
-                record["outcome"] = ("Succeeded", record["effect"]())
         status, result = record.get("outcome", ("InProgress", None))
         error = {"code": "PoolChangeFailed" if record["op"] == "pool_change" else "SnapshotFailed",
                  "message": "the destination pool has no room for this volume" if record["op"] == "pool_change"

@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+from prefect.variables import Variable
 from pydantic import SecretStr
 
 from flows.train import train_pipeline
 from tasks.anf import AnfError, AnfVolume
+from tasks.pipeline import home_level_key
+from tasks.platforms import VolumeRef
 from tests.arm_emulator import TOKEN, Arm, ArmEmulator
 from tests.cluster.runtime import pod_runtime_missing
 from tests.conftest import PROJECT_ROOT
@@ -183,3 +186,51 @@ def test_promoted_for_training_demoted_after_and_snapshotted_through_anf(
     assert lineage["run"] == result["run"] and lineage["dataset_version"] == result["dataset_version"]
     assert lineage["metrics"] == result["metrics"] and lineage["snapshotter"] == "anf"
     assert SECRET not in _everything_published(result["flow_run_id"])
+
+
+def test_a_promotion_that_times_out_while_azure_moves_the_volume_still_ends_on_its_level(
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], arm: tuple,
+        tmp_path: Path) -> None:
+    """The pool change outlives laneflow's wait (operation_timeout_s) but Azure carries on: the failed run
+    waits for that move, then moves the volume back. A rollback hook would not help: Prefect registers it
+    only for tasks that completed, and this one failed."""
+    emulator, state = arm
+    state.operation_s = 4.5  # Azure's clock: the move ends 1.5 s after laneflow stopped waiting for it
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s:
+        cluster_platform(k8s, anf=anf_volume(emulator, operation_timeout_s=3)).save("emu-anf-slow", overwrite=True)
+        run = train_pipeline(**params_for(served_archive, platform="emu-anf-slow", volume="tusimple", promote=True),
+                             return_state=True)
+    assert run.is_failed() and "did not finish within 3 s; Azure carries on with it" in str(run.message)
+    state.run_out()
+    assert pool_changes(state) == 2  # Premium (finished by Azure after the timeout), then back
+    assert state.volumes["tusimple"]["pool"] == "pool-standard"
+    assert Variable.get(home_level_key(VolumeRef(name="tusimple", location=""))) is None  # home: forgotten
+
+
+def test_a_volume_that_cannot_be_returned_is_reported_with_the_command_and_the_next_run_returns_it(
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], arm: tuple, tmp_path: Path,
+        capfd: pytest.CaptureFixture) -> None:
+    emulator, state = arm
+    if missing := pod_runtime_missing():
+        pytest.skip(missing)
+    state.operation_s = 8.0  # longer than all laneflow waits for it: 1 s, then 3 tries of 1 s to return it
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s:
+        cluster_platform(k8s, anf=anf_volume(emulator, operation_timeout_s=1)).save("emu-anf-stuck", overwrite=True)
+        first = train_pipeline(**params_for(served_archive, platform="emu-anf-stuck", volume="tusimple",
+                                            promote=True), return_state=True)
+        assert first.is_failed()
+        said = capfd.readouterr().out
+        assert "laneflow: volume tusimple is NOT back on Standard: run Set-AzNetAppFilesVolumePool " \
+               "-ResourceGroupName" in said and f"-NewPoolResourceId {POOLS}/pool-standard" in said
+        state.run_out()
+        assert state.volumes["tusimple"]["pool"] == "pool-premium"  # Azure finished the promotion: billed
+        # The next run (promotion off, say) finds the record of the level it came from and returns it.
+        state.operation_s = 0.2
+        cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-stuck", overwrite=True)
+        second = train_pipeline(**params_for(served_archive, platform="emu-anf-stuck", volume="tusimple",
+                                             promote=False), return_state=True)
+    assert second.is_completed()
+    assert state.volumes["tusimple"]["pool"] == "pool-standard"
+    assert Variable.get(home_level_key(VolumeRef(name="tusimple", location=""))) is None

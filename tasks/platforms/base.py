@@ -227,3 +227,7 @@ class Platform(Block):
     def service_level_limits(self, volume: VolumeRef) -> tuple[float, str] | None:
         """(quota in TiB, highest level allowed) for choosing a level; None where levels do not apply."""
         return None
+
+    def service_level_command(self, volume: VolumeRef, level: str) -> str | None:
+        """The command an operator runs to move the volume to ``level`` by hand, for when laneflow cannot."""
+        return None

@@ -784,6 +784,9 @@ class ClusterPlatform(Platform):
     def service_level_limits(self, volume: VolumeRef) -> tuple[float, str] | None:
         return (self.anf.locate()[2], self.anf.ceiling) if self.anf else None
 
+    def service_level_command(self, volume: VolumeRef, level: str) -> str | None:
+        return self.anf.pool_change_command(level) if self.anf else None
+
 
 # --- helpers ----------------------------------------------------------------------------------------
 
