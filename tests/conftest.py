@@ -154,3 +154,17 @@ def laneflow_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "laneflow-home"
     monkeypatch.setenv("LANEFLOW_HOME", str(home))
     return home
+
+
+@pytest.fixture
+def emulator(tmp_path: Path) -> Iterator[tuple]:
+    """An emulated Kubernetes cluster whose pods really run (tests/cluster), or a skip saying why not here:
+    (the emulator, its Cluster state)."""
+    from tests.cluster.runtime import pod_runtime_missing
+    from tests.k8s_emulator import KubernetesEmulator
+
+    if missing := pod_runtime_missing():
+        pytest.skip(missing)
+    emulator = KubernetesEmulator(tmp_path / "cluster")
+    with emulator as cluster:
+        yield emulator, cluster

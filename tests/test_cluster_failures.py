@@ -5,7 +5,6 @@ started and is not retried."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,20 +14,9 @@ from tasks.platforms import StageBlocked, StageDeadlineExceeded
 from tasks.platforms.cluster import NamespaceNotFound
 from tasks.retry import is_transient
 from tests.cluster.network import node_address
-from tests.cluster.runtime import pod_runtime_missing
 from tests.http_server import Fault, RunningServer
-from tests.k8s_emulator import Cluster, KubernetesEmulator
 from tests.test_cluster_platform import cluster_platform, spec_for
 from training.data.sources import Artifact
-
-
-@pytest.fixture
-def emulator(tmp_path: Path) -> Iterator[tuple[KubernetesEmulator, Cluster]]:
-    if missing := pod_runtime_missing():
-        pytest.skip(missing)
-    emulator = KubernetesEmulator(tmp_path / "cluster")
-    with emulator as cluster:
-        yield emulator, cluster
 
 
 def test_a_failed_prepare_job_is_replaced_when_the_stage_runs_again_after_the_fix(

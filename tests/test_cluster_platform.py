@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes
@@ -27,7 +26,6 @@ from flows.restore import restore
 from flows.train import train_pipeline
 from tasks.names import InvalidName
 from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
-from tests.cluster.runtime import pod_runtime_missing
 from tests.conftest import PROJECT_ROOT
 from tests.k8s_emulator import Cluster, Fault, KubernetesEmulator
 from tests.test_pipeline import params_for
@@ -41,16 +39,6 @@ needs_kubectl = pytest.mark.skipif(not KUBECTL.exists(), reason="needs kubectl i
 
 TRAIN_IMAGE = "registry.example.org/laneflow-train:0.1.0"
 DATA_IMAGE = "registry.example.org/laneflow-data:0.1.0"
-
-
-@pytest.fixture
-def emulator(tmp_path: Path) -> Iterator[tuple[KubernetesEmulator, Cluster]]:
-    missing = pod_runtime_missing()
-    if missing:
-        pytest.skip(missing)
-    emulator = KubernetesEmulator(tmp_path / "cluster")
-    with emulator as cluster:
-        yield emulator, cluster
 
 
 def cluster_platform(emulator: KubernetesEmulator, **changes: object) -> ClusterPlatform:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes
 import pytest
 
 from tests.cluster.images import container_argv, read_image
-from tests.cluster.runtime import expand_references, pod_runtime_missing, quantity_bytes
+from tests.cluster.runtime import expand_references, quantity_bytes
 from tests.conftest import PROJECT_ROOT
 from tests.k8s_emulator import Cluster, KubernetesEmulator
 from tests.test_cluster_platform import TRAIN_IMAGE, client_apis, create_rwo_claim
@@ -44,13 +43,10 @@ def test_references_and_quantities_as_kubernetes_reads_them() -> None:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[KubernetesEmulator, Cluster]]:
-    if missing := pod_runtime_missing():
-        pytest.skip(missing)
-    emulator = KubernetesEmulator(tmp_path / "cluster")
-    with emulator as state:
-        state.images.add(TRAIN_IMAGE, TRAIN_DOCKERFILE)
-        yield emulator, state
+def cluster(emulator: tuple[KubernetesEmulator, Cluster]) -> tuple[KubernetesEmulator, Cluster]:
+    """The emulated cluster with the training image built from its Dockerfile."""
+    emulator[1].images.add(TRAIN_IMAGE, TRAIN_DOCKERFILE)
+    return emulator
 
 
 def run_job(emulator: KubernetesEmulator, cluster: Cluster, name: str, container: dict,

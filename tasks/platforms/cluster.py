@@ -358,18 +358,21 @@ class ClusterPlatform(Platform):
         except ApiException as exc:
             if exc.status != 404:
                 raise
-        if not wait:
-            return
+        if wait:
+            self._wait_deleted("jobs", lambda: batch.read_namespaced_job(name, self._ns()), f"job {self._ns()}/{name}")
+
+    def _wait_deleted(self, resource: str, read: Callable[[], Any], what: str) -> None:
+        """Until ``read`` answers 404 (a Foreground delete ends when the object's dependents are gone)."""
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
-                self._call("get", "jobs", batch.read_namespaced_job, name, self._ns())
+                self._call("get", resource, read)
             except ApiException as exc:
                 if exc.status == 404:
                     return
                 raise
             time.sleep(self.poll_interval_s)
-        raise TimeoutError(f"job {self._ns()}/{name} was not deleted within 5 minutes")
+        raise TimeoutError(f"{what} was not deleted within 5 minutes")
 
     def _follow_log(self, core: kubernetes.client.CoreV1Api, selector: str, cursor: LogCursor, sink: LogSink,
                     deadline: float) -> bool:
@@ -483,17 +486,8 @@ class ClusterPlatform(Platform):
 
     def _wait_gone(self, custom: kubernetes.client.CustomObjectsApi, name: str) -> None:
         group, version, plural = MPI
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                self._call("get", "mpijobs", custom.get_namespaced_custom_object, group, version, self._ns(), plural,
-                           name)
-            except ApiException as exc:
-                if exc.status == 404:
-                    return
-                raise
-            time.sleep(self.poll_interval_s)
-        raise TimeoutError(f"MPIJob {name} was not deleted within 5 minutes")
+        self._wait_deleted("mpijobs", lambda: custom.get_namespaced_custom_object(group, version, self._ns(), plural,
+                                                                                 name), f"MPIJob {name}")
 
     def wait_for_training(self, handle: TrainingHandle, on_event: EventSink, on_log: LogSink,
                           timeout_s: float) -> TrainingOutcome:
