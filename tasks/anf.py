@@ -10,6 +10,7 @@ and 5xx.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
@@ -165,16 +166,32 @@ class AnfVolume(Block):
         try:
             poller = client.snapshots.begin_create(self.resource_group, self.account, pool, self.volume, name,
                                                    Snapshot(location=self.location))
-            return poller.result(timeout=self.operation_timeout_s).id
+            created = poller.result(timeout=self.operation_timeout_s)
         except HttpResponseError as exc:
             raise AnfError(f"snapshot '{name}' of volume '{self.volume}' failed: {_reason(exc)}") from None
+        if not poller.done():
+            raise AnfError(f"snapshot '{name}' of volume '{self.volume}' was not created within "
+                           f"{self.operation_timeout_s:.0f} s; Azure carries on with it")
+        return created.id
 
-
-    def list_snapshots(self) -> list[tuple[str, str]]:
-        """(name, resource id) of the volume's snapshots."""
+    def list_snapshots(self) -> list[AnfSnapshot]:
+        """The volume's snapshots, as Azure reports them (a snapshot being taken is not ready yet)."""
         pool, _, _ = self.locate()
         found = self._client().snapshots.list(self.resource_group, self.account, pool, self.volume)
-        return [(snapshot.name.rsplit("/", 1)[-1], snapshot.id) for snapshot in found]
+        return [AnfSnapshot(name=snapshot.name.rsplit("/", 1)[-1], id=snapshot.id,
+                            ready=snapshot.provisioning_state == "Succeeded",
+                            created=snapshot.created.isoformat() if snapshot.created else None)
+                for snapshot in found]
+
+
+@dataclass(frozen=True)
+class AnfSnapshot:
+    """An ANF snapshot: ``ready`` once its ``provisioningState`` is Succeeded."""
+
+    name: str
+    id: str
+    ready: bool
+    created: str | None
 
 
 def _reason(exc: HttpResponseError) -> str:

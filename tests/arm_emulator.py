@@ -225,6 +225,9 @@ class _Handler(BaseHTTPRequestHandler):
                 arm.snapshots[name] = done
                 return done
 
+            # The resource exists from the PUT on, provisioningState Creating until its operation ends
+            # (ARM RPC: a PUT's long-running operation drives the resource's provisioningState).
+            arm.snapshots[name] = snapshot
             self._start_operation(match["sub"], op, resource_id, "CREATE", created, status=201, body=snapshot)
             return
         if op == "list_snapshots":

@@ -125,6 +125,19 @@ def test_anf_snapshot_and_configuration_errors(arm: tuple) -> None:
     assert SECRET not in repr(volume) and SECRET not in str(volume.model_dump())
 
 
+def test_a_snapshot_azure_is_still_taking_is_listed_as_not_ready(arm: tuple) -> None:
+    emulator, state = arm
+    state.operation_s = 3.0
+    volume = anf_volume(emulator, operation_timeout_s=0.5)
+    with pytest.raises(AnfError, match="'tusimple-train-0123456789ab' of volume 'tusimple' was not created within"):
+        volume.create_snapshot("tusimple-train-0123456789ab")
+    (taking,) = volume.list_snapshots()
+    assert (taking.name, taking.ready) == ("tusimple-train-0123456789ab", False)
+    state.run_out()
+    (taken,) = volume.list_snapshots()
+    assert taken.ready and taken.created and taken.id.endswith("/snapshots/tusimple-train-0123456789ab")
+
+
 def _everything_published(flow_run_id: object) -> str:
     with get_client(sync_client=True) as client:
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
@@ -178,7 +191,12 @@ def test_promoted_for_training_demoted_after_and_snapshotted_through_anf(
         assert cluster.count("volumesnapshots") == 0  # the ANF snapshotter, not CSI
         platform = ClusterPlatform.load("emu-anf-ok")
         lineage = platform.find_lineage(result["snapshot"])
-        listed = [ref.name for ref in platform.list_snapshots()]
+        refs = platform.list_snapshots()
+        listed = [ref.name for ref in refs]
+        # Listed with their lineage (from the run's record on the volume) and Azure's readiness.
+        assert [(ref.ready, ref.lineage["dataset_version"], ref.lineage["run"]) for ref in refs] == \
+            [(True, result["dataset_version"], result["run"])]
+        assert refs[0].lineage["created_at"] and lineage["ready"] is True
         with pytest.raises(ValueError, match="is an ANF snapshot"):
             platform.restore_snapshot(result["snapshot"], "restored")
     assert pool_changes(state) == 2 and state.volumes["tusimple"]["pool"] == "pool-standard"

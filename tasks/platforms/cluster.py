@@ -65,6 +65,8 @@ from tasks.platforms.base import (
 from training.data.sources import Artifact, dataset_key, validate_artifacts
 
 T = TypeVar("T")
+#: laneflow's ANF snapshot names: <volume>-<run> (tasks.names.snapshot_name).
+_ANF_SNAPSHOT_NAME = re.compile(r"^(?P<volume>.+)-(?P<run>[a-z]+-[0-9a-f]{12})$")
 _LOG = logging.getLogger("laneflow.cluster")
 MPI = ("kubeflow.org", "v2beta1", "mpijobs")
 SNAPSHOTS = ("snapshot.storage.k8s.io", "v1", "volumesnapshots")
@@ -663,11 +665,14 @@ class ClusterPlatform(Platform):
                         lineage: dict[str, Any]) -> SnapshotRef:
         if self.snapshotter == "anf":
             # ANF snapshots carry no labels: the lineage goes into the run's record, inside the snapshot.
+            # Written before the snapshot, so inside it: what it was made from, never whether it is ready
+            # (that is Azure's to say: list_snapshots and find_lineage read it from the snapshot).
             record = {**lineage, "snapshot": name, "data_dir": data_dir, "run_dir": run_dir, "volume": volume.name,
-                      "snapshotter": "anf", "ready": True}
+                      "snapshotter": "anf"}
             self._write_file(volume, f"{run_dir}/lineage.json", json.dumps(record, sort_keys=True))
-            snapshot_id = self._anf().create_snapshot(name)
-            return SnapshotRef(name=name, volume=volume.name, ready=True, location=snapshot_id, lineage=record)
+            snapshot_id = self._anf().create_snapshot(name)  # awaits Azure's long-running operation
+            return SnapshotRef(name=name, volume=volume.name, ready=True, location=snapshot_id,
+                               lineage={**record, "ready": True})
         _, _, custom = self._apis()
         group, version, plural = SNAPSHOTS
         labels = self._job_labels(lineage.get("run", name), {
@@ -710,8 +715,7 @@ class ClusterPlatform(Platform):
 
     def list_snapshots(self) -> list[SnapshotRef]:
         if self.snapshotter == "anf":
-            return [SnapshotRef(name=name, volume=self._anf().volume, ready=True, location=snapshot_id,
-                                lineage={"snapshot": name}) for name, snapshot_id in self._anf().list_snapshots()]
+            return self._anf_snapshots()
         _, _, custom = self._apis()
         group, version, plural = SNAPSHOTS
         found = self._call("list", "volumesnapshots", custom.list_namespaced_custom_object, group, version,
@@ -750,12 +754,41 @@ class ClusterPlatform(Platform):
 
     def find_lineage(self, name: str) -> dict[str, Any]:
         if self.snapshotter == "anf":
-            match = re.match(r"^(?P<volume>.+)-(?P<run>[a-z]+-[0-9a-f]{12})$", name)
-            if match is None or name not in dict(self._anf().list_snapshots()):
+            found = [ref for ref in self._anf_snapshots(only=name) if ref.name == name]
+            if not found:
                 raise KeyError(f"no ANF snapshot named '{name}' of volume '{self._anf().volume}'")
-            volume = VolumeRef(name=match["volume"], location=f"{self._ns()}/{match['volume']}")
-            return json.loads(self.read_file(volume, f"runs/{match['run']}/lineage.json"))
+            return found[0].lineage
         return _snapshot_ref(self._read_snapshot(name)).lineage
+
+    def _anf_snapshots(self, only: str | None = None) -> list[SnapshotRef]:
+        """ANF snapshots with their lineage: readiness and time from Azure, the record from each run's
+        ``lineage.json`` on the volume (ANF snapshots carry no labels), all read by one Job."""
+        snapshots = [s for s in self._anf().list_snapshots() if only is None or s.name == only]
+        by_volume: dict[str, list[tuple[Any, str]]] = {}
+        for snapshot in snapshots:
+            match = _ANF_SNAPSHOT_NAME.match(snapshot.name)
+            if match:  # laneflow's own snapshots: <volume>-<run>
+                by_volume.setdefault(match["volume"], []).append((snapshot, match["run"]))
+        refs = []
+        for volume_name, items in by_volume.items():
+            volume = VolumeRef(name=volume_name, location=f"{self._ns()}/{volume_name}")
+            records = self._read_lineages(volume, [run for _, run in items])
+            for snapshot, run in items:
+                lineage = {**records.get(run, {}), "snapshot": snapshot.name, "ready": snapshot.ready,
+                           "created_at": snapshot.created}
+                refs.append(SnapshotRef(name=snapshot.name, volume=volume_name, ready=snapshot.ready,
+                                        location=snapshot.id, lineage=lineage))
+        return sorted(refs, key=lambda ref: ref.lineage.get("created_at") or "")
+
+    def _read_lineages(self, volume: VolumeRef, runs: list[str]) -> dict[str, dict[str, Any]]:
+        """``runs/<run>/lineage.json`` of each run that has one, by run, in one throwaway Job."""
+        script = ("import json, pathlib, sys\n"
+                  "root = pathlib.Path(sys.argv[1])\n"
+                  "found = {run: json.loads((root / run / 'lineage.json').read_text()) for run in sys.argv[2:]\n"
+                  "         if (root / run / 'lineage.json').is_file()}\n"
+                  "print(json.dumps({'event': 'lineages', 'records': found}))\n")
+        lines = self._file_job("lineage", volume, "runs", script, *runs)
+        return _last_event(lines, "lineages", f"lineage reader of volume {volume.name}")["records"]
 
     def _read_snapshot(self, name: str) -> dict[str, Any]:
         _, _, custom = self._apis()
