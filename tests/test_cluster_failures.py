@@ -4,18 +4,22 @@ started and is not retried."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from tasks.k8s.diagnose import PodProblem, ProblemClock, pod_problems
+from tasks.k8s.manifests import ClusterLayout, render_mpijob
 from tasks.platforms import StageBlocked, StageDeadlineExceeded
 from tasks.platforms.cluster import NamespaceNotFound
 from tasks.retry import is_transient
 from tests.cluster.network import node_address
 from tests.http_server import Fault, RunningServer
-from tests.test_cluster_platform import cluster_platform, spec_for
+from tests.k8s_emulator import KubernetesEmulator
+from tests.test_cluster_platform import TRAIN_IMAGE, client_apis, cluster_platform, spec_for
 from training.data.sources import Artifact
 
 
@@ -157,3 +161,33 @@ def test_a_storage_class_that_does_not_exist_fails_the_volume_stage_naming_it(em
                                            r'.*storage_class'):
         platform.ensure_shared_access(volume)
     assert cluster.objects["persistentvolumeclaims"][("lanes", "data")]["status"]["phase"] == "Pending"
+
+
+def test_the_emulator_refuses_quantities_the_api_server_cannot_parse(tmp_path: Path) -> None:
+    """What the block's own check now prevents, refused as the API server refuses it: a core kind's bad
+    quantity fails its decoding (400), the MPIJob CRD's schema pattern makes each one a 422 cause."""
+    emu = KubernetesEmulator(tmp_path / "k8s")
+    with emu as cluster:
+        core, custom = client_apis(emu)
+        claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+                 "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "8GB"}}}}
+        with pytest.raises(ApiException) as refused:
+            core.create_namespaced_persistent_volume_claim("lanes", claim)
+        assert refused.value.status == 400
+        assert json.loads(refused.value.body)["message"] == (
+            'PersistentVolumeClaim in version "v1" cannot be handled as a PersistentVolumeClaim: quantities must '
+            "match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'")
+        layout = ClusterLayout(namespace="lanes", image=TRAIN_IMAGE, data_image=TRAIN_IMAGE,
+                               storage_class="azure-netapp-files", snapshot_class="csi-anf-snapclass",
+                               shm_size="Bogus_Value!")  # a layout never checked as the block is
+        job = render_mpijob("train-0123456789ab", layout, "data", "cpu-demo", 1, "datasets/x", "runs/x", {}, {})
+        worker = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]
+        worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1.2.3"
+        with pytest.raises(ApiException) as invalid:
+            custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", job)
+        assert invalid.value.status == 422
+        fields = {cause["field"] for cause in json.loads(invalid.value.body)["details"]["causes"]}
+        prefix = "spec.mpiReplicaSpecs.Worker.template.spec"
+        assert fields == {f"{prefix}.containers[0].resources.limits.nvidia.com/gpu",
+                          f"{prefix}.volumes[1].emptyDir.sizeLimit"}
+        assert cluster.count("persistentvolumeclaims") == 0 and cluster.count("mpijobs") == 0

@@ -11,28 +11,12 @@ from pydantic import ValidationError
 
 from tasks.k8s.quantity import InvalidQuantity, parse_quantity, validate_size
 from tasks.platforms import ClusterPlatform
-
-# The API server's own two steps, reimplemented from apimachinery pkg/api/resource/quantity.go
-# (``splitRE`` and ``ErrFormatWrong``) and suffix.go (the suffixes it knows), not from laneflow's grammar.
-_SPLIT = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
-_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "": 1, "n": Decimal("1e-9"),
-             "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "P": 10**15, "E": 10**18}
+from tests.k8s_schemas import quantity_value
 
 
 def api_server_value(text: str) -> Decimal | None:
-    match = _SPLIT.match(text)
-    if match is None:
-        return None  # "quantities must match the regular expression ..."
-    number, suffix = match.groups()
-    if number.count(".") > 1 or number in (".", "+.", "-."):
-        return None  # "unable to parse numeric part of quantity"
-    if suffix in _SUFFIXES:
-        return Decimal(number) * Decimal(_SUFFIXES[suffix])
-    exponent = re.fullmatch(r"[eE]([+-]?[0-9]+)", suffix)
-    if exponent is None:
-        return None  # "unable to parse quantity's suffix"
-    return Decimal(number) * Decimal(10) ** int(exponent[1])
+    """The API server's own reading (the emulator's reimplementation of apimachinery, not laneflow's)."""
+    return quantity_value(text)[0]
 
 
 @pytest.mark.parametrize("text", ["100Gi", "8Gi", "64Ki", "1.5Gi", "500M", "1e3", "2E6", "0.5", ".5", "5.", "+1k",
