@@ -17,6 +17,7 @@ from tasks.platforms import StageBlocked, StageDeadlineExceeded
 from tasks.platforms.cluster import NamespaceNotFound
 from tasks.retry import is_transient
 from tests.cluster.network import node_address
+from tests.conftest import PROJECT_ROOT
 from tests.http_server import Fault, RunningServer
 from tests.k8s_emulator import KubernetesEmulator
 from tests.test_cluster_platform import TRAIN_IMAGE, client_apis, cluster_platform, spec_for
@@ -191,3 +192,25 @@ def test_the_emulator_refuses_quantities_the_api_server_cannot_parse(tmp_path: P
         assert fields == {f"{prefix}.containers[0].resources.limits.nvidia.com/gpu",
                           f"{prefix}.volumes[1].emptyDir.sizeLimit"}
         assert cluster.count("persistentvolumeclaims") == 0 and cluster.count("mpijobs") == 0
+
+
+def test_a_worker_whose_sshd_cannot_start_fails_training_naming_it_instead_of_waiting(
+        emulator: tuple, tmp_path: Path) -> None:
+    """An image without sshd's privilege separation directory: each worker's ``sshd -De`` exits at once;
+    the operator waits for Ready workers before it creates the launcher, and never replaces them."""
+    emu, cluster = emulator
+    dockerfile = (PROJECT_ROOT / "deployments" / "Dockerfile.train").read_text()
+    without = "\n".join(line for line in dockerfile.splitlines() if "mkdir -p /var/run/sshd" not in line)
+    assert without != dockerfile
+    (tmp_path / "Dockerfile.train").write_text(without)
+    image = "registry.example.org/laneflow-train:no-sshd-dir"
+    platform = cluster_platform(emu, image=image, pod_problem_grace_s=2)
+    cluster.images.add(image, tmp_path / "Dockerfile.train")
+    volume = platform.ensure_volume("data")
+    handle = platform.submit_training(spec_for(volume.name, workers=2))
+    with pytest.raises(StageBlocked, match=r"pod train-0123456789ab-worker-\d is not running \(WorkerExited: "
+                                           r"exit code 255 \(Error\)\); an MPI worker must keep sshd running"):
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
+    worker_log = (cluster.root / "pods" / "lanes" / "train-0123456789ab-worker-0" / "c0" / "output.log").read_text()
+    assert "Missing privilege separation directory" in worker_log  # what sshd itself said
+    assert cluster.count("mpijobs") == 0

@@ -26,6 +26,9 @@ ADVICE = {
     "CreateContainerConfigError": "a Secret or ConfigMap the pod refers to, or one of its keys, is missing: "
                                   "create it in the namespace",
     "CrashLoopBackOff": "the container keeps exiting right after it starts: its log says why",
+    "WorkerExited": "an MPI worker must keep sshd running for the launcher (the operator waits for every worker "
+                    "and never replaces one that exited): its log says why it stopped (kubectl logs <pod>); see "
+                    "README, 'What the training image must contain'",
     "ProvisioningFailed": "the storage class cannot provision the claim: check storage_class in the platform block "
                           "(kubectl get storageclass; deployments/base/storageclass-anf.yaml is an example) and "
                           "the CSI provisioner's log",
@@ -57,14 +60,29 @@ class PodProblem:
         return f"{self.kind} {self.pod} {state} ({self.reason}{message}); {self.advice}"
 
 
-def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[PodProblem]:
-    """The problems of ``pods`` (API dicts, camelCase), given the namespace's recent ``events``."""
+def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
+                 exited_workers: bool = False) -> list[PodProblem]:
+    """The problems of ``pods`` (API dicts, camelCase), given the namespace's recent ``events``.
+
+    ``exited_workers``: an MPIJob's worker that stopped (not evicted) is a problem too. The MPI operator
+    marks the job failed only for evicted workers (``updateMPIJobStatus``); with another worker gone, a job
+    waiting for its workers never starts its launcher, and a running one hangs on it."""
     scaling = {e["involvedObject"]["name"] for e in events
                if e.get("reason") == "TriggeredScaleUp" and (e.get("involvedObject") or {}).get("kind") == "Pod"}
     found = []
     for pod in pods:
         name = pod["metadata"]["name"]
         status = pod.get("status") or {}
+        if pod["metadata"].get("deletionTimestamp"):
+            continue  # going away (a finished job's clean-up): not a problem of the stage
+        role = ((pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role"))
+        if exited_workers and role == "worker" and status.get("phase") in ("Succeeded", "Failed") and \
+                status.get("reason") != "Evicted":
+            terminated = next(((c.get("state") or {}).get("terminated") for c in status.get("containerStatuses") or []
+                               if (c.get("state") or {}).get("terminated")), None) or {}
+            found.append(PodProblem(name, "WorkerExited", f"exit code {terminated.get('exitCode', '?')} "
+                                                          f"({terminated.get('reason', status.get('phase'))})"))
+            continue
         if status.get("phase") in ("Succeeded", "Failed"):
             continue  # finished: the Job or MPIJob reports it
         for condition in status.get("conditions") or []:

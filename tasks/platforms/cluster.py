@@ -512,7 +512,8 @@ class ClusterPlatform(Platform):
                 if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
                     self._check_warnings(core, job, warnings_seen, on_log)
                 if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
-                    self._check_pods(core, f"training.kubeflow.org/job-name={name}", clock, output.feed)
+                    self._check_pods(core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
+                                     exited_workers=True)
                 streamed = self._follow_log(core, selector, cursor, output.feed, deadline)
                 if state == "succeeded":
                     events = output.events
@@ -564,15 +565,16 @@ class ClusterPlatform(Platform):
         return ProblemClock(self.pod_problem_grace_s, self.scale_up_grace_s, {})
 
     def _check_pods(self, core: kubernetes.client.CoreV1Api, selector: str, clock: ProblemClock,
-                    log: LogSink) -> None:
+                    log: LogSink, exited_workers: bool = False) -> None:
         """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace."""
         pods = [core.api_client.sanitize_for_serialization(pod) for pod in
                 self._call("list", "pods", core.list_namespaced_pod, self._ns(), label_selector=selector).items]
-        problems = pod_problems(pods, [])
+        problems = pod_problems(pods, [], exited_workers)
         if any(problem.reason == "Unschedulable" for problem in problems):  # is an autoscaler adding a node?
             events = self._call("list", "events", core.list_namespaced_event, self._ns(),
                                 field_selector="involvedObject.kind=Pod,reason=TriggeredScaleUp").items
-            problems = pod_problems(pods, [core.api_client.sanitize_for_serialization(e) for e in events])
+            problems = pod_problems(pods, [core.api_client.sanitize_for_serialization(e) for e in events],
+                                    exited_workers)
         new, late = clock.overdue(problems, time.monotonic())
         for problem in new:
             grace = clock.grace_for(problem)

@@ -7,9 +7,9 @@ The file system: an overlay whose lower layer is this machine's ``/`` (the proje
 for the image's contents; see ``images.py``) and whose upper layer is a private tmpfs, so nothing a
 container writes outside its volumes reaches the host. Into it go the image's files (read-only binds of
 the project's ``COPY`` sources and virtual environment), the pod's volumes at their ``mountPath``
-(``readOnly`` honoured), a private ``/tmp``, ``/proc`` of the new PID namespace, ``/dev``, ``/etc/hosts``
-and the host name. Then ``chroot``, ``chdir`` to the working directory, ``execvpe`` with exactly the
-container's environment.
+(``readOnly`` honoured), a private ``/tmp``, an empty ``/run``, ``/proc`` of the new PID namespace,
+``/dev``, ``/etc/hosts`` and the host name. Then ``chroot``, ``chdir`` to the working directory,
+``execvpe`` with exactly the container's environment.
 
 Only the standard library: this file runs before anything is set up.
 """
@@ -54,6 +54,9 @@ def build(spec: dict) -> Path:
     mount("-t", "overlay", "overlay", "-o", f"lowerdir=/,upperdir={sandbox / 'upper'},workdir={sandbox / 'work'}",
           str(root))
     mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(root / "tmp"))
+    # /run as an image has it: empty. What this machine's services made there at run time (sshd's
+    # privilege separation directory, say) is not in an image; the Dockerfile must make it.
+    mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", str(root / "run"))
     mount("--rbind", "/dev", str(root / "dev"))
     mount("-t", "proc", "proc", str(root / "proc"))
     mount("--rbind", "-o", "ro", "/sys", str(root / "sys"))
