@@ -10,16 +10,19 @@ and 5xx.
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from prefect.blocks.core import Block
-from pydantic import Field, PrivateAttr, SecretStr
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 
 from tasks.service_level import SERVICE_LEVELS
 
 DEFAULT_AUTHORITY = "login.microsoftonline.com"
+_POOL_ID = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft\.NetApp/"
+                      r"netAppAccounts/(?P<account>[^/]+)/capacityPools/(?P<pool>[^/]+)/?$", re.IGNORECASE)
 Level = Literal["Standard", "Premium", "Ultra"]
 
 
@@ -52,6 +55,26 @@ class AnfVolume(Block):
     polling_interval_s: float = Field(10.0, ge=0, description="how often a long-running operation is polled when "
                                                               "the service names no Retry-After")
     _management_client: Any = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _pools_of_this_account(self) -> AnfVolume:
+        """A volume moves only to a capacity pool of its own NetApp account (Microsoft Learn, "Dynamically
+        change the service level of a volume": the destination pool must be in the same NetApp account):
+        refuse any other pool when the block is made, not when a run promotes the volume."""
+        expected = (self.subscription_id.lower(), self.resource_group.lower(), self.account.lower())
+        for level, pool_id in self.pool_ids.items():
+            match = _POOL_ID.match(pool_id)
+            if match is None:
+                raise ValueError(f"pool_ids[{level!r}] = {pool_id!r} is not a capacity pool resource id "
+                                 "(/subscriptions/<sub>/resourceGroups/<rg>/providers/Microsoft.NetApp/"
+                                 "netAppAccounts/<account>/capacityPools/<pool>)")
+            found = (match["sub"].lower(), match["rg"].lower(), match["account"].lower())
+            if found != expected:
+                raise ValueError(f"pool_ids[{level!r}] is a pool of NetApp account '{match['account']}' (resource "
+                                 f"group '{match['rg']}'), but the volume is in account '{self.account}' (resource "
+                                 f"group '{self.resource_group}'): a volume moves only between pools of its own "
+                                 "NetApp account")
+        return self
     #: Pool changes of ours that outlived operation_timeout_s: Azure carries on with them.
     _in_flight: list[tuple[str, Any]] = PrivateAttr(default_factory=list)
 

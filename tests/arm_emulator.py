@@ -149,6 +149,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, "MissingApiVersionParameter", "The api-version query parameter (?api-version=) is "
                                                            "required for all requests.")
             return
+        if query["api-version"][0] != API_VERSION:
+            # ARM refuses a version the provider does not register for the type; this emulator knows the
+            # one spec it was written from, so any other is refused rather than answered by the wrong rules.
+            self._error(400, "NoRegisteredProviderFound",
+                        f"No registered resource provider found for location '{arm.location}' and API version "
+                        f"'{query['api-version'][0]}' for type 'netAppAccounts'. The supported api-versions are "
+                        f"'{API_VERSION}'.")
+            return
         operation = OPERATION.match(path)
         if operation and method == "GET":
             arm.actions.append(ACTIONS["operation_result"])
@@ -201,6 +209,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(400, "InvalidRequestContent", "newPoolResourceId is required")
                 return
             target = target_id.rstrip("/").rsplit("/", 1)[-1]
+            account = re.search(r"/netAppAccounts/([^/]+)/capacityPools/", target_id, re.IGNORECASE)
+            if account is None or account[1].lower() != match["account"].lower():
+                # Microsoft Learn, "Dynamically change the service level of a volume": the destination pool
+                # must be in the same NetApp account. (The rule is documented; this error's wording is ours.)
+                self._error(400, "InvalidPoolChange", "The destination capacity pool must be in the same NetApp "
+                                                      f"account as the volume ('{match['account']}')")
+                return
             if target not in arm.pools:
                 self._error(400, "InvalidPool", f"capacity pool {target} does not exist")
                 return

@@ -252,3 +252,37 @@ def test_a_volume_that_cannot_be_returned_is_reported_with_the_command_and_the_n
     assert second.is_completed()
     assert state.volumes["tusimple"]["pool"] == "pool-standard"
     assert Variable.get(home_level_key(VolumeRef(name="tusimple", location=""))) is None
+
+
+def test_pools_of_another_netapp_account_are_refused_by_the_block_and_by_azure(arm: tuple) -> None:
+    from azure.core.exceptions import HttpResponseError
+    from azure.mgmt.netapp.models import PoolChangeRequest
+
+    emulator, state = arm
+    elsewhere = POOLS.replace(f"netAppAccounts/{ACCOUNT}", "netAppAccounts/anf-other") + "/pool-premium"
+    with pytest.raises(ValueError, match=r"pool_ids\['Premium'\] is a pool of NetApp account 'anf-other' .* a "
+                                         r"volume moves only between pools of its own NetApp account"):
+        anf_volume(emulator, pool_ids={"Standard": f"{POOLS}/pool-standard", "Premium": elsewhere})
+    with pytest.raises(ValueError, match="is not a capacity pool resource id"):
+        anf_volume(emulator, pool_ids={"Standard": "pool-standard"})
+    client = anf_volume(emulator)._client()  # what Azure answers to a request the block now refuses to make
+    with pytest.raises(HttpResponseError, match="must be in the same NetApp account"):
+        client.volumes.begin_pool_change(RG, ACCOUNT, "pool-standard", "tusimple",
+                                         PoolChangeRequest(new_pool_resource_id=elsewhere)).result()
+    assert state.volumes["tusimple"]["pool"] == "pool-standard"
+
+
+def test_an_api_version_other_than_the_modelled_spec_is_refused(arm: tuple) -> None:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    emulator, _ = arm
+    request = urllib.request.Request(f"{emulator.arm.base}/subscriptions/{SUB}/resourceGroups/{RG}/providers/"
+                                     f"Microsoft.NetApp/netAppAccounts/{ACCOUNT}/capacityPools/pool-standard/volumes/"
+                                     "tusimple?api-version=2017-08-15", headers={"Authorization": f"Bearer {TOKEN}"})
+    context = ssl.create_default_context(cafile=str(emulator.ca_file))
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, context=context, timeout=30)
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["code"] == "NoRegisteredProviderFound"
