@@ -794,6 +794,20 @@ def _schedule(cluster: Cluster, pod: dict) -> bool:
     up (no test needs the second chance)."""
     if pod["spec"].get("nodeName"):
         return True
+    namespace = pod["metadata"]["namespace"]
+    for volume in pod["spec"].get("volumes") or []:
+        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        if claim is None:
+            continue
+        pvc = cluster.objects["persistentvolumeclaims"].get((namespace, claim))
+        # The VolumeBinding plugin (pkg/scheduler/framework/plugins/volumebinding): a missing claim, or one
+        # not bound yet, makes the pod unschedulable before any resource is looked at.
+        problem = (f'persistentvolumeclaim "{claim}" not found' if pvc is None else
+                   None if (pvc.get("status") or {}).get("phase") == "Bound" else
+                   "pod has unbound immediate PersistentVolumeClaims")
+        if problem:
+            return _unschedulable(cluster, pod, f"0/1 nodes are available: {problem}. preemption: 0/1 nodes are "
+                                                "available: 1 Preemption is not helpful for scheduling.")
     used: dict[str, int] = defaultdict(int)
     for other in cluster.objects["pods"].values():
         if other is not pod and other["spec"].get("nodeName") and \
@@ -805,8 +819,12 @@ def _schedule(cluster: Cluster, pod: dict) -> bool:
     if not short:
         pod["spec"]["nodeName"] = NODE_NAME
         return True
-    message = ("0/1 nodes are available: " + ", ".join(f"1 Insufficient {resource}" for resource in short)
-               + ". preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod.")
+    return _unschedulable(cluster, pod, "0/1 nodes are available: "
+                          + ", ".join(f"1 Insufficient {resource}" for resource in short)
+                          + ". preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod.")
+
+
+def _unschedulable(cluster: Cluster, pod: dict, message: str) -> bool:
     pod["status"].update({"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
          "lastTransitionTime": _now()}]})

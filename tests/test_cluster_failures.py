@@ -214,3 +214,13 @@ def test_a_worker_whose_sshd_cannot_start_fails_training_naming_it_instead_of_wa
     worker_log = (cluster.root / "pods" / "lanes" / "train-0123456789ab-worker-0" / "c0" / "output.log").read_text()
     assert "Missing privilege separation directory" in worker_log  # what sshd itself said
     assert cluster.count("mpijobs") == 0
+
+
+def test_training_on_a_claim_that_does_not_exist_fails_naming_the_claim(emulator: tuple) -> None:
+    emu, cluster = emulator
+    platform = cluster_platform(emu, pod_problem_grace_s=2)
+    handle = platform.submit_training(spec_for("gone", workers=2))  # the volume was never made (or deleted)
+    with pytest.raises(StageBlocked, match=r'Unschedulable: 0/1 nodes are available: persistentvolumeclaim "gone" '
+                                           r'not found\..*the pod\'s volume claim does not exist or is not bound'):
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
+    assert cluster.count("mpijobs") == 0

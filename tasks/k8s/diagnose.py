@@ -35,6 +35,8 @@ ADVICE = {
     "Unschedulable": "no node has what the pod asks for: lower gpus_per_worker or workers, or add nodes with "
                      "those resources (a cluster autoscaler needs a node pool that has them)",
 }
+CLAIM_ADVICE = ("the pod's volume claim does not exist or is not bound: run the stage that makes the volume (or "
+                "restore it), and check that the claim binds (kubectl describe pvc)")
 #: Waiting reasons that are part of a normal start.
 STARTING = {"ContainerCreating", "PodInitializing"}
 
@@ -52,6 +54,8 @@ class PodProblem:
 
     @property
     def advice(self) -> str:
+        if self.reason == "Unschedulable" and "persistentvolumeclaim" in self.message.lower():
+            return CLAIM_ADVICE
         return ADVICE.get(self.reason, "see kubectl describe pod for the events")
 
     def describe(self) -> str:
