@@ -97,6 +97,21 @@ def create_rwo_claim(emulator: KubernetesEmulator, name: str, namespace: str = "
         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
 
 
+def flow_run_messages(flow_run_id: str) -> list[str]:
+    """Every log message of a flow run and its task runs, as the Prefect server holds them."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
+    logs: list = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                       limit=200, offset=len(logs)):
+            logs += page
+    return [log.message for log in sorted(logs, key=lambda log: log.timestamp)]
+
+
 def check_golden(name: str, manifest: dict) -> None:
     path = GOLDEN / f"{name}.yaml"
     if os.environ.get("LANEFLOW_UPDATE_GOLDEN"):
@@ -132,6 +147,16 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, 
     name = saved(emu, "emu-cluster", namespace="laneflow")
     result = train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", package=True))
     assert result["metrics"]["images"] == 3 and result["steps"] == 2
+    # 2 workers over real ssh with the operator's key, mpirun started by horovodrun --hostfile: OpenMPI's
+    # tags on the launcher's lines, and the flow got every step and eval event of the run's record once.
+    (launcher,) = [log for (_, pod), log in cluster.logs.items() if "-launcher-" in pod]
+    assert '[1,0]<stdout>:{"event": "step"' in "".join(text for _, text in launcher.lines)
+    recorded = [json.loads(line) for line in (cluster.claim_dir("laneflow", "tusimple") / result["run_dir"]
+                                              / "metrics.jsonl").read_text().splitlines()]
+    logged = flow_run_messages(result["flow_run_id"])
+    steps = [int(m.split(":")[0].removeprefix("step ")) for m in logged if re.match(r"^step \d+: loss", m)]
+    assert steps == [e["step"] for e in recorded if e["event"] == "step"] and steps[-1] == 2
+    assert len([m for m in logged if m.startswith("eval: ")]) == len([e for e in recorded if e["event"] == "eval"])
     assert (cluster.count("persistentvolumeclaims"), cluster.count("mpijobs"), cluster.count("volumesnapshots")) \
         == (1, 1, 1)
     (pv,) = cluster.objects["persistentvolumes"].values()

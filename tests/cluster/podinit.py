@@ -31,7 +31,28 @@ def mount(*args: str) -> None:
 
 
 def inside(root: Path, path: str) -> Path:
-    return root / path.lstrip("/")
+    """``path`` in the container's file system, its symlinks resolved within ``root``: an absolute link
+    (Debian's ``/var/run -> /run``) points into the container, never at this machine, as a container
+    runtime resolves mount targets (runc's securejoin)."""
+    parts = [part for part in path.split("/") if part]
+    current, links = root, 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            current = current.parent if current != root else root
+            continue
+        candidate = current / part
+        if candidate.is_symlink():
+            links += 1
+            if links > 40:
+                raise OSError(f"too many levels of symbolic links in {path}")
+            link = os.readlink(candidate)
+            parts = [piece for piece in link.split("/") if piece] + parts
+            if link.startswith("/"):
+                current = root
+            continue
+        current = candidate
+    return current
 
 
 def make_target(target: Path, like_file: bool) -> None:
