@@ -14,6 +14,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.concurrency.sync import concurrency
 from prefect.events import emit_event
+from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_run
 from prefect.transactions import transaction
 
@@ -48,10 +49,14 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
         return
     platform = load_platform(params.platform)
     name = run_name(flow_run.id)
-    stopped = platform.cancel_training(name, VolumeRef(name=params.volume, location=""))
-    print(f"laneflow: training job {name} {'stopped' if stopped else 'was not running'} ({state.name})")
+    try:
+        stopped = platform.cancel_training(name, VolumeRef(name=params.volume, location=""))
+        print(f"laneflow: training job {name} {'stopped' if stopped else 'was not running'} ({state.name})")
+    except Exception as exc:  # the volume below must still go back
+        print(f"laneflow: could not stop training job {name} ({state.name}): {exc}")
     # The flow's own code did not get to return a promoted volume: do it here, or say how.
-    return_volume_home(platform, VolumeRef(name=params.volume, location=""), f"flow run {state.name.lower()}")
+    return_volume_home(platform, VolumeRef(name=params.volume, location=""), f"flow run {state.name.lower()}",
+                       logger=flow_run_logger(flow_run, flow))
 
 
 @flow(name="train_pipeline", on_cancellation=[stop_training], on_crashed=[stop_training])

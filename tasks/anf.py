@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -28,6 +29,10 @@ Level = Literal["Standard", "Premium", "Ultra"]
 
 class AnfError(RuntimeError):
     """An ANF operation that failed for good; names the operation and the volume."""
+
+
+class _Busy(Exception):
+    """The volume's provisioningState is not terminal: an operation on it is running."""
 
 
 class AnfVolume(Block):
@@ -115,7 +120,20 @@ class AnfVolume(Block):
 
     # --- operations ----------------------------------------------------------------------------------
     def locate(self) -> tuple[str, str, float]:
-        """(pool name, service level, quota in TiB) of the volume, looked up in the configured pools."""
+        """(pool name, service level, quota in TiB) of the volume, looked up in the configured pools. While
+        Azure is changing the volume (a pool change another process started: a crashed run's), its level
+        means nothing yet: wait for that to end, at most ``operation_timeout_s``."""
+        deadline = time.monotonic() + self.operation_timeout_s
+        while True:
+            try:
+                return self._locate_once()
+            except _Busy as busy:
+                if time.monotonic() > deadline:
+                    raise AnfError(f"volume '{self.volume}' is still {busy} after {self.operation_timeout_s:.0f} s "
+                                   "(an operation on it has not ended)") from None
+                time.sleep(max(self.polling_interval_s, 0.05))
+
+    def _locate_once(self) -> tuple[str, str, float]:
         client = self._client()
         for pool_id in self.pool_ids.values():
             pool = self.pool_name(pool_id)
@@ -123,6 +141,8 @@ class AnfVolume(Block):
                 found = client.volumes.get(self.resource_group, self.account, pool, self.volume)
             except ResourceNotFoundError:
                 continue
+            if found.provisioning_state not in (None, "Succeeded", "Failed"):
+                raise _Busy(str(found.provisioning_state))
             level = getattr(found.service_level, "value", found.service_level)
             return pool, str(level), found.usage_threshold / 1024 ** 4
         raise AnfError(f"volume '{self.volume}' is in none of the configured capacity pools "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -108,24 +109,37 @@ def _level_changed(volume: VolumeRef, before: str, after: str, why: str) -> None
                payload={"from": before, "to": after, "why": why})
 
 
-def return_volume_home(platform: Platform, volume: VolumeRef, why: str) -> bool:
+def return_volume_home(platform: Platform, volume: VolumeRef, why: str, logger: Any = None) -> bool:
     """Put a promoted volume back on its recorded level (on failure, cancellation or crash); when that is
-    impossible, say so loudly with the command that does it. True when the volume is home."""
-    try:
-        logger: Any = get_run_logger()  # the run's log, in the UI
-    except MissingContextError:  # a state hook outside the run
-        logger = logging.getLogger("laneflow.service_level")
+    impossible, say so loudly with the command that does it. True when the volume is home. Never raises:
+    it runs on the way out of a failure, whose own error must stay the one reported."""
+    if logger is None:
+        try:
+            logger = get_run_logger()  # the run's log, in the UI
+        except MissingContextError:  # a state hook outside the run that passed none
+            logger = logging.getLogger("laneflow.service_level")
     key = home_level_key(volume)
-    home = Variable.get(key, default=None)
+    try:
+        home = Variable.get(key, default=None)
+    except Exception as exc:
+        logger.error("LANEFLOW COULD NOT READ where volume %s came from (Prefect variable %s: %s): if this run "
+                     "promoted it, it is still on the higher level; run the pipeline again to return it",
+                     volume.name, key, exc)
+        return False
     if home is None:
         return True  # never promoted, or already returned
-    changed, error = False, None
-    for _ in range(3):  # a move that outlives its wait is waited for again by the next try
+    error: Exception | None = None
+    changed = False
+    for attempt in range(3):  # a move that outlives its wait is waited for again by the next try
         try:
             changed, error = platform.change_service_level(volume, home), None
             break
+        except ValueError as exc:  # a configuration error: trying again changes nothing
+            error = exc
+            break
         except Exception as exc:
             error = exc
+            time.sleep(min(30.0, 2.0 ** attempt))
     if error is not None:
         command = platform.service_level_command(volume, home) or "move it in the Azure portal"
         logger.error("LANEFLOW COULD NOT RETURN volume %s to %s after %s (%s): it stays on its higher, costlier "
@@ -133,7 +147,11 @@ def return_volume_home(platform: Platform, volume: VolumeRef, why: str) -> bool:
                      "kept in Prefect variable %s)", volume.name, home, why, error, command, key)
         print(f"laneflow: volume {volume.name} is NOT back on {home}: run {command}")
         return False
-    Variable.unset(key)
+    try:
+        Variable.unset(key)
+    except Exception as exc:  # home already; a later run finds it there and forgets the record then
+        logger.warning("volume %s is back on %s but Prefect variable %s could not be removed: %s", volume.name,
+                       home, key, exc)
     if changed:
         logger.warning("service level of %s returned to %s (%s)", volume.name, home, why)
         emit_event("laneflow.service_level.changed", resource=_resource("volume", volume.name),

@@ -309,7 +309,14 @@ def _volume_body(arm: Arm, match: re.Match, state: dict) -> dict:
             "location": arm.location,
             "properties": {"serviceLevel": state["level"], "usageThreshold": state["quota"],
                            "creationToken": match["volume"], "subnetId": "/subscriptions/x/subnets/anf",
-                           "provisioningState": "Succeeded"}}
+                           # ARM RPC: a resource reports a non-terminal provisioningState while an operation
+                           # on it runs; Microsoft.NetApp's volumes report Updating during a pool change.
+                           "provisioningState": "Updating" if _moving(arm, match["volume"]) else "Succeeded"}}
+
+
+def _moving(arm: Arm, volume: str) -> bool:
+    return any(r["op"] == "pool_change" and "outcome" not in r and f"/volumes/{volume}" in r["resource"]
+               for r in arm.operations.values())
 
 
 class ArmEmulator:

@@ -37,6 +37,8 @@ ADVICE = {
 }
 CLAIM_ADVICE = ("the pod's volume claim does not exist or is not bound: run the stage that makes the volume (or "
                 "restore it), and check that the claim binds (kubectl describe pvc)")
+PENDING_CLAIM_ADVICE = ("the pod's volume claim is not bound yet: check that its storage class provisions it "
+                        "(kubectl describe pvc)")
 #: Waiting reasons that are part of a normal start.
 STARTING = {"ContainerCreating", "PodInitializing"}
 
@@ -48,12 +50,27 @@ class PodProblem:
     pod: str
     reason: str
     message: str
-    #: The cluster autoscaler is adding a node for it: worth waiting longer.
+    #: The cluster autoscaler is adding a node for it.
     scaling_up: bool = False
     kind: str = "pod"
+    #: Stopped by a signal or a node going away rather than by its own failure: a retry can resume.
+    resumable: bool = False
+
+    @property
+    def patient(self) -> bool:
+        """Waiting for room (busy GPUs, a node being added, a claim still being provisioned) resolves by
+        itself on a shared cluster, so it gets the longer grace period; a bad image or config never does."""
+        return self.reason == "Unschedulable"
+
+    @property
+    def family(self) -> str:
+        """The kubelet alternates ErrImagePull and ImagePullBackOff for one failing pull: one problem."""
+        return "ImagePull" if self.reason in ("ErrImagePull", "ImagePullBackOff") else self.reason
 
     @property
     def advice(self) -> str:
+        if self.reason == "Unschedulable" and "unbound immediate persistentvolumeclaims" in self.message.lower():
+            return PENDING_CLAIM_ADVICE
         if self.reason == "Unschedulable" and "persistentvolumeclaim" in self.message.lower():
             return CLAIM_ADVICE
         return ADVICE.get(self.reason, "see kubectl describe pod for the events")
@@ -84,8 +101,13 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
                 status.get("reason") != "Evicted":
             terminated = next(((c.get("state") or {}).get("terminated") for c in status.get("containerStatuses") or []
                                if (c.get("state") or {}).get("terminated")), None) or {}
-            found.append(PodProblem(name, "WorkerExited", f"exit code {terminated.get('exitCode', '?')} "
-                                                          f"({terminated.get('reason', status.get('phase'))})"))
+            code = terminated.get("exitCode")
+            # A signal (128 + n) or a node that shut down: not the worker's own failure, a retry resumes.
+            resumable = (isinstance(code, int) and 128 < code <= 128 + 64) or \
+                status.get("reason") in ("Shutdown", "NodeShutdown", "Terminated", "NodeLost")
+            found.append(PodProblem(name, "WorkerExited", f"exit code {code if code is not None else '?'} "
+                                                          f"({terminated.get('reason', status.get('phase'))})",
+                                    resumable=resumable))
             continue
         if status.get("phase") in ("Succeeded", "Failed"):
             continue  # finished: the Job or MPIJob reports it
@@ -117,20 +139,20 @@ class ProblemClock:
     clears (an image pull that succeeds on retry, a node the autoscaler added) does not."""
 
     grace_s: float
-    scale_up_grace_s: float
+    scheduling_grace_s: float
     first_seen: dict[tuple[str, str], float]
 
     def grace_for(self, problem: PodProblem) -> float:
-        return self.scale_up_grace_s if problem.scaling_up else self.grace_s
+        return self.scheduling_grace_s if problem.patient else self.grace_s
 
     def overdue(self, problems: list[PodProblem], now: float) -> tuple[list[PodProblem], list[PodProblem]]:
         """(new problems to report, problems past their grace period)."""
-        current = {(p.pod, p.reason) for p in problems}
+        current = {(p.pod, p.family) for p in problems}
         for key in list(self.first_seen):
             if key not in current:
                 del self.first_seen[key]
-        new = [p for p in problems if (p.pod, p.reason) not in self.first_seen]
+        new = [p for p in problems if (p.pod, p.family) not in self.first_seen]
         for problem in new:
-            self.first_seen[(problem.pod, problem.reason)] = now
-        late = [p for p in problems if now - self.first_seen[(p.pod, p.reason)] >= self.grace_for(p)]
+            self.first_seen[(problem.pod, problem.family)] = now
+        late = [p for p in problems if now - self.first_seen[(p.pod, p.family)] >= self.grace_for(p)]
         return new, late

@@ -130,8 +130,10 @@ class ClusterPlatform(Platform):
     poll_interval_s: float = Field(5.0, gt=0, description="how often job state and logs are read")
     pod_problem_grace_s: float = Field(60.0, ge=0, description="how long a stage's pod may stay unable to run (image "
                                        "pull, scheduling, configuration) before the stage fails naming why")
-    scale_up_grace_s: float = Field(900.0, ge=0, description="the same while a cluster autoscaler adds a node for "
-                                                             "the pod (its TriggeredScaleUp event)")
+    scheduling_grace_s: float = Field(900.0, ge=0, description="how long a pod may wait for room on the cluster "
+                                      "(GPUs busy with other jobs, a node an autoscaler adds, a claim being "
+                                      "provisioned) before the stage fails naming what it asked for; with Run:ai "
+                                      "its queue decides and this does not apply")
     prepare_deadline_s: float = Field(12 * 3600, gt=0, description="the dataset stage's deadline: past it the "
                                                                    "prepare Job is deleted and the stage fails")
     api_attempts: int = Field(6, ge=1, description="tries per API call on 429/5xx/connection errors")
@@ -331,7 +333,7 @@ class ClusterPlatform(Platform):
                 finished = bool(status and (status.succeeded or status.failed))
                 if not finished:
                     try:
-                        self._check_pods(core, f"job-name={name}", clock, log)
+                        self._check_pods(core, f"job-name={name}", clock, log, "its Job was deleted")
                     except StageBlocked:
                         delete_after = True  # nothing it started will run: leave nothing waiting
                         raise
@@ -512,15 +514,15 @@ class ClusterPlatform(Platform):
                 if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
                     self._check_warnings(core, job, warnings_seen, on_log)
                 if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
-                    self._check_pods(core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
-                                     exited_workers=True)
+                    try:
+                        self._check_pods(core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
+                                         "the MPIJob was deleted", exited_workers=True)
+                    except (StageBlocked, TrainingInterrupted):
+                        self.cancel_training(name, handle.spec.volume)  # a retry submits a fresh one
+                        raise
                 streamed = self._follow_log(core, selector, cursor, output.feed, deadline)
                 if state == "succeeded":
-                    events = output.events
-                    if cursor.gaps:  # lines rotated away unread: the run's own record has every event
-                        events = last_attempt(self.read_file(handle.spec.volume,
-                                                             f"{handle.spec.run_dir}/metrics.jsonl").decode())
-                    return outcome_from_events(name, events, time.monotonic() - started, list(output.tail))
+                    break
                 if state == "failed":
                     break
                 if time.monotonic() > deadline:
@@ -529,11 +531,14 @@ class ClusterPlatform(Platform):
                                          list(output.tail))
                 if not streamed:
                     time.sleep(self.poll_interval_s)
-        except (TrainingFailed, TransientPlatformError, PermissionError):
+        except (TrainingFailed, TransientPlatformError, PermissionError, StageBlocked):
             raise
         except BaseException:  # task cancelled, flow run terminated: leave nothing running
             self.cancel_training(name, handle.spec.volume)
             raise
+        if state == "succeeded":
+            return outcome_from_events(name, self._all_events(handle, output, cursor, on_log),
+                                       time.monotonic() - started, list(output.tail))
         condition = _failed_condition(job)
         reason = condition.get("reason", "")
         detail = f"{reason}: {condition.get('message', '')}; pods: {self._pod_reasons(core, name) or 'none found'}"
@@ -541,6 +546,19 @@ class ClusterPlatform(Platform):
         if reading.resumable:
             raise TrainingInterrupted(f"MPIJob {name} stopped ({reading.reason}); {detail}")
         raise TrainingFailed(f"MPIJob {name} failed ({reading.reason}); {detail}", list(output.tail))
+
+    def _all_events(self, handle: TrainingHandle, output: JobOutput, cursor: LogCursor,
+                    on_log: LogSink) -> list[dict[str, Any]]:
+        """The finished run's events: as streamed, or, when lines were rotated away unread, from the run's
+        own record (falling back to what was streamed if that cannot be read)."""
+        if not cursor.gaps:
+            return output.events
+        try:
+            return last_attempt(self.read_file(handle.spec.volume, f"{handle.spec.run_dir}/metrics.jsonl").decode())
+        except Exception as exc:  # the training succeeded: do not fail it over its summary
+            on_log(f"laneflow: could not read {handle.spec.run_dir}/metrics.jsonl after the log gap ({exc}); the "
+                   "outcome is from the events streamed")
+            return output.events
 
     def _check_warnings(self, core: kubernetes.client.CoreV1Api, job: dict, seen: set[str], on_log: LogSink) -> None:
         """Fail fast when the operator refused the job: it then only records a Warning event, no condition.
@@ -562,10 +580,10 @@ class ClusterPlatform(Platform):
                 on_log(f"warning from the MPI operator: {key}")
 
     def _problem_clock(self) -> ProblemClock:
-        return ProblemClock(self.pod_problem_grace_s, self.scale_up_grace_s, {})
+        return ProblemClock(self.pod_problem_grace_s, self.scheduling_grace_s, {})
 
     def _check_pods(self, core: kubernetes.client.CoreV1Api, selector: str, clock: ProblemClock,
-                    log: LogSink, exited_workers: bool = False) -> None:
+                    log: LogSink, stopping: str, exited_workers: bool = False) -> None:
         """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace."""
         pods = [core.api_client.sanitize_for_serialization(pod) for pod in
                 self._call("list", "pods", core.list_namespaced_pod, self._ns(), label_selector=selector).items]
@@ -575,15 +593,22 @@ class ClusterPlatform(Platform):
                                 field_selector="involvedObject.kind=Pod,reason=TriggeredScaleUp").items
             problems = pod_problems(pods, [core.api_client.sanitize_for_serialization(e) for e in events],
                                     exited_workers)
+        queued = self.runai_project is not None  # Run:ai's queue decides when a pod is scheduled
         new, late = clock.overdue(problems, time.monotonic())
         for problem in new:
-            grace = clock.grace_for(problem)
+            if queued and problem.patient:
+                log(f"laneflow: {problem.describe()}; waiting for the Run:ai queue of project {self.runai_project}")
+                continue
             log(f"laneflow: {problem.describe()}"
                 + ("; a cluster autoscaler is adding a node for it" if problem.scaling_up else "")
-                + f"; the stage fails if it lasts {grace:.0f} s")
+                + f"; the stage fails if it lasts {clock.grace_for(problem):.0f} s")
+        late = [problem for problem in late if not (queued and problem.patient)]
+        if late and all(problem.resumable for problem in late):
+            raise TrainingInterrupted(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late)
+                                      + f" ({stopping})")
         if late:
             raise StageBlocked(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late)
-                                 + " (the stage's Job was deleted)")
+                               + f" ({stopping})")
 
     def _pod_reasons(self, core: kubernetes.client.CoreV1Api, name: str) -> str:
         pods = self._call("list", "pods", core.list_namespaced_pod, self._ns(),
