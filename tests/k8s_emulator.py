@@ -946,11 +946,12 @@ def _bind_pvc(cluster: Cluster, pvc: dict) -> None:
             problem = f"snapshot {source['name']} not bound"
         elif not snapshot["status"].get("readyToUse"):
             problem = f"snapshot {source['name']} is not Ready"
-        elif quantity_bytes(str(pvc["spec"]["resources"]["requests"]["storage"])) < \
-                quantity_bytes(str(snapshot["status"]["restoreSize"])):
-            problem = (f"requested volume size {quantity_bytes(str(pvc['spec']['resources']['requests']['storage']))}"
-                       f" is less than the size {quantity_bytes(str(snapshot['status']['restoreSize']))} for the "
-                       f"source snapshot {source['name']}")
+        else:
+            requested = quantity_bytes(str(pvc["spec"]["resources"]["requests"]["storage"]))
+            restore_size = quantity_bytes(str(snapshot["status"]["restoreSize"]))
+            if requested < restore_size:
+                problem = (f"requested volume size {requested} is less than the size {restore_size} for the source "
+                           f"snapshot {source['name']}")
         if problem:
             _record_event(cluster, pvc, "Warning", "ProvisioningFailed", f"failed to provision volume with "
                           f"StorageClass \"{pvc['spec'].get('storageClassName')}\": error getting handle for "

@@ -44,13 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.cluster.images import ImageConfig, container_argv, read_image
+from tests.k8s_schemas import quantity_value
 
 PODINIT = Path(__file__).with_name("podinit.py")
 #: The interpreter the project's environment is: bound wherever an image has its virtual environment.
 PROJECT_ENV = Path(sys.prefix)
-_QUANTITY = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-_SUFFIX = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][-._A-Za-z0-9]*)\)")
 
 
@@ -76,12 +74,12 @@ def pod_runtime_missing() -> str | None:
 
 
 def quantity_bytes(quantity: str) -> int:
-    """A Kubernetes quantity (``8Gi``, ``500M``) in bytes (apimachinery resource.Quantity, plain suffixes)."""
-    match = _QUANTITY.match(str(quantity))
-    if not match:
-        raise ValueError(f"quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
-                         f": {quantity!r}")
-    return int(float(match["number"]) * _SUFFIX[match["suffix"]])
+    """A Kubernetes quantity (``8Gi``, ``500M``) in bytes, read as the API server reads it
+    (``k8s_schemas.quantity_value``, apimachinery's ParseQuantity)."""
+    value, error = quantity_value(str(quantity))
+    if error is not None:
+        raise ValueError(f"{error}: {quantity!r}")
+    return int(value)
 
 
 def expand_references(value: str, env: dict[str, str]) -> str:
