@@ -85,7 +85,6 @@ def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, n
     if transaction is not None:  # what the rollback hook needs
         transaction.set("platform", platform)
         transaction.set("volume", volume)
-        transaction.set("previous_level", home)
     if not wanted:
         logger.info("service level stays %s (promotion is off for this run)", level)
         return home

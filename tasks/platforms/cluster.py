@@ -29,7 +29,7 @@ from prefect_kubernetes.credentials import KubernetesCredentials
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator
 
 from tasks.anf import AnfVolume
-from tasks.k8s.diagnose import ProblemClock, claim_problems, pod_problems
+from tasks.k8s.diagnose import PodProblem, ProblemClock, claim_problems, pod_problems
 from tasks.k8s.logs import LogCursor, LogFormatError, format_timestamp
 from tasks.k8s.manifests import (
     MANAGED_BY,
@@ -280,12 +280,7 @@ class ClusterPlatform(Platform):
                                 field_selector=f"involvedObject.kind=PersistentVolumeClaim,"
                                                f"involvedObject.name={volume.name}").items
             problems = claim_problems(volume.name, [core.api_client.sanitize_for_serialization(e) for e in events])
-            new, late = clock.overdue(problems, time.monotonic())
-            for problem in new:
-                _LOG.warning("laneflow: %s; the stage fails if it lasts %.0f s", problem.describe(),
-                                     clock.grace_for(problem))
-            if late:
-                raise StageBlocked(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late))
+            self._act_on(problems, clock, _LOG.warning, stopping=None)
             if time.monotonic() > deadline:
                 raise StageDeadlineExceeded(f"PVC {volume.location} is not bound after 10 minutes and no event says "
                                             "why; check its storage class and provisioner")
@@ -593,6 +588,11 @@ class ClusterPlatform(Platform):
                                 field_selector="involvedObject.kind=Pod,reason=TriggeredScaleUp").items
             problems = pod_problems(pods, [core.api_client.sanitize_for_serialization(e) for e in events],
                                     exited_workers)
+        self._act_on(problems, clock, log, stopping)
+
+    def _act_on(self, problems: list[PodProblem], clock: ProblemClock, log: LogSink, stopping: str | None) -> None:
+        """Say each new problem once; raise for those past their grace period (resumable ones as an
+        interruption), naming what was stopped."""
         queued = self.runai_project is not None  # Run:ai's queue decides when a pod is scheduled
         new, late = clock.overdue(problems, time.monotonic())
         for problem in new:
@@ -603,12 +603,13 @@ class ClusterPlatform(Platform):
                 + ("; a cluster autoscaler is adding a node for it" if problem.scaling_up else "")
                 + f"; the stage fails if it lasts {clock.grace_for(problem):.0f} s")
         late = [problem for problem in late if not (queued and problem.patient)]
-        if late and all(problem.resumable for problem in late):
-            raise TrainingInterrupted(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late)
-                                      + f" ({stopping})")
-        if late:
-            raise StageBlocked(f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late)
-                               + f" ({stopping})")
+        if not late:
+            return
+        message = f"in namespace {self._ns()}: " + "; ".join(p.describe() for p in late) + \
+            (f" ({stopping})" if stopping else "")
+        if all(problem.resumable for problem in late):
+            raise TrainingInterrupted(message)
+        raise StageBlocked(message)
 
     def _pod_reasons(self, core: kubernetes.client.CoreV1Api, name: str) -> str:
         pods = self._call("list", "pods", core.list_namespaced_pod, self._ns(),
@@ -781,7 +782,7 @@ class ClusterPlatform(Platform):
 
     def find_lineage(self, name: str) -> dict[str, Any]:
         if self.snapshotter == "anf":
-            found = [ref for ref in self._anf_snapshots(only=name) if ref.name == name]
+            found = self._anf_snapshots(only=name)
             if not found:
                 raise KeyError(f"no ANF snapshot named '{name}' of volume '{self._anf().volume}'")
             return found[0].lineage
@@ -848,13 +849,18 @@ class NamespaceNotFound(LookupError):
     """The block's namespace does not exist (the NamespaceLifecycle admission plugin's 404 on create)."""
 
 
-def _missing_namespace(exc: ApiException) -> str | None:
-    """The namespace a 404 says does not exist (``namespaces "x" not found``), or None for any other 404."""
+def _status_of(exc: ApiException) -> dict[str, Any]:
+    """The API server's Status body of an error, or {} when the body is not one."""
     try:
         status = json.loads(exc.body or "{}")
     except (TypeError, ValueError):
-        return None
-    details = status.get("details") or {}
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def _missing_namespace(exc: ApiException) -> str | None:
+    """The namespace a 404 says does not exist (``namespaces "x" not found``), or None for any other 404."""
+    details = _status_of(exc).get("details") or {}
     if details.get("kind") == "namespaces" and details.get("name"):
         return str(details["name"])
     return None
@@ -866,10 +872,7 @@ def _stays_on(volume: VolumeRef, relative_path: str) -> None:
 
 
 def _message(exc: ApiException) -> str:
-    try:
-        return json.loads(exc.body).get("message", exc.reason)
-    except (TypeError, ValueError):
-        return str(exc.reason)
+    return str(_status_of(exc).get("message", exc.reason))
 
 
 def _retry_after(exc: ApiException) -> float | None:
