@@ -309,8 +309,9 @@ def _volume_body(arm: Arm, match: re.Match, state: dict) -> dict:
             "location": arm.location,
             "properties": {"serviceLevel": state["level"], "usageThreshold": state["quota"],
                            "creationToken": match["volume"], "subnetId": "/subscriptions/x/subnets/anf",
-                           # ARM RPC: a resource reports a non-terminal provisioningState while an operation
-                           # on it runs; Microsoft.NetApp's volumes report Updating during a pool change.
+                           # ARM RPC (resource-provider contract): a resource reports a non-terminal
+                           # provisioningState while an operation on it runs. That a volume says "Updating"
+                           # during a pool change is our assumption, not read from the NetApp spec.
                            "provisioningState": "Updating" if _moving(arm, match["volume"]) else "Succeeded"}}
 
 
