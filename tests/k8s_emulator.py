@@ -72,6 +72,7 @@ from tests.cluster.runtime import (
     container_env,
     container_spec,
     hosts_file,
+    memory_limits_missing,
     quantity_bytes,
     secret_bytes,
     stage_files,
@@ -95,6 +96,7 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "serviceaccounts": ("", "v1", "ServiceAccount", True),
     "secrets": ("", "v1", "Secret", True),
     "configmaps": ("", "v1", "ConfigMap", True),
+    "limitranges": ("", "v1", "LimitRange", True),
     "jobs": ("batch", "v1", "Job", True),
     "mpijobs": ("kubeflow.org", "v2beta1", "MPIJob", True),
     "volumesnapshots": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshot", True),
@@ -163,6 +165,15 @@ class Cluster:
     image_pull_s: float = 0.2
     #: After a failed pull, when the kubelet reports ImagePullBackOff (10 s upstream).
     image_pull_backoff_s: float = 1.0
+    #: The kubelet's first wait before restarting a crashed container, doubled per restart up to 30 times it
+    #: (pkg/kubelet: 10 s, capped at MaxContainerBackOff 300 s upstream; shortened here).
+    crash_backoff_s: float = 1.0
+    #: Between tries of a volume that failed to mount (the volume manager's exponential back-off from 500 ms
+    #: to 2 min 2 s upstream, pkg/util/goroutinemap/exponentialbackoff; fixed here).
+    mount_retry_s: float = 1.0
+    #: Claims (namespace, name) whose NFS export refuses this node (an ANF export policy without the node
+    #: subnet): mounting them fails as mount.nfs fails, which no process here can reproduce.
+    nfs_refused: set[tuple[str, str]] = field(default_factory=set)
     #: The one node's allocatable resources (bytes, milli-CPU, counts), what the scheduler fits pods into.
     node_capacity: dict[str, int] = field(default_factory=lambda: {
         "cpu": 64_000, "memory": 256 * 2**30, "ephemeral-storage": 2**40, "nvidia.com/gpu": 8})
@@ -213,7 +224,8 @@ class Cluster:
         return len(self.objects[kind])
 
     def load(self, documents: list[dict]) -> None:
-        """Apply manifests as an administrator would (``kubectl apply``): validated, stored; RBAC from now on."""
+        """Apply manifests as an administrator would (``kubectl apply``): validated, stored; RBAC from now on
+        once they bring any RBAC object."""
         with self.lock:
             for document in documents:
                 stored = check(document, "Strict").obj
@@ -223,7 +235,8 @@ class Cluster:
                 key = (stored["metadata"].get("namespace", "default") if namespaced else "",
                        stored["metadata"]["name"])
                 self.objects[resource][key] = stored
-            self.rbac_enforced = True
+                if resource in ("roles", "rolebindings", "clusterroles", "clusterrolebindings"):
+                    self.rbac_enforced = True
 
     def events_for(self, name: str) -> list[dict]:
         return [e for e in self.objects["events"].values() if e["involvedObject"]["name"] == name]
@@ -461,6 +474,12 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "GET":
             return (200, store[key], []) if key in store else (404, not_found, [])
         if method == "POST":
+            if isinstance(body, dict):
+                # apiserver handlers/create.go decodes with the endpoint's kind as the default GVK: a body
+                # without apiVersion/kind is read as the resource the URL names.
+                version = RESOURCES[resource][1]
+                body.setdefault("apiVersion", f"{group}/{version}" if group else version)
+                body.setdefault("kind", kind)
             checked = check(body, (query.get("fieldValidation") or [None])[0])
             obj = checked.obj
             if obj["kind"] != kind:
@@ -602,9 +621,17 @@ def _stamp_metadata(cluster: Cluster, obj: dict, namespace: str | None) -> None:
 
 
 def _record_event(cluster: Cluster, obj: dict, kind: str, reason: str, message: str, component: str) -> None:
-    """A core/v1 Event as client-go's recorder makes it (tools/record/event.go makeEvent)."""
+    """A core/v1 Event as client-go's recorder makes it (tools/record/event.go makeEvent); the same event of
+    the same object again bumps ``count`` and ``lastTimestamp`` (tools/record/events_cache.go
+    ``EventCorrelator``: identical events are aggregated, not repeated)."""
     metadata = obj["metadata"]
     namespace = metadata.get("namespace", "default")
+    for event in cluster.objects["events"].values():
+        if event["involvedObject"].get("uid") == metadata.get("uid") and event["reason"] == reason and \
+                event["message"] == message[:1024] and event["type"] == kind:
+            event["count"] += 1
+            event["lastTimestamp"] = _now()
+            return
     name = f"{metadata['name']}.{time.time_ns():x}"
     event = {"apiVersion": "v1", "kind": "Event",
              "metadata": {"name": name, "namespace": namespace, "uid": f"event-{time.time_ns()}",
@@ -650,8 +677,18 @@ def _fqdn(pod: dict) -> str | None:
     return f"{spec.get('hostname') or pod['metadata']['name']}.{spec['subdomain']}.{namespace}.svc.cluster.local"
 
 
+class MountFailure(Exception):
+    """A volume the kubelet cannot set up: the pod stays ContainerCreating, a FailedMount Warning says why."""
+
+    def __init__(self, volume: str, detail: str) -> None:
+        super().__init__(f'MountVolume.SetUp failed for volume "{volume}" : {detail}')
+
+
 def _mounts(cluster: Cluster, pod: dict, container: dict, folder: Path) -> list[Mount]:
-    """The container's volumeMounts made concrete, as the kubelet's volume manager would."""
+    """The container's volumeMounts made concrete, as the kubelet's volume manager would. A Secret or
+    ConfigMap that does not exist, or an NFS export that refuses the node, is a ``MountFailure``
+    (pkg/volume/secret ``SetUpAt``: ``secret "<name>" not found``; the CSI driver's NodePublishVolume error
+    for NFS) — not a CreateContainerConfigError, which is for env references."""
     namespace = pod["metadata"]["namespace"]
     volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
     mounts = []
@@ -668,16 +705,25 @@ def _mounts(cluster: Cluster, pod: dict, container: dict, folder: Path) -> list[
             if pvc is None or (pvc.get("status") or {}).get("phase") != "Bound":
                 raise LookupError(f'persistentvolumeclaim "{claim}" not found or not bound')
             readonly = readonly or bool(volume["persistentVolumeClaim"].get("readOnly"))
+            if (namespace, claim) in cluster.nfs_refused:
+                pv = pvc["spec"]["volumeName"]
+                raise MountFailure(pv, f"rpc error: code = Internal desc = error mounting NFS volume "
+                                       f"10.0.0.4:/{pv} on mountpoint /var/lib/kubelet/pods/{pod['metadata']['uid']}"
+                                       f"/volumes/kubernetes.io~csi/{pv}/mount: exit status 32: mount.nfs: access "
+                                       f"denied by server while mounting 10.0.0.4:/{pv}")
             mounts.append(Mount(target, cluster.claim_dir(namespace, claim), readonly))
         elif "secret" in volume or "configMap" in volume:
             kind, source = ("secrets", volume["secret"]) if "secret" in volume else ("configmaps", volume["configMap"])
             name = source.get("secretName") or source.get("name")
             obj = cluster.objects[kind].get((namespace, name))
             if obj is None:
-                raise LookupError(f'{kind[:-1]} "{name}" not found')
+                raise MountFailure(mount["name"], f'{kind[:-1]} "{name}" not found')
             data = secret_bytes(obj) if kind == "secrets" else configmap_bytes(obj)
-            staged = stage_files(folder / "volumes" / mount["name"], data, source.get("items"),
-                                 source.get("defaultMode", 0o644))
+            try:
+                staged = stage_files(folder / "volumes" / mount["name"], data, source.get("items"),
+                                     source.get("defaultMode", 0o644))
+            except KeyError as exc:
+                raise MountFailure(mount["name"], str(exc.args[0])) from None
             mounts.append(Mount(target, staged, readonly=True))  # the kubelet mounts these read-only
         elif "emptyDir" in volume:
             empty = volume["emptyDir"] or {}
@@ -703,13 +749,32 @@ def _lookup_key(cluster: Cluster, namespace: str) -> Callable[[str, str, str], s
     return lookup
 
 
-def _start_container(cluster: Cluster, pod: dict, on_exit: Callable[[int], None]) -> None:
-    """Pull the pod's image and run its (first) container; its output becomes the pod's log, its exit the
-    container status. An image nobody builds fails to pull (ErrImagePull, a Warning event)."""
+def _start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]) -> None:
+    """Mount the pod's volumes, pull its image and run its (first) container; its output becomes the pod's
+    log, its exit the container's ``terminated`` state given to ``on_exit``. Volumes come first, as in the
+    kubelet's SyncPod (WaitForAttachAndMount before the runtime starts anything): one that fails keeps the
+    pod ContainerCreating, with a FailedMount Warning, retried. An image nobody builds fails to pull
+    (ErrImagePull, a Warning event). ``limits.memory`` is a memory cgroup where this machine has one
+    (``memory_limits_missing``): over it, the kernel kills and the reason is OOMKilled."""
     namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
     container = pod["spec"]["containers"][0]
     if not _schedule(cluster, pod):
         return
+    folder = cluster.root / "pods" / namespace / name
+    try:
+        mounts = _mounts(cluster, pod, container, folder)
+    except MountFailure as failure:
+        _record_event(cluster, pod, "Warning", "FailedMount", str(failure), "kubelet")
+
+        def retry() -> None:
+            if cluster.objects["pods"].get((namespace, name)) is pod and (namespace, name) not in cluster.containers:
+                _start_container(cluster, pod, on_exit)
+        _later(cluster, cluster.mount_retry_s, retry)
+        return
+    except LookupError as exc:
+        mounts, mount_error = [], exc
+    else:
+        mount_error = None
     image = cluster.images.pull(container.get("image", ""))
     if image is None:
         # kubelet pkg/kubelet/images/image_manager.go: a failed pull is ErrImagePull with a Failed event, and
@@ -731,14 +796,15 @@ def _start_container(cluster: Cluster, pod: dict, on_exit: Callable[[int], None]
     hostname = pod["spec"].get("hostname") or name
     others = [(cluster.pod_networks[(ns, other)][1], fqdn) for (ns, other), obj in cluster.objects["pods"].items()
               if ns == namespace and other != name and (ns, other) in cluster.pod_networks and (fqdn := _fqdn(obj))]
-    folder = cluster.root / "pods" / namespace / name
     instance = f"c{pod['status'].get('containerStatuses', [{}])[0].get('restartCount', 0)}"
     try:
+        if mount_error is not None:
+            raise mount_error
         env = container_env(image, container, pod, hostname, ip, _lookup_key(cluster, namespace))
         env[SESSION_MARKER] = os.environ.get(SESSION_MARKER, "")  # bookkeeping of the test suite, not the pod's
         spec = container_spec(image, container, pod, sandbox=folder / instance / "fs", hostname=hostname,
                               hosts=hosts_file(ip, hostname, _fqdn(pod), others), env=env,
-                              mounts=_mounts(cluster, pod, container, folder), project_paths=[PROJECT_ROOT])
+                              mounts=mounts, project_paths=[PROJECT_ROOT])
     except (LookupError, ValueError) as exc:
         message = f"Error: {exc}"
         _set_container_state(pod, {"waiting": {"reason": "CreateContainerConfigError", "message": message}}, False)
@@ -763,10 +829,13 @@ def _start_container(cluster: Cluster, pod: dict, on_exit: Callable[[int], None]
             log.running = False
             if cluster.containers.get((namespace, name)) is running:
                 cluster.containers.pop((namespace, name))
-                on_exit(code)
+                reason = "OOMKilled" if running.oom_killed else "Completed" if code == 0 else "Error"
+                on_exit({"exitCode": code, "reason": reason, "finishedAt": _now()})
             cluster.changed.notify_all()
 
-    running = start_container(spec, folder / instance, netns, grace, line, exited)
+    limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+    memory = quantity_bytes(str(limit)) if limit is not None and memory_limits_missing() is None else None
+    running = start_container(spec, folder / instance, netns, grace, line, exited, memory_limit=memory)
     cluster.containers[(namespace, name)] = running
 
 
@@ -859,6 +928,7 @@ def _make_pod(cluster: Cluster, owner: dict, name: str, template: dict, extra_la
     """A pod from a template, admitted as the API server admits it: its service account must exist."""
     namespace = owner["metadata"]["namespace"]
     spec = copy.deepcopy(template.get("spec") or {})
+    _limit_range_defaults(cluster, namespace, spec)
     account = spec.get("serviceAccountName", "default")
     if cluster.rbac_enforced and account != "default" and \
             (namespace, account) not in cluster.objects["serviceaccounts"]:
@@ -879,6 +949,24 @@ def _make_pod(cluster: Cluster, owner: dict, name: str, template: dict, extra_la
     _set_container_state(pod, {"waiting": {"reason": "ContainerCreating"}}, ready=False)
     cluster.objects["pods"][(namespace, name)] = pod
     return pod
+
+
+def _limit_range_defaults(cluster: Cluster, namespace: str, spec: dict) -> None:
+    """The LimitRanger admission plugin (plugin/pkg/admission/limitranger/admission.go
+    ``defaultContainerResourceRequirements``/``mergeContainerResources``): each ``type: Container`` limit of
+    the namespace's LimitRanges gives a container its ``default`` limits and ``defaultRequest`` requests for
+    the resources it does not set itself."""
+    for (ns, _), limit_range in cluster.objects["limitranges"].items():
+        if ns != namespace:
+            continue
+        for item in (limit_range.get("spec") or {}).get("limits") or []:
+            if item.get("type") != "Container":
+                continue
+            for container in spec.get("containers") or []:
+                resources = container.setdefault("resources", {})
+                for field_name, defaults in (("limits", item.get("default")), ("requests", item.get("defaultRequest"))):
+                    for resource, quantity in (defaults or {}).items():
+                        resources.setdefault(field_name, {}).setdefault(resource, quantity)
 
 
 def _later(cluster: Cluster, delay_s: float, action: Callable[[], None]) -> None:
@@ -1014,28 +1102,46 @@ def _new_job_pod(cluster: Cluster, job: dict) -> None:
 def _run_job_container(cluster: Cluster, job: dict, pod: dict, namespace: str) -> None:
     if (namespace, pod["metadata"]["name"]) not in cluster.objects["pods"]:
         return
-    _start_container(cluster, pod, lambda code: _job_container_exited(cluster, job, pod, code))
+    _start_container(cluster, pod, lambda state: _job_container_exited(cluster, job, pod, state))
 
 
-def _job_container_exited(cluster: Cluster, job: dict, pod: dict, code: int) -> None:
+def _crash_loop(cluster: Cluster, pod: dict, terminated: dict, restart: Callable[[], None]) -> int:
+    """The kubelet restarts a failed container in place (restartPolicy OnFailure/Always) after a back-off:
+    meanwhile it is Waiting with reason CrashLoopBackOff and a BackOff Warning is recorded
+    (pkg/kubelet/kuberuntime ``doBackOff``; 10 s doubling to 300 s upstream). Returns the restart count."""
+    namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+    restarts = pod["status"]["containerStatuses"][0].get("restartCount", 0) + 1
+    container = pod["spec"]["containers"][0]["name"]
+    delay = min(cluster.crash_backoff_s * 2 ** (restarts - 1), cluster.crash_backoff_s * 30)
+    who = f"{name}_{namespace}({pod['metadata']['uid']})"
+    _set_container_state(pod, {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {delay:g}s "
+                                           f"restarting failed container={container} pod={who}"}},
+                         ready=False, restarts=restarts)
+    pod["status"]["containerStatuses"][0]["lastState"] = {"terminated": terminated}
+    _record_event(cluster, pod, "Warning", "BackOff", f"Back-off restarting failed container {container} in pod "
+                                                      f"{who}", "kubelet")
+
+    def again() -> None:
+        if cluster.objects["pods"].get((namespace, name)) is pod and (namespace, name) not in cluster.containers:
+            _start_container(cluster, pod, restart)
+    _later(cluster, delay, again)
+    return restarts
+
+
+def _job_container_exited(cluster: Cluster, job: dict, pod: dict, terminated: dict) -> None:
     namespace = pod["metadata"]["namespace"]
     if (namespace, pod["metadata"]["name"]) not in cluster.objects["pods"]:
         return
-    reason = "Completed" if code == 0 else "Error"  # OOMKilled only where a memory limit is enforced: none here
-    terminated = {"terminated": {"exitCode": code, "reason": reason, "finishedAt": _now()}}
+    code = terminated["exitCode"]
     restart_policy = pod["spec"].get("restartPolicy", "Always")
     if code != 0 and restart_policy == "OnFailure":
-        # The kubelet restarts the container in place: a new instance, a new (empty) log file.
-        restarts = pod["status"]["containerStatuses"][0].get("restartCount", 0) + 1
-        _set_container_state(pod, {"running": {"startedAt": _now()}}, ready=True, restarts=restarts)
-        pod["status"]["containerStatuses"][0]["lastState"] = terminated
+        # pkg/controller/job: with OnFailure the pod's restarts count against backoffLimit.
+        restarts = _crash_loop(cluster, pod, terminated, lambda again: _job_container_exited(cluster, job, pod, again))
         if restarts > job["spec"]["backoffLimit"]:
             _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
-            return
-        _start_container(cluster, pod, lambda again: _job_container_exited(cluster, job, pod, again))
         return
     pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
-    _set_container_state(pod, terminated, ready=False)
+    _set_container_state(pod, {"terminated": terminated}, ready=False)
     job["status"]["active"] = 0
     if code == 0:
         job["status"].update({"succeeded": 1, "completionTime": _now()})
@@ -1277,17 +1383,22 @@ def _worker_template(job: dict, spec: dict, index: int) -> dict:
 def _run_worker(cluster: Cluster, job: dict, pod: dict) -> None:
     if (pod["metadata"]["namespace"], pod["metadata"]["name"]) not in cluster.objects["pods"]:
         return
-    _start_container(cluster, pod, lambda code: _worker_exited(cluster, pod, code))
+    _start_container(cluster, pod, lambda state: _worker_exited(cluster, pod, state))
     _sync_owner(cluster, pod)
 
 
-def _worker_exited(cluster: Cluster, pod: dict, code: int) -> None:
+def _worker_exited(cluster: Cluster, pod: dict, terminated: dict) -> None:
     if (pod["metadata"]["namespace"], pod["metadata"]["name"]) not in cluster.objects["pods"]:
+        return
+    code = terminated["exitCode"]
+    if code != 0 and pod["spec"].get("restartPolicy", "Always") in ("Always", "OnFailure") and \
+            pod["status"].get("phase") != "Failed":
+        _crash_loop(cluster, pod, terminated, lambda again: _worker_exited(cluster, pod, again))
+        _sync_owner(cluster, pod)
         return
     if pod["status"].get("phase") != "Failed":  # an eviction already set it
         pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
-    _set_container_state(pod, {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                              "finishedAt": _now()}}, ready=False)
+    _set_container_state(pod, {"terminated": terminated}, ready=False)
     _sync_owner(cluster, pod)
 
 

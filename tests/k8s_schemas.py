@@ -58,6 +58,7 @@ CORE_SCHEMAS = {
     ("v1", "Secret"): "secret-v1.json",
     ("v1", "ConfigMap"): "configmap-v1.json",
     ("v1", "Namespace"): "namespace-v1.json",
+    ("v1", "LimitRange"): "limitrange-v1.json",
     ("batch/v1", "Job"): "job-batch-v1.json",
     ("rbac.authorization.k8s.io/v1", "Role"): "role-rbac-v1.json",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebinding-rbac-v1.json",

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import kubernetes
 import pytest
 from kubernetes.client.exceptions import ApiException
 
@@ -17,10 +20,11 @@ from tasks.platforms import StageBlocked, StageDeadlineExceeded, TrainingFailed
 from tasks.platforms.cluster import NamespaceNotFound
 from tasks.retry import is_transient
 from tests.cluster.network import node_address
+from tests.cluster.runtime import memory_limits_missing
 from tests.conftest import PROJECT_ROOT
 from tests.http_server import Fault, RunningServer
 from tests.k8s_emulator import KubernetesEmulator
-from tests.test_cluster_platform import TRAIN_IMAGE, client_apis, cluster_platform, spec_for
+from tests.test_cluster_platform import DATA_IMAGE, TRAIN_IMAGE, client_apis, cluster_platform, spec_for
 from training.data.sources import Artifact
 
 
@@ -248,3 +252,123 @@ def test_training_on_a_claim_that_does_not_exist_fails_naming_the_claim(emulator
                                            r'not found\..*the pod\'s volume claim does not exist or is not bound'):
         platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
     assert cluster.count("mpijobs") == 0
+
+
+def test_a_volume_the_node_cannot_mount_fails_the_stage_naming_the_mount_error(
+        emulator: tuple, served_archive: tuple[str, str]) -> None:
+    """An ANF export policy without the node subnet: the kubelet's NFS mount is refused, the pod stays
+    ContainerCreating (no waiting reason says more) and only its FailedMount events tell why."""
+    emu, cluster = emulator
+    platform = cluster_platform(emu, pod_problem_grace_s=3)
+    volume = platform.ensure_volume("data")
+    platform.ensure_shared_access(volume)
+    cluster.nfs_refused.add(("lanes", "data"))
+    logs: list[str] = []
+    with pytest.raises(StageBlocked) as caught:
+        platform.prepare_dataset(volume, [Artifact(*served_archive)], logs.append)
+    message = str(caught.value)
+    assert re.search(r"pod prepare-data-[0-9a-f]{16}-\w+ is not running \(FailedMount: MountVolume\.SetUp failed "
+                     r'for volume "pvc-[\w-]+" : .*access denied by server', message)
+    assert "export policy" in message
+    assert any("the stage fails if it lasts 3 s" in line for line in logs)
+    assert not is_transient(caught.value)
+    assert cluster.count("jobs") == 0 and cluster.count("pods") == 0
+    (event,) = [e for e in cluster.objects["events"].values() if e["reason"] == "FailedMount"]
+    assert event["type"] == "Warning" and event["source"]["component"] == "kubelet"
+
+
+def test_a_dataset_stage_killed_for_memory_is_reported_as_oomkilled_and_not_retried(
+        emulator: tuple, served_archive: tuple[str, str]) -> None:
+    """A namespace LimitRange gives containers without limits a default memory limit (LimitRanger); the
+    dataset stage's Python outgrows it and the kernel's OOM killer ends it without a word in its log."""
+    if missing := memory_limits_missing():
+        pytest.skip(missing)
+    emu, cluster = emulator
+    cluster.load([{"apiVersion": "v1", "kind": "LimitRange", "metadata": {"name": "small", "namespace": "lanes"},
+                   "spec": {"limits": [{"type": "Container", "default": {"memory": "40Mi"}}]}}])
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    with pytest.raises(StageBlocked) as caught:
+        platform.prepare_dataset(volume, [Artifact(*served_archive)], lambda _: None)
+    message = str(caught.value)
+    assert re.search(r"job lanes/prepare-data-[0-9a-f]{16} failed: pod prepare-data-[0-9a-f]{16}-\w+ is not "
+                     r"running \(OOMKilled: exit code 137 \(OOMKilled\)\); .*limits\.memory.*LimitRange", message)
+    assert "sigprocmask" not in message  # the pod's log is the container's output only
+    assert not is_transient(caught.value)
+
+
+def test_a_container_that_keeps_crashing_is_in_crashloopbackoff_as_laneflow_reads_it(emulator: tuple) -> None:
+    """restartPolicy OnFailure (laneflow's pods use Never; a user's changed manifest may not): the kubelet
+    waits longer before each restart, the container Waiting in CrashLoopBackOff, BackOff events counted."""
+    emu, cluster = emulator
+    core, _ = client_apis(emu)
+    batch = kubernetes.client.BatchV1Api(core.api_client)
+    cluster_platform(emu)  # the project's images exist
+    batch.create_namespaced_job("lanes", {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "crashes"},
+        "spec": {"backoffLimit": 6, "template": {"spec": {"restartPolicy": "OnFailure", "containers": [
+            {"name": "main", "image": DATA_IMAGE, "command": ["python", "-c", "raise SystemExit(3)"]}]}}}})
+    pod = _wait_for_pod(core, "job-name=crashes", lambda p: _waiting_reason(p) == "CrashLoopBackOff"
+                        and p["status"]["containerStatuses"][0]["restartCount"] >= 2)
+    status = pod["status"]["containerStatuses"][0]
+    assert status["lastState"]["terminated"]["exitCode"] == 3
+    assert re.fullmatch(r"back-off \d+s restarting failed container=main pod=crashes-\w+_lanes\(.+\)",
+                        status["state"]["waiting"]["message"])
+    (problem,) = pod_problems([pod], [])
+    assert problem.reason == "CrashLoopBackOff" and "its log says why" in problem.describe()
+    (backoff,) = [e for e in cluster.events_for(pod["metadata"]["name"]) if e["reason"] == "BackOff"]
+    assert backoff["count"] >= 2  # one event, aggregated as the recorder does
+    batch.delete_namespaced_job("crashes", "lanes", propagation_policy="Background")
+
+
+def test_a_secret_volume_that_does_not_exist_keeps_the_pod_creating_with_failedmount(emulator: tuple) -> None:
+    """A missing Secret in a volume is the kubelet's FailedMount (the pod waits, retried), not the
+    CreateContainerConfigError of a missing env reference; created later, the pod starts."""
+    emu, cluster = emulator
+    core, _ = client_apis(emu)
+    batch = kubernetes.client.BatchV1Api(core.api_client)
+    cluster_platform(emu)
+    batch.create_namespaced_job("lanes", {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "needs-keys"},
+        "spec": {"backoffLimit": 0, "template": {"spec": {
+            "restartPolicy": "Never", "volumes": [{"name": "keys", "secret": {"secretName": "keys"}}],
+            "containers": [{"name": "main", "image": DATA_IMAGE, "volumeMounts": [{"name": "keys", "mountPath": "/k"}],
+                            "command": ["python", "-c", "print(open('/k/token').read())"]}]}}}})
+    pod = _wait_for_pod(core, "job-name=needs-keys", lambda p: any(
+        e["reason"] == "FailedMount" for e in cluster.events_for(p["metadata"]["name"])))
+    assert _waiting_reason(pod) == "ContainerCreating" and pod["status"]["phase"] == "Pending"
+    events = [core.api_client.sanitize_for_serialization(e) for e in
+              core.list_namespaced_event("lanes", field_selector="involvedObject.kind=Pod").items]
+    (problem,) = pod_problems([pod], events)
+    assert problem.reason == "FailedMount"
+    assert 'MountVolume.SetUp failed for volume "keys" : secret "keys" not found' in problem.message
+    assert "create it in the namespace" in problem.describe()
+    core.create_namespaced_secret("lanes", {"metadata": {"name": "keys"}, "stringData": {"token": "s3cret"}})
+    _wait_for_pod(core, "job-name=needs-keys", lambda p: p["status"]["phase"] == "Succeeded")
+    assert "s3cret" in core.read_namespaced_pod_log(pod["metadata"]["name"], "lanes")
+
+
+def test_a_worker_killed_for_memory_is_not_resumable() -> None:
+    """Exit 137 is SIGKILL, which a preemption also sends; OOMKilled says it was the worker's own memory."""
+    oom = {"metadata": {"name": "w", "labels": {"training.kubeflow.org/job-role": "worker"}},
+           "status": {"phase": "Failed", "containerStatuses": [
+               {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}}
+    (problem,) = pod_problems([oom], [], exited_workers=True)
+    assert problem.reason == "OOMKilled" and not problem.resumable and "limits.memory" in problem.describe()
+
+
+def _waiting_reason(pod: dict) -> str | None:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+    return ((statuses[0].get("state") or {}).get("waiting") or {}).get("reason")
+
+
+def _wait_for_pod(core: kubernetes.client.CoreV1Api, selector: str, ready: Callable[[dict], bool]) -> dict:
+    """The first pod of ``selector`` once ``ready`` holds for it, as the API answers it (camelCase dicts)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for pod in core.list_namespaced_pod("lanes", label_selector=selector).items:
+            as_dict = core.api_client.sanitize_for_serialization(pod)
+            if ready(as_dict):
+                return as_dict
+        time.sleep(0.2)
+    raise AssertionError(f"no pod of {selector} reached the awaited state in 120 s")

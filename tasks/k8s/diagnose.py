@@ -7,12 +7,16 @@ hours later. Each problem below is what a user meets first on a new cluster, wit
 Sources: container waiting reasons from the kubelet (``pkg/kubelet/images/types.go``: ``ErrImagePull``,
 ``ImagePullBackOff``, ``InvalidImageName``; ``pkg/kubelet/kuberuntime``: ``CreateContainerConfigError``,
 ``CrashLoopBackOff``), the ``PodScheduled=False`` condition with reason ``Unschedulable`` that
-kube-scheduler sets, and the cluster autoscaler's ``TriggeredScaleUp`` event on a pod it is adding a
-node for.
+kube-scheduler sets, the cluster autoscaler's ``TriggeredScaleUp`` event on a pod it is adding a
+node for, the kubelet's ``FailedMount`` Warning on a pod whose volume cannot be set up (it stays
+``ContainerCreating``: the waiting reason never says so, only the event does; pkg/kubelet/volumemanager
+``WaitForAttachAndMount``), and a container terminated with reason ``OOMKilled`` (the kernel's OOM killer
+in its memory cgroup, reported by the container runtime).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +30,9 @@ ADVICE = {
     "CreateContainerConfigError": "a Secret or ConfigMap the pod refers to, or one of its keys, is missing: "
                                   "create it in the namespace",
     "CrashLoopBackOff": "the container keeps exiting right after it starts: its log says why",
+    "OOMKilled": "the container used more memory than its limit and the kernel killed it: raise limits.memory "
+                 "(a LimitRange of the namespace may set one by default: kubectl describe limitrange) or lower "
+                 "batch_size / the DataLoader's workers",
     "WorkerExited": "an MPI worker must keep sshd running for the launcher (the operator waits for every worker "
                     "and never replaces one that exited): its log says why it stopped (kubectl logs <pod>); see "
                     "README, 'What the training image must contain'",
@@ -35,6 +42,11 @@ ADVICE = {
     "Unschedulable": "no node has what the pod asks for: lower gpus_per_worker or workers, or add nodes with "
                      "those resources (a cluster autoscaler needs a node pool that has them)",
 }
+MOUNT_OBJECT_ADVICE = ("a Secret or ConfigMap the pod mounts does not exist: create it in the namespace (an "
+                       "MPIJob's <job>-ssh and <job>-config are the MPI operator's: check that it runs)")
+MOUNT_VOLUME_ADVICE = ("the node cannot mount the volume: check that the ANF volume's export policy allows the "
+                       "cluster's node subnet and that the nodes reach the volume's delegated subnet; the kubelet's "
+                       "message above says what the NFS mount answered")
 CLAIM_ADVICE = ("the pod's volume claim does not exist or is not bound: run the stage that makes the volume (or "
                 "restore it), and check that the claim binds (kubectl describe pvc)")
 PENDING_CLAIM_ADVICE = ("the pod's volume claim is not bound yet: check that its storage class provisions it "
@@ -73,6 +85,9 @@ class PodProblem:
             return PENDING_CLAIM_ADVICE
         if self.reason == "Unschedulable" and "persistentvolumeclaim" in self.message.lower():
             return CLAIM_ADVICE
+        if self.reason == "FailedMount":
+            missing = re.search(r'(secret|configmap) "[^"]*" not found', self.message, re.IGNORECASE)
+            return MOUNT_OBJECT_ADVICE if missing else MOUNT_VOLUME_ADVICE
         return ADVICE.get(self.reason, "see kubectl describe pod for the events")
 
     def describe(self) -> str:
@@ -88,8 +103,10 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
     ``exited_workers``: an MPIJob's worker that stopped (not evicted) is a problem too. The MPI operator
     marks the job failed only for evicted workers (``updateMPIJobStatus``); with another worker gone, a job
     waiting for its workers never starts its launcher, and a running one hangs on it."""
-    scaling = {e["involvedObject"]["name"] for e in events
-               if e.get("reason") == "TriggeredScaleUp" and (e.get("involvedObject") or {}).get("kind") == "Pod"}
+    pod_events = [e for e in events if (e.get("involvedObject") or {}).get("kind") == "Pod"]
+    scaling = {e["involvedObject"]["name"] for e in pod_events if e.get("reason") == "TriggeredScaleUp"}
+    mount_failures = _newest_by_pod(e for e in pod_events if e.get("reason") == "FailedMount"
+                                    and e.get("type") == "Warning")
     found = []
     for pod in pods:
         name = pod["metadata"]["name"]
@@ -102,12 +119,15 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
             terminated = next(((c.get("state") or {}).get("terminated") for c in status.get("containerStatuses") or []
                                if (c.get("state") or {}).get("terminated")), None) or {}
             code = terminated.get("exitCode")
+            why = terminated.get("reason", status.get("phase"))
+            described = f"exit code {code if code is not None else '?'} ({why})"
+            if terminated.get("reason") == "OOMKilled":  # SIGKILL, but by its own memory use: a retry meets it again
+                found.append(PodProblem(name, "OOMKilled", described))
+                continue
             # A signal (128 + n) or a node that shut down: not the worker's own failure, a retry resumes.
             resumable = (isinstance(code, int) and 128 < code <= 128 + 64) or \
                 status.get("reason") in ("Shutdown", "NodeShutdown", "Terminated", "NodeLost")
-            found.append(PodProblem(name, "WorkerExited", f"exit code {code if code is not None else '?'} "
-                                                          f"({terminated.get('reason', status.get('phase'))})",
-                                    resumable=resumable))
+            found.append(PodProblem(name, "WorkerExited", described, resumable=resumable))
             continue
         if status.get("phase") in ("Succeeded", "Failed"):
             continue  # finished: the Job or MPIJob reports it
@@ -115,10 +135,56 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
             if condition.get("type") == "PodScheduled" and condition.get("status") == "False" and \
                     condition.get("reason") == "Unschedulable":
                 found.append(PodProblem(name, "Unschedulable", condition.get("message", ""), name in scaling))
+        waiting_reasons = set()
         for container in status.get("containerStatuses") or []:
             waiting = (container.get("state") or {}).get("waiting")
-            if waiting and waiting.get("reason") and waiting["reason"] not in STARTING:
-                found.append(PodProblem(name, waiting["reason"], waiting.get("message", "")))
+            if waiting and waiting.get("reason"):
+                waiting_reasons.add(waiting["reason"])
+                if waiting["reason"] not in STARTING:
+                    found.append(PodProblem(name, waiting["reason"], waiting.get("message", "")))
+        if name in mount_failures and (not waiting_reasons or waiting_reasons <= STARTING):
+            found.append(PodProblem(name, "FailedMount", mount_failures[name].get("message", "")))
+    return found
+
+
+def needs_events(pods: list[dict[str, Any]], problems: list[PodProblem]) -> bool:
+    """Whether the pods' events can tell more: a pod waiting to be scheduled (is a node being added?) or one
+    bound to a node but still creating its container (is a volume failing to mount?)."""
+    if any(problem.reason == "Unschedulable" for problem in problems):
+        return True
+    for pod in pods:
+        status = pod.get("status") or {}
+        if status.get("phase") == "Pending" and (pod.get("spec") or {}).get("nodeName") and \
+                not pod["metadata"].get("deletionTimestamp"):
+            return True
+    return False
+
+
+def _newest_by_pod(events: Any) -> dict[str, dict[str, Any]]:
+    newest: dict[str, dict[str, Any]] = {}
+    for event in events:
+        name = event["involvedObject"]["name"]
+        if name not in newest or _event_time(event) >= _event_time(newest[name]):
+            newest[name] = event
+    return newest
+
+
+def _event_time(event: dict[str, Any]) -> str:
+    return event.get("lastTimestamp") or event.get("eventTime") or ""
+
+
+def terminated_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
+    """Containers of finished pods that the kernel killed for memory (``OOMKilled``): the one reason a failed
+    Job's log cannot give, as the process died without a word."""
+    found = []
+    for pod in pods:
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            for state in (container.get("state"), container.get("lastState")):
+                terminated = (state or {}).get("terminated") or {}
+                if terminated.get("reason") == "OOMKilled":
+                    found.append(PodProblem(pod["metadata"]["name"], "OOMKilled",
+                                            f"exit code {terminated.get('exitCode', '?')} (OOMKilled)"))
+                    break
     return found
 
 
@@ -129,7 +195,7 @@ def claim_problems(claim: str, events: list[dict[str, Any]]) -> list[PodProblem]
               and (e.get("involvedObject") or {}).get("name") == claim]
     if not failed:
         return []
-    newest = max(failed, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    newest = max(failed, key=_event_time)
     return [PodProblem(claim, "ProvisioningFailed", newest.get("message", ""), kind="persistentvolumeclaim")]
 
 

@@ -29,7 +29,14 @@ from prefect_kubernetes.credentials import KubernetesCredentials
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator
 
 from tasks.anf import AnfVolume
-from tasks.k8s.diagnose import PodProblem, ProblemClock, claim_problems, pod_problems
+from tasks.k8s.diagnose import (
+    PodProblem,
+    ProblemClock,
+    claim_problems,
+    needs_events,
+    pod_problems,
+    terminated_problems,
+)
 from tasks.k8s.logs import LogCursor, LogFormatError, format_timestamp
 from tasks.k8s.manifests import (
     MANAGED_BY,
@@ -337,6 +344,12 @@ class ClusterPlatform(Platform):
                     if status.succeeded:
                         return seen
                     tail = "\n".join(seen[-LOG_TAIL:])
+                    pods = self._call("list", "pods", core.list_namespaced_pod, self._ns(),
+                                      label_selector=f"job-name={name}").items
+                    killed = terminated_problems([core.api_client.sanitize_for_serialization(p) for p in pods])
+                    if killed:  # the same limit kills it again: not worth a retry
+                        raise StageBlocked(f"job {self._ns()}/{name} failed: "
+                                           + "; ".join(p.describe() for p in killed) + f". Its log ends:\n{tail}")
                     raise RuntimeError(f"job {self._ns()}/{name} failed; its log ends:\n{tail}")
                 if time.monotonic() > deadline:
                     delete_after = True  # stop what the stage started: a deadline is not retried
@@ -583,9 +596,9 @@ class ClusterPlatform(Platform):
         pods = [core.api_client.sanitize_for_serialization(pod) for pod in
                 self._call("list", "pods", core.list_namespaced_pod, self._ns(), label_selector=selector).items]
         problems = pod_problems(pods, [], exited_workers)
-        if any(problem.reason == "Unschedulable" for problem in problems):  # is an autoscaler adding a node?
+        if needs_events(pods, problems):  # an autoscaler adding a node? a volume that does not mount?
             events = self._call("list", "events", core.list_namespaced_event, self._ns(),
-                                field_selector="involvedObject.kind=Pod,reason=TriggeredScaleUp").items
+                                field_selector="involvedObject.kind=Pod").items
             problems = pod_problems(pods, [core.api_client.sanitize_for_serialization(e) for e in events],
                                     exited_workers)
         self._act_on(problems, clock, log, stopping)

@@ -5,9 +5,10 @@ with its image's configuration, its env, its working directory, its host name an
 What runs for real and what is modelled:
 
 - real: the container's process tree (PID 1 of its own PID namespace; mount and UTS namespaces; a private
-  overlay root), bind-mounted PVC folders, Secret and ConfigMap files with their modes (read-only, as the
-  kubelet mounts them), ``emptyDir`` (``medium: Memory`` as a tmpfs of ``sizeLimit``), the container's
-  exit code and its output as the pod log;
+  overlay root), its ``limits.memory`` as a memory cgroup of the kernel (whose OOM killer decides, as it
+  does under runc; ``MemoryCgroup``), bind-mounted PVC folders, Secret and ConfigMap files with their
+  modes (read-only, as the kubelet mounts them), ``emptyDir`` (``medium: Memory`` as a tmpfs of
+  ``sizeLimit``), the container's exit code and its output as the pod log;
 - modelled: the image (``images.py``: the project's environment plus the Dockerfile's facts), the pod
   network (``network.py``: a network namespace per pod with an address of its own on a bridge of this
   machine, as the reference CNI ``bridge`` plugin sets a node up; no NetworkPolicy, no Services but the
@@ -170,6 +171,71 @@ def hosts_file(ip: str, hostname: str, fqdn: str | None, others: list[tuple[str,
     return "\n".join(lines) + "\n"
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass
+class MemoryCgroup:
+    """A container's memory cgroup with its ``limits.memory``, as runc makes one (cgroup v2 ``memory.max``,
+    v1 ``memory.limit_in_bytes``). Over the limit the kernel's OOM killer kills in the group and counts it
+    (v2 ``memory.events``, v1 ``memory.oom_control``: ``oom_kill N``); the CRI reports such an exit with
+    reason ``OOMKilled`` (containerd ``internal/cri/server/events.go`` ``handleContainerExit``: the task's
+    exit carries the OOM event, which the kubelet shows as the terminated reason)."""
+
+    path: Path
+    v2: bool
+
+    @classmethod
+    def create(cls, name: str, limit_bytes: int) -> MemoryCgroup:
+        v2 = (CGROUP_ROOT / "cgroup.controllers").exists()
+        if v2:
+            controllers = (CGROUP_ROOT / "cgroup.subtree_control").read_text().split()
+            if "memory" not in controllers:
+                (CGROUP_ROOT / "cgroup.subtree_control").write_text("+memory")
+            path = CGROUP_ROOT / name
+        else:
+            path = CGROUP_ROOT / "memory" / name
+        path.mkdir()
+        (path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_bytes))
+        return cls(path, v2)
+
+    @property
+    def procs(self) -> Path:
+        return self.path / "cgroup.procs"
+
+    def oom_kills(self) -> int:
+        text = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
+        counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+        return int(counts.get("oom_kill", 0))
+
+    def remove(self) -> None:
+        """Once its processes are gone (an exited PID namespace's last processes may still be reaped)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+@functools.cache
+def memory_limits_missing() -> str | None:
+    """Why ``limits.memory`` cannot be enforced here (no writable memory cgroup), or None."""
+    try:
+        group = MemoryCgroup.create(f"laneflow-probe-{os.getpid()}", 64 * 2**20)
+    except OSError as exc:
+        return f"no writable memory cgroup under {CGROUP_ROOT} ({exc.strerror}): memory limits cannot be enforced"
+    try:
+        group.oom_kills()
+    except (OSError, ValueError) as exc:
+        return f"the memory cgroup does not count OOM kills ({exc})"
+    finally:
+        group.remove()
+    return None
+
+
 @dataclass
 class ContainerProcess:
     """A running container: ``unshare`` and, below it, the container's PID 1."""
@@ -177,6 +243,9 @@ class ContainerProcess:
     process: subprocess.Popen
     sandbox: Path
     grace_s: float
+    memory: MemoryCgroup | None = None
+    #: Set when it exited: the kernel's OOM killer killed in its memory cgroup.
+    oom_killed: bool = False
 
     def init_pid(self) -> int | None:
         try:
@@ -280,32 +349,60 @@ def container_spec(image: ImageConfig, container: dict, pod: dict, *, sandbox: P
             "cwd": container.get("workingDir") or image.workdir, "env": env, "argv": argv}
 
 
+#: What util-linux 2.38's unshare prints, exiting 1, when its child (the container's PID 1) was killed by
+#: SIGKILL: it mirrors a child's death by signal by unblocking that signal and sending it to itself, and
+#: the unblock fails for SIGKILL. The container runtime reports such an exit as 137.
+UNSHARE_SIGKILL_FAILURE = "unshare: sigprocmask unblock failed: Invalid argument"
+
+
 def start(spec: dict, folder: Path, netns: str, grace_s: float, on_line: Callable[[str], None],
-          on_exit: Callable[[int], None]) -> ContainerProcess:
-    """Run the container described by ``spec`` in the pod's network namespace ``netns``; its output goes line
-    by line to ``on_line``, its exit code (128 + signal when killed) to ``on_exit``."""
+          on_exit: Callable[[int], None], memory_limit: int | None = None) -> ContainerProcess:
+    """Run the container described by ``spec`` in the pod's network namespace ``netns`` (in a memory cgroup
+    of ``memory_limit`` bytes when given); its output goes line by line to ``on_line``, its exit code
+    (128 + signal when killed) to ``on_exit``, after ``oom_killed`` is set."""
     folder.mkdir(parents=True, exist_ok=True)
     spec_file = folder / "container.json"
     spec_file.write_text(json.dumps(spec))
     sandbox = Path(spec["sandbox"])
     sandbox.mkdir(parents=True, exist_ok=True)
+    argv = ["nsenter", f"--net=/run/netns/{netns}",
+            "unshare", "--pid", "--kill-child=SIGKILL", "--mount", "--uts", "--propagation", "private",
+            sys.executable, "-I", str(PODINIT), str(spec_file)]
+    memory = None
+    if memory_limit is not None:
+        memory = MemoryCgroup.create(f"laneflow-{os.getpid()}-{time.time_ns():x}", memory_limit)
+        # Into the cgroup before anything of the container runs: everything it starts inherits it.
+        argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(memory.procs), *argv]
     process = subprocess.Popen(
-        ["nsenter", f"--net=/run/netns/{netns}",
-         "unshare", "--pid", "--kill-child=SIGKILL", "--mount", "--uts", "--propagation", "private",
-         sys.executable, "-I", str(PODINIT), str(spec_file)],
+        argv,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
         start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                      **{k: v for k, v in os.environ.items() if k == "LANEFLOW_TEST_SESSION"}})
-    running = ContainerProcess(process, sandbox, grace_s)
+    running = ContainerProcess(process, sandbox, grace_s, memory)
 
     def pump() -> None:
         assert process.stdout is not None
+        held = None
         with (folder / "output.log").open("a", encoding="utf-8") as kept:  # for whoever debugs a test
             for line in process.stdout:
                 kept.write(line)
                 kept.flush()
+                if held is not None:
+                    on_line(held)
+                    held = None
+                if line.rstrip("\n") == UNSHARE_SIGKILL_FAILURE:
+                    held = line
+                    continue
                 on_line(line)
-        on_exit(ContainerProcess.exit_code(process.wait()))
+        code = ContainerProcess.exit_code(process.wait())
+        if held is not None and code == 1:
+            code = 128 + signal.SIGKILL  # PID 1 was SIGKILLed; unshare could not die the same way
+        elif held is not None:
+            on_line(held)
+        if memory is not None:
+            running.oom_killed = memory.oom_kills() > 0
+            memory.remove()
+        on_exit(code)
 
     threading.Thread(target=pump, daemon=True, name=f"container-{folder.name}").start()
     return running
