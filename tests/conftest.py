@@ -168,3 +168,16 @@ def emulator(tmp_path: Path) -> Iterator[tuple]:
     emulator = KubernetesEmulator(tmp_path / "cluster")
     with emulator as cluster:
         yield emulator, cluster
+
+
+@pytest.fixture
+def arm(tmp_path: Path) -> Iterator[tuple]:
+    """The ARM emulator with a NetApp account of three pools and a 2 TiB volume ``tusimple`` on Standard:
+    (the emulator, its state)."""
+    from tests.arm_emulator import ArmEmulator
+
+    emulator = ArmEmulator(tmp_path / "arm")
+    with emulator as state:
+        state.pools = {"pool-standard": "Standard", "pool-premium": "Premium", "pool-ultra": "Ultra"}
+        state.volumes["tusimple"] = {"pool": "pool-standard", "level": "Standard", "quota": 2 * 1024 ** 4}
+        yield emulator, state

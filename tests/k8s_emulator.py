@@ -27,6 +27,17 @@ The controllers behave as their upstream source says (each model cites the file 
   and evicted workers (``MPIJobEvicted``).
 - The snapshot controller (kubernetes-csi/external-snapshotter v8.6 ``pkg/common-controller``): retries,
   keeps only the last error in ``status.error`` and clears it when ``readyToUse`` turns true.
+- Deletion (apiserver ``registry/generic/registry/store.go``, the garbage collector): ``propagationPolicy``
+  Foreground (owner readable with the ``foregroundDeletion`` finalizer until its blocking dependents are
+  gone), Background, Orphan; a batch/v1 Job's default is Orphan, with the API server's warning; a pod
+  whose container runs stays, ``deletionTimestamp`` set, until the kubelet stopped it. The
+  TTL-after-finished controller deletes finished Jobs (``Cluster.advance`` moves its clock).
+- Updates (``tests/k8s_updates.py``): PATCH by media type (JSON, merge, strategic merge; apply needs a
+  field manager; 415 for the rest and for strategic merge of custom resources), PUT with optimistic
+  concurrency, immutable fields refused, PVC resize only where the class allows it.
+- The kubelet: volumes before the image (``FailedMount`` for a missing Secret/ConfigMap or a refused NFS
+  export, retried), ``limits.memory`` as a memory cgroup (``OOMKilled``), LimitRange defaults (the
+  LimitRanger admission plugin), restarts in place through ``CrashLoopBackOff``.
 - The kubelet's logs (kubernetes ``pkg/kubelet/kuberuntime/logs/logs.go``): ``timestamps`` in
   RFC3339NanoFixed, ``sinceSeconds`` inclusive, rotation at ``log_max_bytes`` after which a plain read
   returns only the current file, and ``follow`` streams that carry on across rotations (PR #115702)
@@ -78,7 +89,8 @@ from tests.cluster.runtime import (
     stage_files,
 )
 from tests.cluster.runtime import start as start_container
-from tests.k8s_schemas import Rejection, apply_crd_defaults, check, invalid, not_supported, required
+from tests.k8s_schemas import Rejection, apply_crd_defaults, check, invalid, invalid_status, not_supported, required
+from tests.k8s_updates import apply_patch, check_update
 from tests.leaks import MARKER as SESSION_MARKER
 
 #: The emulated cluster's one node.
@@ -192,6 +204,9 @@ class Cluster:
     rbac_enforced: bool = False
     #: The MPI operator's in-memory view of each MPIJob (defaulted spec), by (namespace, name).
     operator_specs: dict[tuple[str, str], dict] = field(default_factory=dict)
+    #: Seconds the controllers' clock is ahead of this machine's (``advance``): the TTL-after-finished
+    #: controller counts a day in a test.
+    clock_offset_s: float = 0.0
     version: int = 0
     url: str = ""
 
@@ -223,6 +238,16 @@ class Cluster:
     def count(self, kind: str) -> int:
         return len(self.objects[kind])
 
+    def wait_empty(self, *resources: str, timeout_s: float = 60) -> None:
+        """Until none of ``resources`` is left: a deleted pod goes once its container stopped (its grace
+        period), an owner deleted Foreground once its pods did. Fails naming what is left."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while any(self.objects[resource] for resource in resources):
+                left = {resource: sorted(name for _, name in self.objects[resource]) for resource in resources}
+                assert time.monotonic() < deadline, f"still there after {timeout_s:.0f} s: {left}"
+                self.changed.wait(0.2)
+
     def load(self, documents: list[dict]) -> None:
         """Apply manifests as an administrator would (``kubectl apply``): validated, stored; RBAC from now on
         once they bring any RBAC object."""
@@ -237,6 +262,13 @@ class Cluster:
                 self.objects[resource][key] = stored
                 if resource in ("roles", "rolebindings", "clusterroles", "clusterrolebindings"):
                     self.rbac_enforced = True
+
+    def advance(self, seconds: float) -> None:
+        """Time passes for the controllers that count it (the TTL-after-finished controller)."""
+        with self.lock:
+            self.clock_offset_s += seconds
+            _ttl_sweep(self)
+            self.changed.notify_all()
 
     def events_for(self, name: str) -> list[dict]:
         return [e for e in self.objects["events"].values() if e["involvedObject"]["name"] == name]
@@ -286,15 +318,42 @@ def _suffix() -> str:
     return "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
 
 
-def _merge(target: dict, patch: dict) -> dict:
-    for key, value in patch.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge(target[key], value)
-        else:
-            target[key] = value
-    return target
+_CUSTOM_RESOURCES = {"mpijobs", "volumesnapshots", "volumesnapshotclasses"}
+#: pkg/registry/batch/job/storage/storage.go L56-57: a batch/v1 Job DELETE without a policy orphans its pods
+#: (strategy.go DefaultGarbageCollectionPolicy) and says so.
+JOB_DELETE_WARNING = ("child pods are preserved by default when jobs are deleted; set propagationPolicy=Background "
+                      "to remove them or set propagationPolicy=Orphan to suppress this warning")
+PROPAGATION_POLICIES = ["Foreground", "Background", "Orphan"]
+
+
+def _propagation_policy(resource: str, query: dict, body: Any) -> tuple[str, list[str]]:
+    """The DELETE's policy, from the query or a DeleteOptions body (``orphanDependents`` the old way); the
+    kind's default otherwise: Orphan for batch/v1 Jobs (with a warning), Background for the rest."""
+    options = body if isinstance(body, dict) else {}
+    policy = (query.get("propagationPolicy") or [None])[0] or options.get("propagationPolicy")
+    if policy is None and options.get("orphanDependents") is not None:
+        policy = "Orphan" if options["orphanDependents"] else "Background"
+    if policy is None:
+        return ("Orphan", [JOB_DELETE_WARNING]) if resource == "jobs" else ("Background", [])
+    if policy not in PROPAGATION_POLICIES:
+        raise invalid_status("DeleteOptions", "meta.k8s.io", "", [
+            not_supported("propagationPolicy", policy, PROPAGATION_POLICIES)])
+    return policy, []
+
+
+def _check_resize(cluster: Cluster, current: dict, changed: dict) -> None:
+    """The PersistentVolumeClaimResize admission plugin (plugin/pkg/admission/storage/persistentvolume/resize):
+    a larger request needs a bound, dynamically provisioned claim whose class allows expansion."""
+    def size(claim: dict) -> int:
+        return quantity_bytes(str(claim["spec"]["resources"]["requests"]["storage"]))
+    if size(changed) <= size(current):
+        return
+    storage_class = cluster.objects["storageclasses"].get(("", current["spec"].get("storageClassName") or ""))
+    if (current.get("status") or {}).get("phase") != "Bound" or not storage_class or \
+            not storage_class.get("allowVolumeExpansion"):
+        raise Rejection(403, _status_body(403, "Forbidden", f'persistentvolumeclaims "{current["metadata"]["name"]}" '
+                                          "is forbidden: only dynamically provisioned pvc can be resized and the "
+                                          "storageclass that provisions the pvc must support resize"))
 
 
 def _status_body(code: int, reason: str, message: str, **extra: Any) -> dict:
@@ -366,14 +425,15 @@ class _Handler(BaseHTTPRequestHandler):
         if denied:
             self._send(403, denied)
             return
-        try:
-            body = json.loads(raw) if raw else None
+        try:  # a PATCH body is read by its media type (k8s_updates.apply_patch), after that is checked
+            body = json.loads(raw) if raw and method != "PATCH" else None
         except json.JSONDecodeError:
             self._send(400, _status_body(400, "BadRequest", "the request body is not valid JSON"))
             return
         if resource == "pods/log":
             self._pod_log(namespace, name, query)
             return
+        self._raw = raw
         with cluster.lock:
             try:
                 status, answer, warnings = self._apply(method, resource, namespace, name, query, body)
@@ -501,13 +561,25 @@ class _Handler(BaseHTTPRequestHandler):
             store[obj_key] = obj
             _CONTROLLERS.get(resource, lambda *_: None)(cluster, obj)
             return 201, obj, checked.warnings
-        if method == "PATCH":
+        if method in ("PATCH", "PUT"):
             if key not in store:
                 return 404, not_found, []
-            if isinstance(body, list):
-                return 415, _status_body(415, "UnsupportedMediaType", "JSON patch is not served here"), []
-            patched = _merge(copy.deepcopy(store[key]), body)
-            checked = check(patched, (query.get("fieldValidation") or [None])[0], on_create=False)
+            current = store[key]
+            if method == "PATCH":
+                changed = apply_patch(current, self.headers.get("Content-Type"), self._raw,
+                                      custom=resource in _CUSTOM_RESOURCES,
+                                      field_manager=(query.get("fieldManager") or [None])[0])
+            else:
+                changed = self._replacement(resource, group, current, body)
+            # Every kind here has a status subresource: an update of the object leaves status as it was
+            # (each strategy's PrepareForUpdate).
+            changed.pop("status", None)
+            checked = check(changed, (query.get("fieldValidation") or [None])[0], on_create=False)
+            if "status" in current:
+                checked.obj["status"] = copy.deepcopy(current["status"])
+            check_update(current, checked.obj)
+            if resource == "persistentvolumeclaims":
+                _check_resize(cluster, current, checked.obj)
             cluster.version += 1
             checked.obj["metadata"]["resourceVersion"] = str(cluster.version)
             store[key] = checked.obj
@@ -516,11 +588,39 @@ class _Handler(BaseHTTPRequestHandler):
             obj = store.get(key)
             if obj is None:
                 return 404, not_found, []
-            _delete(cluster, resource, obj)
+            policy, warnings = _propagation_policy(resource, query, body)
+            if obj["metadata"].get("deletionTimestamp") or not _delete(cluster, resource, obj, policy):
+                return 200, obj, warnings  # still there: being deleted (a pod's grace, a Foreground wait)
             return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                          "details": {"name": name, "group": group, "kind": resource,
-                                     "uid": obj["metadata"]["uid"]}}, []
+                                     "uid": obj["metadata"]["uid"]}}, warnings
         return 405, _status_body(405, "MethodNotAllowed", method), []
+
+    def _replacement(self, resource: str, group: str, current: dict, body: Any) -> dict:
+        """A PUT's object (apiserver handlers/update.go, rest.BeforeUpdate): the URL's name, the current
+        resourceVersion (optimistic concurrency), uid and creation time kept when left out."""
+        if not isinstance(body, dict) or not isinstance(body.get("metadata"), dict):
+            raise Rejection(400, _status_body(400, "BadRequest", "Object 'metadata' is missing in the request body"))
+        name = current["metadata"]["name"]
+        if body["metadata"].get("name") != name:
+            raise Rejection(400, _status_body(400, "BadRequest", f"the name of the object "
+                                              f"({body['metadata'].get('name')}) does not match the name on the URL "
+                                              f"({name})"))
+        version = body["metadata"].get("resourceVersion")
+        if not version:
+            raise invalid_status(current["kind"], group, name, [
+                invalid("metadata.resourceVersion", "0x0", "must be specified for an update")])
+        if version != current["metadata"]["resourceVersion"]:
+            qualified = f"{resource}.{group}" if group else resource
+            raise Rejection(409, _status_body(409, "Conflict", f'Operation cannot be fulfilled on {qualified} '
+                                              f'"{name}": the object has been modified; please apply your changes '
+                                              "to the latest version and try again"))
+        replacement = copy.deepcopy(body)
+        for system in ("uid", "creationTimestamp"):
+            replacement["metadata"].setdefault(system, current["metadata"].get(system))
+        replacement.setdefault("apiVersion", current["apiVersion"])
+        replacement.setdefault("kind", current["kind"])
+        return replacement
 
     def _list(self, resource: str, namespace: str | None, query: dict) -> dict:
         store = self.cluster.objects[resource]
@@ -912,16 +1012,27 @@ def _set_container_state(pod: dict, state: dict, ready: bool, restarts: int | No
                                     "lastTransitionTime": _now()}]
 
 
-def _kill(cluster: Cluster, namespace: str, pod: str, grace_s: float | None = None) -> None:
+def _kill(cluster: Cluster, namespace: str, pod: str, grace_s: float | None = None,
+          on_stopped: Callable[[], None] | None = None) -> None:
     """The kubelet stops the pod's container: SIGTERM, SIGKILL after the grace period (in the background,
-    as a DELETE returns before the pod is gone)."""
+    as a DELETE returns before the pod is gone); then ``on_stopped``, under the cluster's lock."""
     container = cluster.containers.pop((namespace, pod), None)
-    if container is not None:
-        cluster.terminating[:] = [c for c in cluster.terminating if c.process.poll() is None] + [container]
-        threading.Thread(target=container.stop, args=(grace_s,), daemon=True, name=f"stop-{pod}").start()
     log = cluster.logs.get((namespace, pod))
     if log:
         log.running = False
+    if container is None:
+        if on_stopped is not None:
+            on_stopped()
+        return
+    cluster.terminating[:] = [c for c in cluster.terminating if c.process.poll() is None] + [container]
+
+    def stop() -> None:
+        container.stop(grace_s)
+        if on_stopped is not None:
+            with cluster.lock:
+                on_stopped()
+                cluster.changed.notify_all()
+    threading.Thread(target=stop, daemon=True, name=f"stop-{pod}").start()
 
 
 def _make_pod(cluster: Cluster, owner: dict, name: str, template: dict, extra_labels: dict) -> dict | None:
@@ -941,9 +1052,7 @@ def _make_pod(cluster: Cluster, owner: dict, name: str, template: dict, extra_la
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": name, "namespace": namespace,
                         "labels": {**((template.get("metadata") or {}).get("labels") or {}), **extra_labels},
-                        "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                                             "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"],
-                                             "controller": True}]},
+                        "ownerReferences": [_controller_ref(owner)]},
            "spec": spec, "status": {"phase": "Pending"}}
     _stamp_metadata(cluster, pod, namespace)
     _set_container_state(pod, {"waiting": {"reason": "ContainerCreating"}}, ready=False)
@@ -997,20 +1106,103 @@ def _sync_owner(cluster: Cluster, obj: dict) -> None:
         _sync_mpijob(cluster, owner)
 
 
-def _delete(cluster: Cluster, resource: str, obj: dict) -> None:
-    """Delete an object and, by owner references, what it owns (the garbage collector, at once)."""
-    namespace = obj["metadata"].get("namespace", "")
-    cluster.objects[resource].pop((namespace, obj["metadata"]["name"]), None)
-    cluster.operator_specs.pop((namespace, obj["metadata"]["name"]), None) if resource == "mpijobs" else None
+def _controller_ref(owner: dict) -> dict:
+    """apimachinery ``metav1.NewControllerRef``: what every controller here sets on what it creates."""
+    return {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+            "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def _dependents(cluster: Cluster, uid: str) -> list[tuple[str, dict]]:
+    return [(resource, child) for resource in ("jobs", "pods", "secrets", "configmaps")
+            for child in list(cluster.objects[resource].values())
+            if any(ref.get("uid") == uid for ref in child["metadata"].get("ownerReferences") or [])]
+
+
+def _delete(cluster: Cluster, resource: str, obj: dict, policy: str = "Background") -> bool:
+    """Delete an object as the API server and the garbage collector do; True when it is gone at once.
+
+    - A pod whose container runs is deleted gracefully: ``deletionTimestamp`` set, the kubelet stops the
+      container (SIGTERM, SIGKILL after the grace period), then the pod goes (apiserver registry/core/pod
+      ``CheckGracefulDelete``; the kubelet's status manager deletes it with grace 0).
+    - ``Orphan``: the dependents lose their owner reference and stay (garbagecollector ``orphanDependents``).
+    - ``Background``: the object goes at once, the garbage collector deletes its dependents after it.
+    - ``Foreground``: the object stays readable with ``deletionTimestamp`` and the ``foregroundDeletion``
+      finalizer while its dependents are deleted; once none with ``blockOwnerDeletion`` is left, it goes
+      (apiserver registry/generic/registry/store.go ``updateForGracefulDeletionAndFinalizers``;
+      garbagecollector ``processDeletingDependentsItem``, graph.go ``blockingDependents``)."""
+    metadata = obj["metadata"]
+    if metadata.get("deletionTimestamp"):
+        return False
+    key = (metadata.get("namespace", ""), metadata["name"])
+    if resource == "pods" and key in cluster.containers:
+        grace = float(obj["spec"].get("terminationGracePeriodSeconds", 30))
+        metadata.update({"deletionTimestamp": _now(), "deletionGracePeriodSeconds": int(grace)})
+        _kill(cluster, *key, on_stopped=lambda: _remove(cluster, resource, obj))
+        return False
+    dependents = _dependents(cluster, metadata["uid"])
+    if policy == "Orphan":
+        for _, child in dependents:
+            child["metadata"]["ownerReferences"] = [ref for ref in child["metadata"]["ownerReferences"]
+                                                    if ref.get("uid") != metadata["uid"]]
+        _remove(cluster, resource, obj)
+        return True
+    if policy == "Foreground":
+        metadata.update({"deletionTimestamp": _now(), "deletionGracePeriodSeconds": 0})
+        metadata["finalizers"] = [*(metadata.get("finalizers") or []), "foregroundDeletion"]
+        for child_resource, child in dependents:
+            # attemptToDeleteItem: a dependent of an owner waiting for its dependents goes Foreground too.
+            _delete(cluster, child_resource, child,
+                    "Foreground" if _dependents(cluster, child["metadata"]["uid"]) else "Background")
+        _finish_foreground(cluster)
+        return cluster.objects[resource].get(key) is not obj
+    _remove(cluster, resource, obj)
+    for child_resource, child in dependents:
+        _delete(cluster, child_resource, child, "Background")
+    return True
+
+
+def _remove(cluster: Cluster, resource: str, obj: dict) -> None:
+    """The object leaves storage (and with it, a pod's network and logs); owners waiting on it may go."""
+    namespace, name = obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+    if cluster.objects[resource].get((namespace, name)) is not obj:
+        return
+    cluster.objects[resource].pop((namespace, name))
+    if resource == "mpijobs":
+        cluster.operator_specs.pop((namespace, name), None)
     if resource == "pods":
-        _kill(cluster, namespace, obj["metadata"]["name"])
-        _release_network(cluster, namespace, obj["metadata"]["name"])
-        cluster.logs.pop((namespace, obj["metadata"]["name"]), None)
-    uid = obj["metadata"]["uid"]
-    for child_resource in ("jobs", "pods", "secrets", "configmaps"):
-        for child in list(cluster.objects[child_resource].values()):
-            if any(ref.get("uid") == uid for ref in child["metadata"].get("ownerReferences") or []):
-                _delete(cluster, child_resource, child)
+        _kill(cluster, namespace, name)
+        _release_network(cluster, namespace, name)
+        cluster.logs.pop((namespace, name), None)
+    _finish_foreground(cluster)
+
+
+def _finish_foreground(cluster: Cluster) -> None:
+    """Remove each object in Foreground deletion whose blocking dependents are all gone."""
+    for resource in ("mpijobs", "jobs"):
+        for obj in list(cluster.objects[resource].values()):
+            if "foregroundDeletion" not in (obj["metadata"].get("finalizers") or []):
+                continue
+            blocking = [child for _, child in _dependents(cluster, obj["metadata"]["uid"])
+                        if any(ref.get("uid") == obj["metadata"]["uid"] and ref.get("blockOwnerDeletion")
+                               for ref in child["metadata"]["ownerReferences"])]
+            if not blocking:
+                _remove(cluster, resource, obj)
+
+
+def _ttl_sweep(cluster: Cluster) -> None:
+    """The TTL-after-finished controller (pkg/controller/ttlafterfinished ``processJob``): a Job whose
+    Complete or Failed condition is older than ``ttlSecondsAfterFinished`` (``jobFinishTime``: that
+    condition's lastTransitionTime) is deleted, Foreground."""
+    now = time.time() + cluster.clock_offset_s
+    for job in list(cluster.objects["jobs"].values()):
+        ttl = job["spec"].get("ttlSecondsAfterFinished")
+        if ttl is None or job["metadata"].get("deletionTimestamp"):
+            continue
+        finished = [c for c in (job.get("status") or {}).get("conditions") or []
+                    if c.get("type") in ("Complete", "Failed") and c.get("status") == "True"]
+        finish = finished and calendar.timegm(time.strptime(finished[0]["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ"))
+        if finished and finish + ttl <= now:
+            _delete(cluster, "jobs", job, "Foreground")
 
 
 # --- PVCs and PVs --------------------------------------------------------------------------------------
@@ -1332,8 +1524,7 @@ def _operator_objects(cluster: Cluster, job: dict, spec: dict) -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
-    owner = [{"apiVersion": job["apiVersion"], "kind": "MPIJob", "name": name, "uid": job["metadata"]["uid"],
-              "controller": True}]
+    owner = [_controller_ref(job)]
     key = ec.generate_private_key(ec.SECP521R1())
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
                                 serialization.NoEncryption())
@@ -1436,8 +1627,7 @@ def _create_launcher(cluster: Cluster, job: dict, spec: dict) -> None:
             launcher_spec[key] = policy[key]
     launcher_job = {"apiVersion": "batch/v1", "kind": "Job",
                     "metadata": {"name": f"{name}-launcher", "namespace": namespace, "labels": {"app": name},
-                                 "ownerReferences": [{"apiVersion": job["apiVersion"], "kind": "MPIJob", "name": name,
-                                                      "uid": job["metadata"]["uid"], "controller": True}]},
+                                 "ownerReferences": [_controller_ref(job)]},
                     "spec": launcher_spec}
     launcher_job = check(launcher_job, "Strict").obj
     _stamp_metadata(cluster, launcher_job, namespace)
@@ -1591,6 +1781,15 @@ class KubernetesEmulator:
         self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._stopping = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True, name="k8s-controllers")
+
+    def _tick(self) -> None:
+        """The controllers that act on time alone, once a second (the TTL-after-finished controller)."""
+        while not self._stopping.wait(1.0):
+            with self.cluster.lock:
+                _ttl_sweep(self.cluster)
+                self.cluster.changed.notify_all()
 
     def kubeconfig(self, namespace: str = "lanes") -> dict:
         return {"apiVersion": "v1", "kind": "Config", "current-context": "emulator",
@@ -1601,10 +1800,13 @@ class KubernetesEmulator:
 
     def __enter__(self) -> Cluster:
         self.thread.start()
+        self._ticker.start()
         self.cluster.url = self.url
         return self.cluster
 
     def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        self._ticker.join()
         self.server.shutdown()
         self.server.server_close()
         with self.cluster.lock:

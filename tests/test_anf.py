@@ -4,7 +4,11 @@ emulator on 127.0.0.1 with a throwaway CA; promotion around training, rollback o
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from flows.train import train_pipeline
 from tasks.anf import AnfError, AnfVolume
 from tasks.pipeline import home_level_key
 from tasks.platforms import VolumeRef
+from tasks.processes import running
 from tests.arm_emulator import TOKEN, Arm, ArmEmulator
 from tests.cluster.runtime import pod_runtime_missing
 from tests.conftest import PROJECT_ROOT
@@ -27,15 +32,6 @@ from tests.test_pipeline import params_for
 SECRET = "s3cret-client-value-9d1e"
 SUB, RG, ACCOUNT = "0000-sub", "rg-lanes", "anf-lanes"
 POOLS = f"/subscriptions/{SUB}/resourceGroups/{RG}/providers/Microsoft.NetApp/netAppAccounts/{ACCOUNT}/capacityPools"
-
-
-@pytest.fixture
-def arm(tmp_path: Path) -> Iterator[tuple[ArmEmulator, Arm]]:
-    emulator = ArmEmulator(tmp_path / "arm")
-    with emulator as state:
-        state.pools = {"pool-standard": "Standard", "pool-premium": "Premium", "pool-ultra": "Ultra"}
-        state.volumes["tusimple"] = {"pool": "pool-standard", "level": "Standard", "quota": 2 * 1024 ** 4}
-        yield emulator, state
 
 
 def anf_volume(emulator: ArmEmulator, **changes: object) -> AnfVolume:
@@ -286,3 +282,50 @@ def test_an_api_version_other_than_the_modelled_spec_is_refused(arm: tuple) -> N
         urllib.request.urlopen(request, context=context, timeout=30)
     assert refused.value.code == 400
     assert json.loads(refused.value.read())["error"]["code"] == "NoRegisteredProviderFound"
+
+
+@pytest.mark.slow
+def test_a_run_whose_process_is_terminated_mid_training_stops_its_job_and_returns_the_volume(
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], arm: tuple,
+        tmp_path: Path) -> None:
+    """SIGTERM to the flow run's process (a drained node, a stopped worker): Prefect ends the run Crashed, and
+    its hook stops the MPIJob and moves the volume from Premium back to Standard — nothing left billed."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    emulator, state = arm
+    if missing := pod_runtime_missing():
+        pytest.skip(missing)
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    params = params_for(served_archive, platform="emu-anf-crash", volume="tusimple", promote=True, epochs=500)
+    script = ("import json, sys\nfrom flows.train import train_pipeline\n"
+              "train_pipeline.with_options(flow_run_name=sys.argv[2])(**json.loads(sys.argv[1]))")
+    env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
+    output = tmp_path / "flow.log"
+    with k8s as cluster, output.open("wb") as sink:
+        cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-crash", overwrite=True)
+        with running([sys.executable, "-c", script, json.dumps(params, default=_json_default), "terminated-run"],
+                     env=env, cwd=PROJECT_ROOT, stdout=sink, stderr=subprocess.STDOUT) as flow_process:
+            deadline = time.monotonic() + 300
+            while not any("launcher" in name and pod["status"].get("phase") == "Running"
+                          for (_, name), pod in list(cluster.objects["pods"].items())):
+                assert flow_process.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
+                time.sleep(0.5)
+            assert state.volumes["tusimple"]["pool"] == "pool-premium"  # promoted for the training window
+            flow_process.send_signal(signal.SIGTERM)
+            flow_process.wait(timeout=240)
+        cluster.wait_empty("mpijobs")  # Foreground: gone once its launcher and workers are
+        left = [(name, pod["status"]["phase"]) for (_, name), pod in cluster.objects["pods"].items()]
+        assert all(name.startswith("prepare-") and phase == "Succeeded" for name, phase in left), left
+    said = output.read_text()
+    assert "laneflow: training job train-" in said and "stopped (Crashed)" in said, said[-3000:]
+    state.run_out()
+    assert state.volumes["tusimple"]["pool"] == "pool-standard"
+    assert Variable.get(home_level_key(VolumeRef(name="tusimple", location=""))) is None
+    with get_client(sync_client=True) as client:
+        (flow_run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=["terminated-run"])))
+    assert flow_run.state.is_crashed()
+
+
+def _json_default(value: object) -> object:
+    return value.model_dump(mode="json")  # type: ignore[attr-defined]

@@ -63,7 +63,7 @@ def test_a_stage_past_its_deadline_deletes_its_job_and_is_not_retried(
         with pytest.raises(StageDeadlineExceeded, match=r"did not finish within 8 s .*it was deleted") as caught:
             platform.prepare_dataset(volume, [Artifact(server.url(archive.name), sha256)], lambda _: None)
     assert not is_transient(caught.value)  # the task's retry policy does not run it again for as long
-    assert cluster.count("jobs") == 0 and cluster.count("pods") == 0
+    cluster.wait_empty("jobs", "pods")
 
 
 def test_a_restore_is_sized_from_its_snapshot_when_the_volume_was_grown(emulator: tuple) -> None:
@@ -99,7 +99,7 @@ def test_an_image_that_cannot_be_pulled_fails_the_stage_within_the_grace_period_
     assert "registry.example.org/laneflow-data:typo" in message and "data_image" in message
     assert any("the stage fails if it lasts 3 s" in line for line in logs)  # said at once, before failing
     assert not is_transient(caught.value)
-    assert cluster.count("jobs") == 0 and cluster.count("pods") == 0  # nothing left pulling
+    cluster.wait_empty("jobs", "pods")  # nothing left pulling
 
 
 def test_workers_no_node_can_hold_fail_training_naming_the_missing_resource(emulator: tuple) -> None:
@@ -111,7 +111,7 @@ def test_workers_no_node_can_hold_fail_training_naming_the_missing_resource(emul
                                              r"nvidia\.com/gpu\..*lower gpus_per_worker") as caught:
         platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
     assert "train-0123456789ab-worker-" in str(caught.value)
-    assert cluster.count("mpijobs") == 0 and cluster.count("pods") == 0
+    cluster.wait_empty("mpijobs", "pods")
     scheduling = [e for e in cluster.objects["events"].values() if e["reason"] == "FailedScheduling"]
     assert scheduling and all(e["source"]["component"] == "default-scheduler" for e in scheduling)
 
@@ -241,7 +241,7 @@ def test_a_worker_whose_sshd_cannot_start_fails_training_naming_it_instead_of_wa
     worker_log = (cluster.root / "pods" / "lanes" / "train-0123456789ab-worker-0" / "c0" / "output.log").read_text()
     assert "Missing privilege separation directory" in worker_log  # what sshd itself said
     if isinstance(caught.value, StageBlocked):  # laneflow stopped the waiting job; a failed one is kept
-        assert cluster.count("mpijobs") == 0
+        cluster.wait_empty("mpijobs")
 
 
 def test_training_on_a_claim_that_does_not_exist_fails_naming_the_claim(emulator: tuple) -> None:
@@ -251,7 +251,7 @@ def test_training_on_a_claim_that_does_not_exist_fails_naming_the_claim(emulator
     with pytest.raises(StageBlocked, match=r'Unschedulable: 0/1 nodes are available: persistentvolumeclaim "gone" '
                                            r'not found\..*the pod\'s volume claim does not exist or is not bound'):
         platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
-    assert cluster.count("mpijobs") == 0
+    cluster.wait_empty("mpijobs")
 
 
 def test_a_volume_the_node_cannot_mount_fails_the_stage_naming_the_mount_error(
@@ -272,7 +272,7 @@ def test_a_volume_the_node_cannot_mount_fails_the_stage_naming_the_mount_error(
     assert "export policy" in message
     assert any("the stage fails if it lasts 3 s" in line for line in logs)
     assert not is_transient(caught.value)
-    assert cluster.count("jobs") == 0 and cluster.count("pods") == 0
+    cluster.wait_empty("jobs", "pods")
     (event,) = [e for e in cluster.objects["events"].values() if e["reason"] == "FailedMount"]
     assert event["type"] == "Warning" and event["source"]["component"] == "kubelet"
 
