@@ -207,6 +207,10 @@ class Cluster:
     #: Seconds the controllers' clock is ahead of this machine's (``advance``): the TTL-after-finished
     #: controller counts a day in a test.
     clock_offset_s: float = 0.0
+    #: Set when the emulator stops: nothing scheduled for later (retries, restarts) runs after that.
+    closed: bool = False
+    #: Exceptions of the time-driven controllers, raised when the emulator stops.
+    controller_errors: list[BaseException] = field(default_factory=list)
     version: int = 0
     url: str = ""
 
@@ -571,6 +575,17 @@ class _Handler(BaseHTTPRequestHandler):
                                       field_manager=(query.get("fieldManager") or [None])[0])
             else:
                 changed = self._replacement(resource, group, current, body)
+            precondition = (changed.get("metadata") or {}).get("resourceVersion")
+            if method == "PATCH" and precondition and precondition != current["metadata"]["resourceVersion"]:
+                raise Rejection(409, _status_body(409, "Conflict", f'Operation cannot be fulfilled on '
+                                                  f'{resource}{"." + group if group else ""} "{name}": the object '
+                                                  "has been modified; please apply your changes to the latest "
+                                                  "version and try again"))
+            # rest.BeforeUpdate: fields the system owns are kept from the stored object, whatever was sent.
+            for system in ("creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation"):
+                changed.setdefault("metadata", {}).pop(system, None)
+                if system in current["metadata"]:
+                    changed["metadata"][system] = current["metadata"][system]
             # Every kind here has a status subresource: an update of the object leaves status as it was
             # (each strategy's PrepareForUpdate).
             changed.pop("status", None)
@@ -875,7 +890,12 @@ def _start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None
         mounts, mount_error = [], exc
     else:
         mount_error = None
-    image = cluster.images.pull(container.get("image", ""))
+    reference = container.get("image", "")
+    _record_event(cluster, pod, "Normal", "Pulling", f'Pulling image "{reference}"', "kubelet")
+    image = cluster.images.pull(reference)
+    if image is not None:  # pkg/kubelet/images/image_manager.go EnsureImageExists
+        _record_event(cluster, pod, "Normal", "Pulled", f'Successfully pulled image "{reference}" in '
+                      f'{cluster.image_pull_s:.3f}s ({cluster.image_pull_s:.3f}s including waiting)', "kubelet")
     if image is None:
         # kubelet pkg/kubelet/images/image_manager.go: a failed pull is ErrImagePull with a Failed event, and
         # the next tries ImagePullBackOff with BackOff events (back-off from 10 s upstream; shortened here).
@@ -1082,6 +1102,8 @@ def _later(cluster: Cluster, delay_s: float, action: Callable[[], None]) -> None
     def run() -> None:
         time.sleep(delay_s)
         with cluster.lock:
+            if cluster.closed:
+                return
             action()
             cluster.changed.notify_all()
     threading.Thread(target=run, daemon=True).start()
@@ -1178,7 +1200,7 @@ def _remove(cluster: Cluster, resource: str, obj: dict) -> None:
 
 def _finish_foreground(cluster: Cluster) -> None:
     """Remove each object in Foreground deletion whose blocking dependents are all gone."""
-    for resource in ("mpijobs", "jobs"):
+    for resource in list(cluster.objects):
         for obj in list(cluster.objects[resource].values()):
             if "foregroundDeletion" not in (obj["metadata"].get("finalizers") or []):
                 continue
@@ -1304,14 +1326,18 @@ def _crash_loop(cluster: Cluster, pod: dict, terminated: dict, restart: Callable
     namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
     restarts = pod["status"]["containerStatuses"][0].get("restartCount", 0) + 1
     container = pod["spec"]["containers"][0]["name"]
-    delay = min(cluster.crash_backoff_s * 2 ** (restarts - 1), cluster.crash_backoff_s * 30)
+    # The first restart is at once (no back-off entry yet), then 10 s, 20 s, ... (client-go flowcontrol.Backoff).
+    delay = 0.0 if restarts == 1 else min(cluster.crash_backoff_s * 2 ** (restarts - 2), cluster.crash_backoff_s * 30)
     who = f"{name}_{namespace}({pod['metadata']['uid']})"
-    _set_container_state(pod, {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {delay:g}s "
-                                           f"restarting failed container={container} pod={who}"}},
-                         ready=False, restarts=restarts)
+    if delay:
+        _set_container_state(pod, {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {delay:g}s "
+                                               f"restarting failed container={container} pod={who}"}},
+                             ready=False, restarts=restarts)
+        _record_event(cluster, pod, "Warning", "BackOff", f"Back-off restarting failed container {container} in "
+                                                          f"pod {who}", "kubelet")
+    else:
+        _set_container_state(pod, {"terminated": terminated}, ready=False, restarts=restarts)
     pod["status"]["containerStatuses"][0]["lastState"] = {"terminated": terminated}
-    _record_event(cluster, pod, "Warning", "BackOff", f"Back-off restarting failed container {container} in pod "
-                                                      f"{who}", "kubelet")
 
     def again() -> None:
         if cluster.objects["pods"].get((namespace, name)) is pod and (namespace, name) not in cluster.containers:
@@ -1329,7 +1355,8 @@ def _job_container_exited(cluster: Cluster, job: dict, pod: dict, terminated: di
     if code != 0 and restart_policy == "OnFailure":
         # pkg/controller/job: with OnFailure the pod's restarts count against backoffLimit.
         restarts = _crash_loop(cluster, pod, terminated, lambda again: _job_container_exited(cluster, job, pod, again))
-        if restarts > job["spec"]["backoffLimit"]:
+        limit = job["spec"]["backoffLimit"]  # pastBackoffLimitOnFailure: restarts >= limit (> 0 for a limit of 0)
+        if restarts >= limit if limit else restarts > 0:
             _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
         return
     pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
@@ -1788,7 +1815,11 @@ class KubernetesEmulator:
         """The controllers that act on time alone, once a second (the TTL-after-finished controller)."""
         while not self._stopping.wait(1.0):
             with self.cluster.lock:
-                _ttl_sweep(self.cluster)
+                try:
+                    _ttl_sweep(self.cluster)
+                except Exception as exc:  # kept, and raised when the emulator stops: never lost silently
+                    self.cluster.controller_errors.append(exc)
+                    return
                 self.cluster.changed.notify_all()
 
     def kubeconfig(self, namespace: str = "lanes") -> dict:
@@ -1810,6 +1841,7 @@ class KubernetesEmulator:
         self.server.shutdown()
         self.server.server_close()
         with self.cluster.lock:
+            self.cluster.closed = True
             containers = list(self.cluster.containers.values()) + self.cluster.terminating
             self.cluster.containers.clear()
             for log in self.cluster.logs.values():
@@ -1817,6 +1849,8 @@ class KubernetesEmulator:
             self.cluster.changed.notify_all()
         for container in containers:  # the node goes away: every container is killed, and waited for
             container.stop(grace_s=0)
+            if container.memory is not None:
+                container.memory.remove()
         with self.cluster.lock:
             for namespace, name in list(self.cluster.pod_networks):
                 _release_network(self.cluster, namespace, name)

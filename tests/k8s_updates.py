@@ -217,16 +217,28 @@ def strategic_merge(target: Any, patch: Any, schema: dict) -> Any:
         return copy.deepcopy(patch)
     result = copy.deepcopy(target) if isinstance(target, dict) else {}
     properties = schema.get("properties") or {}
+    directive = patch.get("$patch")
+    if directive == "delete":
+        return None
+    if directive == "replace":
+        return {key: copy.deepcopy(value) for key, value in patch.items() if key != "$patch"}
     for key, value in patch.items():
-        if key.startswith("$"):  # directives ($setElementOrder, $retainKeys): order and pruning, not data
+        if key.startswith("$setElementOrder/"):  # only the order of a merged list: kept as it merges
             continue
+        if key.startswith("$"):
+            raise bad_request(f"strategic merge directive {key} is not modelled by the emulator "
+                              "(tests/k8s_updates.py); the real API server applies it")
         field_schema = properties.get(key) or {}
         if value is None:
             result.pop(key, None)
         elif isinstance(value, list) and "merge" in str(field_schema.get("x-kubernetes-patch-strategy", "")):
             result[key] = _merge_list(result.get(key) or [], value, field_schema)
         elif isinstance(value, dict):
-            result[key] = strategic_merge(result.get(key), value, field_schema)
+            merged = strategic_merge(result.get(key), value, field_schema)
+            if merged is None:
+                result.pop(key, None)
+            else:
+                result[key] = merged
         else:
             result[key] = copy.deepcopy(value)
     return result
@@ -246,6 +258,9 @@ def _merge_list(current: list, patch: list, schema: dict) -> list:
             if position is not None:
                 merged.pop(position)
             continue
+        if "$patch" in item:
+            raise bad_request(f"strategic merge directive $patch: {item['$patch']} in a list item is not modelled "
+                              "by the emulator (tests/k8s_updates.py)")
         if position is None:
             merged.append(copy.deepcopy(item))
         else:
@@ -267,7 +282,7 @@ def _diff(old: Any, new: Any) -> str:
 def immutable_changes(old: dict, new: dict) -> list[Cause]:
     """The causes an update of ``old`` to ``new`` is refused for (empty when it may be made)."""
     causes = []
-    for field in ("name", "namespace", "uid", "creationTimestamp"):
+    for field in ("name", "namespace", "uid"):
         if old["metadata"].get(field) != new["metadata"].get(field):
             causes.append(invalid(f"metadata.{field}", new["metadata"].get(field), IMMUTABLE))
     kind, old_spec, new_spec = old.get("kind"), old.get("spec") or {}, new.get("spec") or {}
@@ -311,7 +326,11 @@ def _claim_changes(old_spec: dict, new_spec: dict) -> list[Cause]:
     if not old_spec.get("volumeName"):  # set once, by the binder
         comparable_new.pop("volumeName", None)
     old_limits = (old_spec.get("resources") or {}).get("limits")
-    if comparable_old != comparable_new or old_limits != (new_spec.get("resources") or {}).get("limits"):
+    requests_changed = (old_spec.get("resources") or {}).get("requests") != (new_spec.get("resources") or {}).get(
+        "requests")
+    unbound = not old_spec.get("volumeName")  # requests may change only for bound claims
+    if comparable_old != comparable_new or old_limits != (new_spec.get("resources") or {}).get("limits") or \
+            (unbound and requests_changed):
         causes.append(forbidden("spec", "spec is immutable after creation except resources.requests and "
                                         f"volumeAttributesClassName for bound claims\n"
                                         f"{_diff(comparable_old, comparable_new)}"))

@@ -292,7 +292,7 @@ def test_a_dataset_stage_killed_for_memory_is_reported_as_oomkilled_and_not_retr
         platform.prepare_dataset(volume, [Artifact(*served_archive)], lambda _: None)
     message = str(caught.value)
     assert re.search(r"job lanes/prepare-data-[0-9a-f]{16} failed: pod prepare-data-[0-9a-f]{16}-\w+ is not "
-                     r"running \(OOMKilled: exit code 137 \(OOMKilled\)\); .*limits\.memory.*LimitRange", message)
+                     r"running \(OOMKilled: exit code 137 \(OOMKilled; limits\.memory 40Mi\)\); .*LimitRange", message)
     assert "sigprocmask" not in message  # the pod's log is the container's output only
     assert not is_transient(caught.value)
 
@@ -316,6 +316,7 @@ def test_a_container_that_keeps_crashing_is_in_crashloopbackoff_as_laneflow_read
                         status["state"]["waiting"]["message"])
     (problem,) = pod_problems([pod], [])
     assert problem.reason == "CrashLoopBackOff" and "its log says why" in problem.describe()
+    pod = _wait_for_pod(core, "job-name=crashes", lambda p: p["status"]["containerStatuses"][0]["restartCount"] >= 3)
     (backoff,) = [e for e in cluster.events_for(pod["metadata"]["name"]) if e["reason"] == "BackOff"]
     assert backoff["count"] >= 2  # one event, aggregated as the recorder does
     batch.delete_namespaced_job("crashes", "lanes", propagation_policy="Background")
@@ -355,6 +356,7 @@ def test_a_worker_killed_for_memory_is_not_resumable() -> None:
                {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}}
     (problem,) = pod_problems([oom], [], exited_workers=True)
     assert problem.reason == "OOMKilled" and not problem.resumable and "limits.memory" in problem.describe()
+    assert "no memory limit: the node ran out of memory" in problem.message  # no limit: the node's memory
 
 
 def _waiting_reason(pod: dict) -> str | None:
@@ -372,3 +374,21 @@ def _wait_for_pod(core: kubernetes.client.CoreV1Api, selector: str, ready: Calla
                 return as_dict
         time.sleep(0.2)
     raise AssertionError(f"no pod of {selector} reached the awaited state in 120 s")
+
+
+def test_a_mount_failure_counts_only_for_its_own_pod_and_only_until_the_kubelet_got_past_its_volumes() -> None:
+    """Events outlive pods (an hour): a FailedMount of an earlier pod of the same name, or one the kubelet
+    got past (a transient failure, then the image pull began), is not a problem of the pod now."""
+    def event(reason: str, uid: str, at: str, kind: str = "Normal") -> dict:
+        return {"reason": reason, "type": kind, "lastTimestamp": at, "message": f"{reason} {uid}",
+                "involvedObject": {"kind": "Pod", "name": "w-0", "uid": uid}}
+    pod = {"metadata": {"name": "w-0", "uid": "new"}, "spec": {"nodeName": "n"},
+           "status": {"phase": "Pending",
+                      "containerStatuses": [{"state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+    earlier_pod = event("FailedMount", "old", "2026-12-01T10:00:00Z", "Warning")
+    assert pod_problems([pod], [earlier_pod]) == []
+    failing = event("FailedMount", "new", "2026-12-01T10:05:00Z", "Warning")
+    (problem,) = pod_problems([pod], [earlier_pod, failing])
+    assert problem.reason == "FailedMount" and problem.message == "FailedMount new"
+    assert "export policy" in problem.describe()
+    assert pod_problems([pod], [failing, event("Pulling", "new", "2026-12-01T10:05:03Z")]) == []

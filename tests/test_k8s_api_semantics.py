@@ -18,9 +18,9 @@ from kubernetes.client.exceptions import ApiException
 from tests.k8s_emulator import JOB_DELETE_WARNING
 from tests.test_cluster_platform import DATA_IMAGE, client_apis, cluster_platform
 
-#: A container that takes a second to stop on SIGTERM, so a deletion's grace period is observable.
+#: A container that takes 10 s to stop on SIGTERM, so a deletion's grace period is observable on any load.
 SLOW_TO_STOP = ["python", "-c", "import signal, sys, time\n"
-                                "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1), sys.exit(0)))\n"
+                                "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(10), sys.exit(0)))\n"
                                 "print('up', flush=True)\ntime.sleep(600)"]
 
 
@@ -89,7 +89,7 @@ def test_foreground_deletion_keeps_the_job_readable_until_its_pod_has_stopped(em
     batch.create_namespaced_job("lanes", _job("sleeper", SLOW_TO_STOP))
     pod = _running_pod(core, "sleeper")
     batch.delete_namespaced_job("sleeper", "lanes", propagation_policy="Foreground")
-    job = batch.read_namespaced_job("sleeper", "lanes")  # still there: its pod is stopping (1 s on SIGTERM)
+    job = batch.read_namespaced_job("sleeper", "lanes")  # still there: its pod is stopping (10 s on SIGTERM)
     assert job.metadata.deletion_timestamp and "foregroundDeletion" in job.metadata.finalizers
     stopping = core.read_namespaced_pod(pod.metadata.name, "lanes")
     assert stopping.metadata.deletion_timestamp and stopping.metadata.deletion_grace_period_seconds == 30

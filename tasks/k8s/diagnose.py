@@ -30,9 +30,9 @@ ADVICE = {
     "CreateContainerConfigError": "a Secret or ConfigMap the pod refers to, or one of its keys, is missing: "
                                   "create it in the namespace",
     "CrashLoopBackOff": "the container keeps exiting right after it starts: its log says why",
-    "OOMKilled": "the container used more memory than its limit and the kernel killed it: raise limits.memory "
-                 "(a LimitRange of the namespace may set one by default: kubectl describe limitrange) or lower "
-                 "batch_size / the DataLoader's workers",
+    "OOMKilled": "the kernel killed the container for memory: raise limits.memory (a LimitRange of the "
+                 "namespace may set one by default: kubectl describe limitrange), or, with no limit, request "
+                 "memory so it lands on a node with room; or lower batch_size / the DataLoader's workers",
     "WorkerExited": "an MPI worker must keep sshd running for the launcher (the operator waits for every worker "
                     "and never replaces one that exited): its log says why it stopped (kubectl logs <pod>); see "
                     "README, 'What the training image must contain'",
@@ -105,8 +105,7 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
     waiting for its workers never starts its launcher, and a running one hangs on it."""
     pod_events = [e for e in events if (e.get("involvedObject") or {}).get("kind") == "Pod"]
     scaling = {e["involvedObject"]["name"] for e in pod_events if e.get("reason") == "TriggeredScaleUp"}
-    mount_failures = _newest_by_pod(e for e in pod_events if e.get("reason") == "FailedMount"
-                                    and e.get("type") == "Warning")
+    mount_failures = failing_mounts(pod_events)
     found = []
     for pod in pods:
         name = pod["metadata"]["name"]
@@ -122,7 +121,10 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
             why = terminated.get("reason", status.get("phase"))
             described = f"exit code {code if code is not None else '?'} ({why})"
             if terminated.get("reason") == "OOMKilled":  # SIGKILL, but by its own memory use: a retry meets it again
-                found.append(PodProblem(name, "OOMKilled", described))
+                container = next((c.get("name") for c in status.get("containerStatuses") or []
+                                  if ((c.get("state") or {}).get("terminated") or {}).get("reason") == "OOMKilled"),
+                                 None)
+                found.append(PodProblem(name, "OOMKilled", oom_message(pod, container, code)))
                 continue
             # A signal (128 + n) or a node that shut down: not the worker's own failure, a retry resumes.
             resumable = (isinstance(code, int) and 128 < code <= 128 + 64) or \
@@ -142,31 +144,38 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
                 waiting_reasons.add(waiting["reason"])
                 if waiting["reason"] not in STARTING:
                     found.append(PodProblem(name, waiting["reason"], waiting.get("message", "")))
-        if name in mount_failures and (not waiting_reasons or waiting_reasons <= STARTING):
-            found.append(PodProblem(name, "FailedMount", mount_failures[name].get("message", "")))
+        uid = pod["metadata"].get("uid")
+        if uid in mount_failures and (not waiting_reasons or waiting_reasons <= STARTING):
+            found.append(PodProblem(name, "FailedMount", mount_failures[uid].get("message", "")))
     return found
 
 
-def needs_events(pods: list[dict[str, Any]], problems: list[PodProblem]) -> bool:
-    """Whether the pods' events can tell more: a pod waiting to be scheduled (is a node being added?) or one
-    bound to a node but still creating its container (is a volume failing to mount?)."""
-    if any(problem.reason == "Unschedulable" for problem in problems):
-        return True
-    for pod in pods:
-        status = pod.get("status") or {}
-        if status.get("phase") == "Pending" and (pod.get("spec") or {}).get("nodeName") and \
-                not pod["metadata"].get("deletionTimestamp"):
-            return True
-    return False
+#: The kubelet's events that follow a successful mount (volumes first, then the image, then the container).
+AFTER_MOUNT = {"Pulling", "Pulled", "Created", "Started"}
 
 
-def _newest_by_pod(events: Any) -> dict[str, dict[str, Any]]:
+def failing_mounts(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest FailedMount Warning of each pod (by uid: a pod of the same name from an earlier attempt
+    is another pod) whose mounts have not succeeded since: a later Pulling/Pulled/Created/Started event
+    of the same pod means the kubelet got past its volumes (a transient failure that cleared)."""
     newest: dict[str, dict[str, Any]] = {}
+    progressed: dict[str, str] = {}
     for event in events:
-        name = event["involvedObject"]["name"]
-        if name not in newest or _event_time(event) >= _event_time(newest[name]):
-            newest[name] = event
-    return newest
+        uid = (event.get("involvedObject") or {}).get("uid")
+        if not uid:
+            continue
+        if event.get("reason") == "FailedMount" and event.get("type") == "Warning":
+            if uid not in newest or _event_time(event) >= _event_time(newest[uid]):
+                newest[uid] = event
+        elif event.get("reason") in AFTER_MOUNT:
+            progressed[uid] = max(progressed.get(uid, ""), _event_time(event))
+    return {uid: event for uid, event in newest.items() if progressed.get(uid, "") < _event_time(event)}
+
+
+def creating(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pods bound to a node but not started yet: mounting their volumes or pulling their image."""
+    return [pod for pod in pods if (pod.get("status") or {}).get("phase") == "Pending"
+            and (pod.get("spec") or {}).get("nodeName") and not pod["metadata"].get("deletionTimestamp")]
 
 
 def _event_time(event: dict[str, Any]) -> str:
@@ -182,10 +191,19 @@ def terminated_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
             for state in (container.get("state"), container.get("lastState")):
                 terminated = (state or {}).get("terminated") or {}
                 if terminated.get("reason") == "OOMKilled":
-                    found.append(PodProblem(pod["metadata"]["name"], "OOMKilled",
-                                            f"exit code {terminated.get('exitCode', '?')} (OOMKilled)"))
+                    found.append(PodProblem(pod["metadata"]["name"], "OOMKilled", oom_message(
+                        pod, container.get("name"), terminated.get("exitCode"))))
                     break
     return found
+
+
+def oom_message(pod: dict[str, Any], container: str | None, code: Any) -> str:
+    """Which memory ran out: the container's limit, or (without one) the node's — the kernel's global OOM
+    killer reports OOMKilled too."""
+    spec = next((c for c in (pod.get("spec") or {}).get("containers") or [] if c.get("name") == container), {})
+    limit = ((spec.get("resources") or {}).get("limits") or {}).get("memory")
+    which = f"limits.memory {limit}" if limit else "no memory limit: the node ran out of memory"
+    return f"exit code {code if code is not None else '?'} (OOMKilled; {which})"
 
 
 def claim_problems(claim: str, events: list[dict[str, Any]]) -> list[PodProblem]:

@@ -33,7 +33,7 @@ from tasks.k8s.diagnose import (
     PodProblem,
     ProblemClock,
     claim_problems,
-    needs_events,
+    creating,
     pod_problems,
     terminated_problems,
 )
@@ -596,12 +596,20 @@ class ClusterPlatform(Platform):
         pods = [core.api_client.sanitize_for_serialization(pod) for pod in
                 self._call("list", "pods", core.list_namespaced_pod, self._ns(), label_selector=selector).items]
         problems = pod_problems(pods, [], exited_workers)
-        if needs_events(pods, problems):  # an autoscaler adding a node? a volume that does not mount?
-            events = self._call("list", "events", core.list_namespaced_event, self._ns(),
-                                field_selector="involvedObject.kind=Pod").items
-            problems = pod_problems(pods, [core.api_client.sanitize_for_serialization(e) for e in events],
-                                    exited_workers)
+        events: list[dict] = []
+        if any(problem.reason == "Unschedulable" for problem in problems):  # is an autoscaler adding a node?
+            events += self._pod_events(core, "involvedObject.kind=Pod,reason=TriggeredScaleUp")
+        if creating(pods):  # a volume that does not mount? (the pod only says ContainerCreating)
+            failed = self._pod_events(core, "involvedObject.kind=Pod,reason=FailedMount")
+            for name in sorted({e["involvedObject"]["name"] for e in failed}):  # did its mounts succeed since?
+                events += self._pod_events(core, f"involvedObject.kind=Pod,involvedObject.name={name}")
+        if events:
+            problems = pod_problems(pods, events, exited_workers)
         self._act_on(problems, clock, log, stopping)
+
+    def _pod_events(self, core: kubernetes.client.CoreV1Api, selector: str) -> list[dict]:
+        return [core.api_client.sanitize_for_serialization(e) for e in
+                self._call("list", "events", core.list_namespaced_event, self._ns(), field_selector=selector).items]
 
     def _act_on(self, problems: list[PodProblem], clock: ProblemClock, log: LogSink, stopping: str | None) -> None:
         """Say each new problem once; raise for those past their grace period (resumable ones as an

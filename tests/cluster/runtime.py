@@ -196,8 +196,17 @@ class MemoryCgroup:
         else:
             path = CGROUP_ROOT / "memory" / name
         path.mkdir()
-        (path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_bytes))
-        return cls(path, v2)
+        group = cls(path, v2)
+        try:
+            (path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_bytes))
+            # No swap for it (the kubelet's default, swapBehavior NoSwap): over the limit is a kill, not a crawl.
+            swap = path / ("memory.swap.max" if v2 else "memory.memsw.limit_in_bytes")
+            if swap.exists():
+                swap.write_text("0" if v2 else str(limit_bytes))
+        except OSError:
+            group.remove()
+            raise
+        return group
 
     @property
     def procs(self) -> Path:
