@@ -1,25 +1,35 @@
-"""``sweep``: many ``train_pipeline`` child flow runs over a grid or a list of parameter sets.
+"""``sweep``: many ``train_pipeline`` child flow runs — a grid and listed parameter sets, or a search of a
+``space`` with Optuna (random or TPE) asked and told from this flow.
 
 Children run concurrently, but training itself holds a slot of the ``gpu`` concurrency limit, so at
 most ``max_concurrent`` train at once (the sweep sets that limit). The dataset is prepared once, before
-the children start, so they all find it cached. Ends with a leaderboard table artifact.
+the children start, so they all find it cached.
+
+Hyperparameters are chosen without the test set: every child is scored on ``val`` (TuSimple's
+``label_data_0531``, the split the trainer holds out), the leaderboard ranks by val accuracy without the
+200 ms rule, and only the best run is then scored on ``test``, once. Ends with a leaderboard table
+artifact and a ``laneflow.sweep.best`` event.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 from typing import Annotated, Any
 
 from prefect import flow, get_client, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
 from prefect.runtime import flow_run as current_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from flows.params import TrainParams, expand_sweep, takes_train_params
+from flows.params import SweepError, TrainParams, expand_sweep, takes_train_params
+from flows.search import SearchDimension, SearchSpace, SearchStrategy, check_space, distributions
 from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
-from tasks.pipeline import ensure_dataset_volume, prepare_dataset
+from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset
 from tasks.platforms import load_platform
 
 MAX_CHILDREN_IN_FLIGHT = 16
@@ -37,21 +47,26 @@ def run_child(params: TrainParams, index: int, sweep_name: str) -> dict[str, Any
     return {**row, "error": str(result)[:500]}
 
 
-def leaderboard(rows: list[dict[str, Any]], varied: list[str], param_sets: list[TrainParams]) -> list[dict]:
-    """Best accuracy first; failed runs last."""
+def val_accuracy(row: dict[str, Any]) -> float | None:
+    """What a sweep ranks by: the child's val score without the 200 ms rule (None when it did not finish)."""
+    metrics = row.get("metrics")
+    return selection_accuracy(metrics) if row.get("state") == "Completed" and metrics else None
+
+
+def leaderboard(rows: list[dict[str, Any]], varied: list[str]) -> list[dict]:
+    """Best val accuracy first; failed runs last. Each row's ``params`` are the values it was given."""
     table = []
     for row in rows:
-        params = param_sets[row["index"]]
-        metrics = row.get("metrics", {})
-        table.append({"rank": 0, "run": row.get("run", "-"), "state": row["state"],
-                      **{key: getattr(params, key) for key in varied},
+        metrics = row.get("metrics") or {}
+        accuracy = val_accuracy(row)
+        table.append({"rank": 0, "trial": row["index"], "run": row.get("run", "-"), "state": row["state"],
+                      **{key: row["params"].get(key) for key in varied},
                       # Ranked without the 200 ms run-time rule (tasks.champion.selection_accuracy).
-                      "accuracy": round(selection_accuracy(metrics), 4) if metrics else None,
-                      "official accuracy": round(metrics["accuracy"], 4) if metrics else None,
-                      "images over 200 ms": metrics.get("over_time_limit") if metrics else None,
-                      "fp": round(metrics.get("untimed_fp", metrics["fp"]), 4) if metrics else None,
-                      "fn": round(metrics.get("untimed_fn", metrics["fn"]), 4) if metrics else None})
-    table.sort(key=lambda r: (r["accuracy"] is None, -(r["accuracy"] or 0.0)))
+                      "val accuracy": round(accuracy, 4) if accuracy is not None else None,
+                      "val official accuracy": round(metrics["accuracy"], 4) if accuracy is not None else None,
+                      "steps": row.get("steps"),
+                      "test accuracy": None, "test official accuracy": None})
+    table.sort(key=lambda r: (r["val accuracy"] is None, -(r["val accuracy"] or 0.0), r["trial"]))
     for rank, entry in enumerate(table, 1):
         entry["rank"] = rank
     return table
@@ -60,31 +75,105 @@ def leaderboard(rows: list[dict[str, Any]], varied: list[str], param_sets: list[
 @flow(name="sweep", task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHILDREN_IN_FLIGHT))
 @takes_train_params
 def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: list[dict[str, Any]] | None = None,
-          max_concurrent: Annotated[int, Field(ge=1)] = 1) -> list[dict[str, Any]]:
-    """Train every parameter set (grid product, then listed runs) on the base parameters; rank them by accuracy.
+          max_concurrent: Annotated[int, Field(ge=1)] = 1, search: SearchStrategy = "grid",
+          space: SearchSpace | None = None, trials: Annotated[int, Field(ge=1, le=1000)] = 8,
+          seed: int | None = None) -> list[dict[str, Any]]:
+    """Train every parameter set (grid product, then listed runs), or ``trials`` sampled from ``space``, on
+    the base parameters; rank them by val accuracy and score the best on test.
 
     Args:
-        grid: parameter name -> values; every combination is one run, e.g. {"lr": [0.02, 0.05]}
+        grid: parameter name -> values; every combination is one run, e.g. {"lr": [0.02, 0.05]} (search=grid)
         runs: further runs, each a dict of the parameters it changes, e.g. [{"lr": 0.1, "batch_size": 4}]
         max_concurrent: at most this many runs train at once (the 'gpu' concurrency limit)
+        search: grid (grid and runs as given), random or tpe (Optuna's samplers over space)
+        space: for random/tpe, parameter name -> {"low", "high", "log", "step"} or {"choices": [...]}
+        trials: for random/tpe, how many runs to sample
+        seed: for random/tpe, the sampler's seed (the same seed asks the same first trials)
     """
     logger = get_run_logger()
-    param_sets = expand_sweep(params, grid or {}, runs or [])
-    varied = sorted({key for key in TrainParams.model_fields if key != "source"
-                     and len({repr(getattr(p, key)) for p in param_sets}) > 1})
+    if search == "grid":
+        if space:
+            raise SweepError("space is searched by search='random' or 'tpe'; a grid sweep takes grid and runs")
+        param_sets = [p.model_copy(update={"eval_split": "val"}) for p in expand_sweep(params, grid or {}, runs or [])]
+        varied = sorted({key for key in TrainParams.model_fields if key not in ("source", "eval_split")
+                         and len({repr(getattr(p, key)) for p in param_sets}) > 1})
+        planned = len(param_sets)
+    else:
+        if grid or runs:
+            raise SweepError(f"search={search!r} samples from space; grid and runs are for search='grid'")
+        dimensions = check_space(space or {})
+        varied, planned, param_sets = sorted(dimensions), trials, [params]
     with get_client(sync_client=True) as client:
         client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, max_concurrent)
-    logger.info("sweep of %d runs varying %s; at most %d training at once (limit '%s')", len(param_sets),
-                ", ".join(varied) or "nothing", max_concurrent, GPU_LIMIT)
+    logger.info("%s sweep of %d runs varying %s; at most %d training at once (limit '%s'); every run scored on val",
+                search, planned, ", ".join(varied) or "nothing", max_concurrent, GPU_LIMIT)
     # Prepare each distinct dataset once, so concurrent children never download the same artifacts.
     datasets = {(p.platform, p.volume, tuple(p.source.to_artifacts())) for p in param_sets}
     for platform_name, volume_name, artifacts in sorted(datasets, key=repr):
         platform = load_platform(platform_name)
         prepare_dataset(platform, ensure_dataset_volume(platform, volume_name), list(artifacts))
-    futures = [run_child.submit(params, index, current_run.name) for index, params in enumerate(param_sets)]
-    rows = [future.result() for future in futures]
-    table = leaderboard(rows, varied, param_sets)
-    create_table_artifact(table=table, key="sweep-leaderboard", description=f"sweep {current_run.name}: "
-                          f"{sum(r['state'] == 'Completed' for r in rows)} of {len(rows)} runs completed; ranked by "
-                          "TuSimple accuracy without the 200 ms run-time rule (the official score beside it)")
+    if search == "grid":
+        futures = [run_child.submit(child, index, current_run.name) for index, child in enumerate(param_sets)]
+        rows = [{**future.result(), "params": {key: getattr(child, key) for key in varied}}
+                for future, child in zip(futures, param_sets, strict=True)]
+    else:
+        rows = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name)
+    table = leaderboard(rows, varied)
+    best = next((entry for entry in table if entry["val accuracy"] is not None), None)
+    if best is not None:
+        _score_best_on_test(best, next(row for row in rows if row["index"] == best["trial"]))
+        emit_event("laneflow.sweep.best", resource={"prefect.resource.id": f"laneflow.sweep.{current_run.name}",
+                                                   "prefect.resource.name": str(current_run.name)},
+                   payload={"best": best, "search": search})
+    completed = sum(r["state"] == "Completed" for r in rows)
+    create_table_artifact(table=table, key="sweep-leaderboard", description=(
+        f"{search} sweep {current_run.name}: {completed} of {len(rows)} runs completed; ranked by val accuracy "
+        "(TuSimple's label_data_0531, held out from training) without the 200 ms run-time rule, the official "
+        "score beside it. Only the best run was scored on test, once"
+        + (f": {best['test accuracy']} (official {best['test official accuracy']})" if best else "")
+        + " — hyperparameters are never chosen on the test set."))
     return table
+
+
+def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
+            max_concurrent: int, seed: int | None, sweep_name: str) -> list[dict[str, Any]]:
+    """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
+    ``max_concurrent`` in flight. Only this flow touches the study."""
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(logging.WARNING)
+    sampler = optuna.samplers.RandomSampler(seed=seed) if strategy == "random" else \
+        optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, trials // 3)))
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    space = distributions(dimensions)
+    in_flight: dict[concurrent.futures.Future, tuple[Any, Any]] = {}
+    rows: list[dict[str, Any]] = []
+    asked = 0
+    while asked < trials or in_flight:
+        while asked < trials and len(in_flight) < max_concurrent:
+            trial = study.ask(space)
+            child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
+            future = run_child.submit(child, trial.number, sweep_name)
+            in_flight[future.wrapped_future] = (future, trial)
+            asked += 1
+        done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
+        for wrapped in done:
+            future, trial = in_flight.pop(wrapped)
+            row = {**future.result(), "params": dict(trial.params)}
+            accuracy = val_accuracy(row)
+            if accuracy is None:
+                study.tell(trial, state=TrialState.FAIL)
+            else:
+                study.tell(trial, accuracy)
+            rows.append(row)
+    return sorted(rows, key=lambda row: row["index"])
+
+
+def _score_best_on_test(best: dict[str, Any], row: dict[str, Any]) -> None:
+    """The best run's test score, the one time the test set is looked at."""
+    platform = load_platform(row["platform"])
+    volume = ensure_dataset_volume(platform, row["volume"])
+    metrics = evaluate(platform, volume, row["run_dir"], row["data_dir"], "test")
+    best["test accuracy"] = round(selection_accuracy(metrics), 4)
+    best["test official accuracy"] = round(metrics["accuracy"], 4)

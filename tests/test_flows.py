@@ -93,9 +93,10 @@ def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
 
     assert [row["rank"] for row in table] == [1, 2, 3]
     assert sorted(row["lr"] for row in table) == [0.02, 0.05, 0.1]
-    assert all(row["state"] == "Completed" and row["accuracy"] is not None for row in table)
-    accuracies = [row["accuracy"] for row in table]
+    assert all(row["state"] == "Completed" and row["val accuracy"] is not None for row in table)
+    accuracies = [row["val accuracy"] for row in table]
     assert accuracies == sorted(accuracies, reverse=True)
+    assert table[0]["test accuracy"] is not None and all(row["test accuracy"] is None for row in table[1:])
     assert [row["run"] for row in json.loads(latest_artifact("sweep-leaderboard"))] == [row["run"] for row in table]
 
     # At most one training at a time: the launcher records never overlap.
@@ -105,6 +106,45 @@ def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
         spans.append((datetime.fromisoformat(record["started_at"]), datetime.fromisoformat(record["finished_at"])))
     spans.sort()
     assert all(earlier[1] <= later[0] for earlier, later in itertools.pairwise(spans)), spans
+
+
+def test_a_tpe_sweep_runs_the_trials_optuna_asks_for_scores_them_on_val_and_only_the_best_on_test(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    base = params_for(synthetic_archive, volume="search", workers=1, snapshot=False)
+    space = {"lr": {"low": 0.01, "high": 0.2, "log": True}, "batch_size": {"choices": [2, 4]}}
+    state = sweep(**base, search="tpe", space=space, trials=4, max_concurrent=2, seed=7, return_state=True)
+    table = state.result()
+    assert sorted(row["trial"] for row in table) == [0, 1, 2, 3]
+    assert all(row["state"] == "Completed" and row["val accuracy"] is not None for row in table), table
+    assert all(0.01 <= row["lr"] <= 0.2 and row["batch_size"] in (2, 4) for row in table)
+    accuracies = [row["val accuracy"] for row in table]
+    assert accuracies == sorted(accuracies, reverse=True) and [row["rank"] for row in table] == [1, 2, 3, 4]
+    # The test set is looked at once: for the best trial, after the choice was made on val.
+    assert table[0]["test accuracy"] is not None and all(row["test accuracy"] is None for row in table[1:])
+    with get_client(sync_client=True) as client:
+        name = client.read_flow_run(state.state_details.flow_run_id).name
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[f"{name}-{trial}" for trial in range(4)])))
+    assert len(children) == 4 and all(child.parameters["eval_split"] == "val" for child in children)
+    by_trial = {int(child.name.rsplit("-", 1)[1]): child.parameters for child in children}
+    assert all(by_trial[row["trial"]]["lr"] == row["lr"] for row in table)  # what Optuna asked is what ran
+    leaderboard_rows = latest_artifact("sweep-leaderboard")
+    assert [row["run"] for row in json.loads(leaderboard_rows)] == [row["run"] for row in table]
+
+
+def test_a_search_space_is_refused_before_anything_trains_naming_the_key(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    from prefect.exceptions import ParameterTypeError
+
+    base = params_for(synthetic_archive, volume="refused")
+    with pytest.raises(ParameterTypeError, match="learning_rate"):  # the schema names the searchable fields
+        sweep.validate_parameters({**base, "search": "tpe", "space": {"learning_rate": {"low": 0.1, "high": 0.2}}})
+    state = sweep(**base, search="random", space={"lr": {"low": 0.2, "high": 0.1}}, return_state=True)
+    assert state.is_failed()
+    assert "space['lr']: low (0.2) must be below high (0.1)" in str(state.result(raise_on_failure=False))
+    assert not (laneflow_home / "volumes").exists()
 
 
 def test_sweep_refuses_an_invalid_run_naming_it(prefect_server: dict, laneflow_home: Path,

@@ -326,13 +326,17 @@ def test_models_are_compared_without_the_run_time_rule() -> None:
     idle = {"accuracy": 0.81, "fp": 0.2, "fn": 0.2, "untimed_accuracy": 0.81, "untimed_fp": 0.2, "untimed_fn": 0.2,
             "over_time_limit": 0}
     assert selection_accuracy(busy) == 0.93 and selection_accuracy({"accuracy": 0.7}) == 0.7  # older records
-    params = [TrainParams(source=source(), lr=0.05), TrainParams(source=source(), lr=0.02)]
-    rows = [{"index": 0, "state": "Completed", "run": "train-a", "metrics": idle},
-            {"index": 1, "state": "Completed", "run": "train-b", "metrics": busy}]
-    table = leaderboard(rows, ["lr"], params)
-    assert [row["run"] for row in table] == ["train-b", "train-a"]  # the better model first, busy or not
-    assert table[0] == {"rank": 1, "run": "train-b", "state": "Completed", "lr": 0.02, "accuracy": 0.93,
-                        "official accuracy": 0.0, "images over 200 ms": 40, "fp": 0.1, "fn": 0.05}
+    rows = [{"index": 0, "state": "Completed", "run": "train-a", "metrics": idle, "params": {"lr": 0.05},
+             "steps": 30},
+            {"index": 1, "state": "Completed", "run": "train-b", "metrics": busy, "params": {"lr": 0.02},
+             "steps": 30},
+            {"index": 2, "state": "Failed", "params": {"lr": 0.3}, "error": "boom"}]
+    table = leaderboard(rows, ["lr"])
+    assert [row["run"] for row in table] == ["train-b", "train-a", "-"]  # the better model first, busy or not
+    assert table[0] == {"rank": 1, "trial": 1, "run": "train-b", "state": "Completed", "lr": 0.02,
+                        "val accuracy": 0.93, "val official accuracy": 0.0, "steps": 30,
+                        "test accuracy": None, "test official accuracy": None}
+    assert table[2]["val accuracy"] is None and table[2]["state"] == "Failed"
 
 
 # --- parameters and sweeps ---------------------------------------------------------------------------
@@ -389,7 +393,7 @@ def test_flows_take_the_fields_of_train_params_as_their_own_top_level_parameters
 
     fields = list(TrainParams.model_fields)
     for flow, extras in ((train_pipeline, []), (nightly_retrain, ["min_improvement"]),
-                         (sweep, ["grid", "runs", "max_concurrent"])):
+                         (sweep, ["grid", "runs", "max_concurrent", "search", "space", "trials", "seed"])):
         schema = flow.parameters.model_dump_for_openapi()
         assert list(schema["properties"]) == fields + extras, flow.name
         assert all(schema["properties"][name].get("description") for name in fields )
@@ -420,3 +424,36 @@ def test_sweep_expands_grid_then_runs() -> None:
         expand_sweep(base, {}, [{"epochs": 2}, {"epochs": 0}])
     with pytest.raises(SweepError, match="grid entry 'lr'"):
         expand_sweep(base, {"lr": []}, [])
+
+
+# --- search spaces -----------------------------------------------------------------------------------
+
+def test_a_search_space_is_checked_against_the_fields_it_names() -> None:
+    from flows.search import SearchChoices, SearchRange, SearchSpaceError, check_space, distributions
+
+    dimensions = check_space({"lr": {"low": 0.001, "high": 0.3, "log": True}, "batch_size": {"choices": [2, 4, 8]},
+                              "epochs": {"low": 1, "high": 5, "step": 2}, "preset": {"choices": ["cpu-demo"]}})
+    assert dimensions["lr"] == SearchRange(low=0.001, high=0.3, log=True)
+    assert dimensions["batch_size"] == SearchChoices(choices=[2, 4, 8])
+    found = distributions(dimensions)
+    assert (found["lr"].low, found["lr"].high, found["lr"].log) == (0.001, 0.3, True)
+    assert type(found["epochs"]).__name__ == "IntDistribution" and found["epochs"].step == 2
+    assert found["batch_size"].choices == (2, 4, 8)
+    refused = {
+        "unknown": ({"learning_rate": {"low": 0.1, "high": 0.2}},
+                    r"space\['learning_rate'\]: TrainParams has no field"),
+        "not searched": ({"volume": {"choices": ["a", "b"]}}, r"space\['volume'\]: volume is the same for every trial"),
+        "low >= high": ({"lr": {"low": 0.3, "high": 0.3}}, r"space\['lr'\]: low \(0.3\) must be below high"),
+        "log at 0": ({"lr": {"low": 0, "high": 0.3, "log": True}}, r"space\['lr'\]: a log range must stay above 0"),
+        "past a limit": ({"lr": {"low": 0.1, "high": 20}}, r"space\['lr'\]: high 20 is outside what lr allows"),
+        "wrong type": ({"batch_size": {"choices": [2, "4"]}}, r"space\['batch_size'\]: choice '4' is not a valid"),
+        "fractional int": ({"epochs": {"low": 1, "high": 2.5}}, r"space\['epochs'\]: epochs is a whole number"),
+        "range of a literal": ({"preset": {"low": 0, "high": 1}}, r"space\['preset'\]: preset is not a number"),
+        "typo in a range": ({"lr": {"low": 0.1, "hihg": 0.2}}, r"space\['lr'\]: .*hihg"),
+        "log and step": ({"lr": {"low": 0.1, "high": 0.2, "log": True, "step": 0.05}}, r"log or step, not both"),
+        "empty": ({}, "space is empty"),
+    }
+    for case, (space, message) in refused.items():
+        with pytest.raises(SearchSpaceError, match=message):
+            check_space(space)
+            pytest.fail(f"{case}: accepted")
