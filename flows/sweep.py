@@ -14,11 +14,12 @@ artifact and a ``laneflow.sweep.best`` event.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import logging
 from typing import Annotated, Any
 
 from prefect import flow, get_client, get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 from prefect.runtime import flow_run as current_run
@@ -31,6 +32,7 @@ from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
 from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset
 from tasks.platforms import load_platform
+from tasks.report import data_uri
 
 MAX_CHILDREN_IN_FLIGHT = 16
 
@@ -117,7 +119,9 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
         rows = [{**future.result(), "params": {key: getattr(child, key) for key in varied}}
                 for future, child in zip(futures, param_sets, strict=True)]
     else:
-        rows = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name)
+        rows, study = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name)
+        create_markdown_artifact(markdown=study_plots_markdown(study, f"{search} sweep {current_run.name}"),
+                                 key="sweep-study", description=f"Optuna's view of {search} sweep {current_run.name}")
     table = leaderboard(rows, varied)
     best = next((entry for entry in table if entry["val accuracy"] is not None), None)
     if best is not None:
@@ -136,7 +140,7 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
 
 
 def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
-            max_concurrent: int, seed: int | None, sweep_name: str) -> list[dict[str, Any]]:
+            max_concurrent: int, seed: int | None, sweep_name: str) -> tuple[list[dict[str, Any]], Any]:
     """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
     ``max_concurrent`` in flight. Only this flow touches the study."""
     import optuna
@@ -167,7 +171,37 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
             else:
                 study.tell(trial, accuracy)
             rows.append(row)
-    return sorted(rows, key=lambda row: row["index"])
+    return sorted(rows, key=lambda row: row["index"]), study
+
+
+def study_plots_markdown(study: Any, title: str) -> str:
+    """Optuna's optimization history, parameter importances and parallel coordinates as pictures in markdown;
+    a plot Optuna cannot draw yet (importances need two finished trials that differ) says why instead."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to memory only
+    import warnings
+
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as plots
+
+    sections = [f"# {title}\n\nVal accuracy (without the 200 ms rule) of each trial, as Optuna was told it."]
+    for name, plot in (("Optimization history", plots.plot_optimization_history),
+                       ("Parameter importances", plots.plot_param_importances),
+                       ("Parallel coordinates", plots.plot_parallel_coordinate)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # optuna.visualization.matplotlib is marked experimental
+                axes = plot(study)
+        except Exception as exc:  # a missing picture must not fail a finished sweep
+            sections.append(f"## {name}\n\nnot drawn: {exc}")
+            continue
+        figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+        plt.close(figure)
+        sections.append(f"## {name}\n\n![{name}]({data_uri(buffer.getvalue(), 'image/png')})")
+    return "\n\n".join(sections) + "\n"
 
 
 def _score_best_on_test(best: dict[str, Any], row: dict[str, Any]) -> None:

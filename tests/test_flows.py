@@ -132,6 +132,9 @@ def test_a_tpe_sweep_runs_the_trials_optuna_asks_for_scores_them_on_val_and_only
     assert all(by_trial[row["trial"]]["lr"] == row["lr"] for row in table)  # what Optuna asked is what ran
     leaderboard_rows = latest_artifact("sweep-leaderboard")
     assert [row["run"] for row in json.loads(leaderboard_rows)] == [row["run"] for row in table]
+    study = str(latest_artifact("sweep-study"))
+    for section in ("Optimization history", "Parameter importances", "Parallel coordinates"):
+        assert f"## {section}\n\n![{section}](data:image/png;base64," in study, study[:2000]
 
 
 def test_a_search_space_is_refused_before_anything_trains_naming_the_key(
