@@ -22,26 +22,31 @@ from prefect import flow, get_client, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
+from prefect.runtime import deployment
 from prefect.runtime import flow_run as current_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from flows.params import SweepError, TrainParams, expand_sweep, takes_train_params
 from flows.search import SearchDimension, SearchSpace, SearchStrategy, check_space, distributions
+from flows.study import VolumeJournal, counted, journal_path, recover_interrupted, trial_rows
 from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
+from tasks.names import DNS_LABEL
 from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset
 from tasks.platforms import load_platform
 from tasks.report import data_uri
 
 MAX_CHILDREN_IN_FLIGHT = 16
+#: A study's name: its trials' run keys (<study>-<trial>) must fit a run name.
+StudyName = Annotated[str | None, Field(None, max_length=16, pattern=DNS_LABEL.pattern)]
 
 
 @task(name="sweep_run", task_run_name="sweep-run-{index}", cache_policy=NO_CACHE)
-def run_child(params: TrainParams, index: int, sweep_name: str) -> dict[str, Any]:
+def run_child(params: TrainParams, index: int, name: str, run_key: str | None = None) -> dict[str, Any]:
     """One child flow run; its failure becomes a leaderboard row, not the sweep's failure."""
-    state = train_pipeline.with_options(flow_run_name=f"{sweep_name}-{index}")(**params.flow_parameters(),
-                                                                                return_state=True)
+    state = train_pipeline.with_options(flow_run_name=name)(**params.flow_parameters(), run_key=run_key,
+                                                             return_state=True)
     result = state.result(raise_on_failure=False)
     row = {"index": index, "state": state.name, "flow_run_id": str(state.state_details.flow_run_id)}
     if state.is_completed():
@@ -79,7 +84,7 @@ def leaderboard(rows: list[dict[str, Any]], varied: list[str]) -> list[dict]:
 def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: list[dict[str, Any]] | None = None,
           max_concurrent: Annotated[int, Field(ge=1)] = 1, search: SearchStrategy = "grid",
           space: SearchSpace | None = None, trials: Annotated[int, Field(ge=1, le=1000)] = 8,
-          seed: int | None = None) -> list[dict[str, Any]]:
+          seed: int | None = None, study: StudyName = None) -> list[dict[str, Any]]:
     """Train every parameter set (grid product, then listed runs), or ``trials`` sampled from ``space``, on
     the base parameters; rank them by val accuracy and score the best on test.
 
@@ -91,6 +96,9 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
         space: for random/tpe, parameter name -> {"low", "high", "log", "step"} or {"choices": [...]}
         trials: for random/tpe, how many runs to sample
         seed: for random/tpe, the sampler's seed (the same seed asks the same first trials)
+        study: for random/tpe, the study to continue, kept on the volume as studies/<study>.journal
+            (default: the deployment's name; none outside a deployment): finished trials are kept, an
+            interrupted one is run again from its checkpoint, and trials counts the study's total
     """
     logger = get_run_logger()
     if search == "grid":
@@ -115,12 +123,15 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
         platform = load_platform(platform_name)
         prepare_dataset(platform, ensure_dataset_volume(platform, volume_name), list(artifacts))
     if search == "grid":
-        futures = [run_child.submit(child, index, current_run.name) for index, child in enumerate(param_sets)]
+        futures = [run_child.submit(child, index, f"{current_run.name}-{index}")
+                   for index, child in enumerate(param_sets)]
         rows = [{**future.result(), "params": {key: getattr(child, key) for key in varied}}
                 for future, child in zip(futures, param_sets, strict=True)]
     else:
-        rows, study = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name)
-        create_markdown_artifact(markdown=study_plots_markdown(study, f"{search} sweep {current_run.name}"),
+        study_name = study or deployment.name
+        rows, searched = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name,
+                                 study_name)
+        create_markdown_artifact(markdown=study_plots_markdown(searched, f"{search} sweep {current_run.name}"),
                                  key="sweep-study", description=f"Optuna's view of {search} sweep {current_run.name}")
     table = leaderboard(rows, varied)
     best = next((entry for entry in table if entry["val accuracy"] is not None), None)
@@ -140,38 +151,69 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
 
 
 def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
-            max_concurrent: int, seed: int | None, sweep_name: str) -> tuple[list[dict[str, Any]], Any]:
+            max_concurrent: int, seed: int | None, sweep_name: str,
+            study_name: str | None) -> tuple[list[dict[str, Any]], Any]:
     """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
-    ``max_concurrent`` in flight. Only this flow touches the study."""
+    ``max_concurrent`` in flight. Only this flow touches the study; with a ``study_name`` it is the journal
+    on the volume (flows/study.py), continued where an earlier sweep left it."""
     import optuna
     from optuna.trial import TrialState
 
+    logger = get_run_logger()
     optuna.logging.set_verbosity(logging.WARNING)
     sampler = optuna.samplers.RandomSampler(seed=seed) if strategy == "random" else \
         optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, trials // 3)))
-    study = optuna.create_study(direction="maximize", sampler=sampler)
+    journal = None
+    if study_name is None:
+        study = optuna.create_study(direction="maximize", sampler=sampler)
+    else:
+        platform = load_platform(params.platform)
+        journal = VolumeJournal(platform, ensure_dataset_volume(platform, params.volume), journal_path(study_name))
+        study = optuna.create_study(study_name=study_name, storage=optuna.storages.JournalStorage(journal),
+                                    direction="maximize", sampler=sampler, load_if_exists=True)
+        if retried := recover_interrupted(study):
+            logger.info("study %s: trials %s were interrupted by an earlier sweep; they run again first, resuming "
+                        "their checkpoints", study_name, retried)
+        journal.flush()
+        logger.info("study %s (%s on volume %s): %d of %d trials done", study_name, journal_path(study_name),
+                    params.volume, counted(study), trials)
     space = distributions(dimensions)
     in_flight: dict[concurrent.futures.Future, tuple[Any, Any]] = {}
     rows: list[dict[str, Any]] = []
-    asked = 0
+    asked = counted(study)
     while asked < trials or in_flight:
         while asked < trials and len(in_flight) < max_concurrent:
             trial = study.ask(space)
+            key = trial.user_attrs.get("run_key") or (f"{study_name}-{trial.number}" if study_name else None)
+            trial.set_user_attr("run_key", key)
+            if journal is not None:
+                journal.flush()  # a sweep stopped from here on leaves this trial RUNNING, to be resumed
             child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
-            future = run_child.submit(child, trial.number, sweep_name)
+            name = f"{study_name}-trial-{trial.number}" if study_name else f"{sweep_name}-{trial.number}"
+            future = run_child.submit(child, trial.number, name, key)
             in_flight[future.wrapped_future] = (future, trial)
             asked += 1
         done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
         for wrapped in done:
             future, trial = in_flight.pop(wrapped)
             row = {**future.result(), "params": dict(trial.params)}
+            trial.set_user_attr("result", {key: row[key] for key in _RECORDED if key in row})
             accuracy = val_accuracy(row)
             if accuracy is None:
                 study.tell(trial, state=TrialState.FAIL)
             else:
                 study.tell(trial, accuracy)
+            if journal is not None:
+                journal.flush()
             rows.append(row)
+    if journal is not None:
+        rows = trial_rows(study)  # earlier sweeps' trials of the study too
     return sorted(rows, key=lambda row: row["index"]), study
+
+
+#: What a trial's row keeps in the study (enough to rank it and to score the best on test later).
+_RECORDED = ("state", "run", "flow_run_id", "metrics", "steps", "resumed_from", "run_dir", "data_dir", "platform",
+             "volume", "error")
 
 
 def study_plots_markdown(study: Any, title: str) -> str:

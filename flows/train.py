@@ -9,7 +9,7 @@ UI runs queue for accelerators instead of oversubscribing them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
 from prefect.concurrency.sync import concurrency
@@ -17,10 +17,11 @@ from prefect.events import emit_event
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_run
 from prefect.transactions import transaction
+from pydantic import Field
 
 from flows.params import TrainParams, takes_train_params
 from tasks.lineage import build_lineage, code_version
-from tasks.names import run_name, snapshot_name
+from tasks.names import DNS_LABEL, MAX_RUN_KEY, run_name, snapshot_name
 from tasks.pipeline import (
     capture_snapshot,
     demote_service_level,
@@ -39,6 +40,7 @@ from tasks.platforms import TrainingSpec, VolumeRef, load_platform
 from tasks.service_level import ThroughputNeed
 
 GPU_LIMIT = "gpu"
+RunKey = Annotated[str | None, Field(None, max_length=MAX_RUN_KEY, pattern=DNS_LABEL.pattern)]
 
 
 def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
@@ -48,7 +50,7 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
     except Exception:  # parameters never validated: nothing was started
         return
     platform = load_platform(params.platform)
-    name = run_name(flow_run.id)
+    name = run_name(flow_run.id, key=flow_run.parameters.get("run_key"))
     try:
         stopped = platform.cancel_training(name, VolumeRef(name=params.volume, location=""))
         print(f"laneflow: training job {name} {'stopped' if stopped else 'was not running'} ({state.name})")
@@ -61,10 +63,15 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
 
 @flow(name="train_pipeline", on_cancellation=[stop_training], on_crashed=[stop_training])
 @takes_train_params
-def train_pipeline(params: TrainParams) -> dict[str, Any]:
-    """Prepare TuSimple on a volume, train SCNN with Horovod, score it, snapshot and publish it."""
+def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any]:
+    """Prepare TuSimple on a volume, train SCNN with Horovod, score it, snapshot and publish it.
+
+    Args:
+        run_key: names the run train-<run_key> instead of after this flow run: a later run of the same key
+            resumes its checkpoint (a sweep's interrupted trial); empty for a new run each time
+    """
     logger = get_run_logger()
-    run = run_name(current_run.id)
+    run = run_name(current_run.id, key=run_key)
     platform = load_platform(params.platform)
     logger.info("run %s on platform %s (%s)", run, params.platform, type(platform).__name__)
 

@@ -65,9 +65,20 @@ def validate_mpijob_name(name: str, worker_replicas: int) -> str:
     return name
 
 
-def run_name(flow_run_id: UUID | str, prefix: str = "train") -> str:
-    """The training run's name for a flow run: a retry of any task (or of the flow run) maps to the same run."""
+def run_name(flow_run_id: UUID | str, prefix: str = "train", key: str | None = None) -> str:
+    """The training run's name for a flow run: a retry of any task (or of the flow run) maps to the same run.
+    With ``key`` the name is ``<prefix>-<key>`` whatever the flow run: a later flow run of the same key finds
+    the run's folder and checkpoint and resumes it (a sweep's retried trial)."""
+    if key is not None:
+        if len(key) > MAX_RUN_KEY or not DNS_LABEL.fullmatch(key):
+            raise ValueError(f"run_key {key!r} must be at most {MAX_RUN_KEY} lowercase letters, digits or '-', "
+                             "starting and ending with a letter or digit")
+        return validate_name(f"{prefix}-{key}", "run")
     return validate_name(f"{prefix}-{UUID(str(flow_run_id)).hex[:12]}", "run")
+
+
+#: A run key leaves room in the run's name for the suffixes of its Jobs and snapshots (as a flow run id's 12).
+MAX_RUN_KEY = 24
 
 
 def snapshot_name(volume: str, run: str) -> str:

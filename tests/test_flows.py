@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -148,6 +149,54 @@ def test_a_search_space_is_refused_before_anything_trains_naming_the_key(
     assert state.is_failed()
     assert "space['lr']: low (0.2) must be below high (0.1)" in str(state.result(raise_on_failure=False))
     assert not (laneflow_home / "volumes").exists()
+
+
+def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_from_its_checkpoint(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+    """SIGKILL to the sweep's process while trial 1 trains (trial 0 done); the same sweep again: trial 0 is
+    not run again, trial 1 runs again under its run key and resumes from the checkpoint its run left."""
+    import signal
+    import subprocess
+
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from tasks.processes import running
+
+    base = params_for(synthetic_archive, volume="study", workers=1, snapshot=False, epochs=8)
+    arguments = {**base, "search": "random", "space": {"lr": {"low": 0.01, "high": 0.1, "log": True}},
+                 "trials": 2, "seed": 3, "study": "killed"}
+    script = "import json, sys\nfrom flows.sweep import sweep\nsweep(**json.loads(sys.argv[1]))"
+    env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
+    metrics = laneflow_home / "volumes" / "study" / "runs" / "train-killed-1" / "metrics.jsonl"
+    output = tmp_path / "sweep.log"
+    with output.open("wb") as sink, running(
+            [sys.executable, "-c", script, json.dumps(arguments, default=lambda v: v.model_dump(mode="json"))],
+            stop_signals=(signal.SIGKILL,), env=env, cwd=PROJECT_ROOT, stdout=sink,
+            stderr=subprocess.STDOUT) as killed:
+        deadline = time.monotonic() + 600
+        while not (metrics.is_file() and metrics.read_text().count('"event": "step"') >= 3):
+            assert killed.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
+            time.sleep(0.5)
+        killed.kill()  # no hook, no goodbye: trial 1 stays RUNNING in the journal; its training goes on
+        killed.wait()
+    # The killed run's 'gpu' slot is held until Prefect's lease on it expires (minutes): a second slot lets
+    # the retry start now.
+    table = sweep(**{key: value for key, value in arguments.items() if key not in base}, **base, max_concurrent=2)
+    assert sorted(row["trial"] for row in table) == [0, 2]  # trial 1 interrupted; its retry is trial 2
+    assert all(row["state"] == "Completed" for row in table), table
+    retry = next(row for row in table if row["trial"] == 2)
+    assert retry["run"] == "train-killed-1"  # the interrupted run's folder, under its run key
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
+            any_=["killed-trial-0", "killed-trial-1", "killed-trial-2"])))
+        children = {run.name: run for run in runs}
+        resumed = client.read_flow_run(children["killed-trial-2"].id)
+    assert sorted(children) == ["killed-trial-0", "killed-trial-1", "killed-trial-2"]  # trial 0 ran once
+    assert children["killed-trial-0"].state.is_completed()
+    record = json.loads((metrics.parent / "launcher.json").read_text())
+    assert record["attempts"] == 2 and resumed.state.is_completed()
+    starts = [event for line in metrics.read_text().splitlines() if (event := json.loads(line))["event"] == "start"]
+    assert [start["resumed"] for start in starts] == [False, True] and starts[1]["step"] > 0  # from its checkpoint
 
 
 def test_sweep_refuses_an_invalid_run_naming_it(prefect_server: dict, laneflow_home: Path,

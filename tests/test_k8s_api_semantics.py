@@ -66,12 +66,17 @@ def _body(exc: ApiException) -> dict:
     return json.loads(exc.body)
 
 
-def test_a_job_deleted_without_a_policy_orphans_its_running_pod_and_says_so(emulator: tuple) -> None:
-    emu, _cluster = emulator
+def _sleeper(emu: Any) -> tuple[kubernetes.client.CoreV1Api, kubernetes.client.BatchV1Api, Any]:
+    """A Job 'sleeper' whose pod runs SLOW_TO_STOP, once its container is up."""
     core, batch, _ = _apis(emu)
     cluster_platform(emu)
     batch.create_namespaced_job("lanes", _job("sleeper", SLOW_TO_STOP))
-    pod = _running_pod(core, "sleeper")
+    return core, batch, _running_pod(core, "sleeper")
+
+
+def test_a_job_deleted_without_a_policy_orphans_its_running_pod_and_says_so(emulator: tuple) -> None:
+    emu, _cluster = emulator
+    core, batch, pod = _sleeper(emu)
     _, _, headers = batch.delete_namespaced_job_with_http_info("sleeper", "lanes")  # (data, status, headers)
     assert JOB_DELETE_WARNING in headers["Warning"]
     assert _gone(lambda: batch.read_namespaced_job("sleeper", "lanes"))
@@ -84,10 +89,7 @@ def test_a_job_deleted_without_a_policy_orphans_its_running_pod_and_says_so(emul
 def test_foreground_deletion_keeps_the_job_readable_until_its_pod_has_stopped(emulator: tuple) -> None:
     """What laneflow's replacement of a failed Job waits for: the old pod no longer writing to the volume."""
     emu, cluster = emulator
-    core, batch, _ = _apis(emu)
-    cluster_platform(emu)
-    batch.create_namespaced_job("lanes", _job("sleeper", SLOW_TO_STOP))
-    pod = _running_pod(core, "sleeper")
+    core, batch, pod = _sleeper(emu)
     batch.delete_namespaced_job("sleeper", "lanes", propagation_policy="Foreground")
     job = batch.read_namespaced_job("sleeper", "lanes")  # still there: its pod is stopping (10 s on SIGTERM)
     assert job.metadata.deletion_timestamp and "foregroundDeletion" in job.metadata.finalizers
@@ -100,10 +102,7 @@ def test_foreground_deletion_keeps_the_job_readable_until_its_pod_has_stopped(em
 
 def test_background_deletion_removes_the_job_at_once_and_its_pod_after_its_grace(emulator: tuple) -> None:
     emu, _cluster = emulator
-    core, batch, _ = _apis(emu)
-    cluster_platform(emu)
-    batch.create_namespaced_job("lanes", _job("sleeper", SLOW_TO_STOP))
-    pod = _running_pod(core, "sleeper")
+    core, batch, pod = _sleeper(emu)
     batch.delete_namespaced_job("sleeper", "lanes", propagation_policy="Background")
     assert _gone(lambda: batch.read_namespaced_job("sleeper", "lanes"))
     assert core.read_namespaced_pod(pod.metadata.name, "lanes").metadata.deletion_timestamp

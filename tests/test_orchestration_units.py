@@ -120,6 +120,11 @@ def test_run_name_is_deterministic_per_flow_run() -> None:
     flow_run = UUID("7d2eaa95-c8df-43a7-b772-5e3435d03a6e")
     assert run_name(flow_run) == run_name(str(flow_run)) == "train-7d2eaa95c8df"
     assert run_name(flow_run, prefix="restore") == "restore-7d2eaa95c8df"
+    assert run_name(flow_run, key="lanes-3") == run_name("00000000-0000-0000-0000-000000000000", key="lanes-3") \
+        == "train-lanes-3"  # a keyed run is the same run whatever flow run resumes it
+    for bad in ("Lanes", "-x", "a" * 25):
+        with pytest.raises(ValueError, match="run_key"):
+            run_name(flow_run, key=bad)
 
 
 def test_snapshot_name_fits_63_characters_and_keeps_the_run() -> None:
@@ -392,8 +397,8 @@ def test_flows_take_the_fields_of_train_params_as_their_own_top_level_parameters
     from flows.train import train_pipeline
 
     fields = list(TrainParams.model_fields)
-    for flow, extras in ((train_pipeline, []), (nightly_retrain, ["min_improvement"]),
-                         (sweep, ["grid", "runs", "max_concurrent", "search", "space", "trials", "seed"])):
+    for flow, extras in ((train_pipeline, ["run_key"]), (nightly_retrain, ["min_improvement"]),
+                         (sweep, ["grid", "runs", "max_concurrent", "search", "space", "trials", "seed", "study"])):
         schema = flow.parameters.model_dump_for_openapi()
         assert list(schema["properties"]) == fields + extras, flow.name
         assert all(schema["properties"][name].get("description") for name in fields )

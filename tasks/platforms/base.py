@@ -160,6 +160,11 @@ class Platform(Block):
     def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
         """A file from the volume (metrics, eval results, images for artifacts)."""
 
+    @abc.abstractmethod
+    def append_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
+        """``data`` added to the end of a file on the volume (made with its folders when missing), flushed to
+        the volume before this returns (a sweep's study journal)."""
+
     # --- launcher ----------------------------------------------------------------------------------
     @abc.abstractmethod
     def submit_training(self, spec: TrainingSpec) -> TrainingHandle:

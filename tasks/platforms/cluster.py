@@ -115,6 +115,10 @@ class _ApiClient(kubernetes.client.ApiClient):
         return super().call_api(*args, _request_timeout=_request_timeout or self.default_timeout, **kwargs)
 
 
+#: Bytes per appending Job: the data travels base64-encoded as one argument (Linux caps one at 128 KiB).
+APPEND_CHUNK = 64 * 1024
+
+
 class ClusterPlatform(Platform):
     """Kubernetes: PVC volumes, Horovod MPIJobs (optionally scheduled by Run:ai), CSI VolumeSnapshots."""
 
@@ -463,6 +467,19 @@ class ClusterPlatform(Platform):
         except RuntimeError as exc:
             raise FileNotFoundError(f"{relative_path} could not be read from volume '{volume.name}': {exc}") from None
         return base64.b64decode(_last_event(lines, "file", f"reader job for {relative_path}")["base64"])
+
+    def append_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
+        script = ("import base64, json, os, sys\n"
+                  "os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)\n"
+                  "with open(sys.argv[1], 'ab') as sink:\n"
+                  "    sink.write(base64.b64decode(sys.argv[2]))\n"
+                  "    sink.flush()\n"
+                  "    os.fsync(sink.fileno())\n"
+                  "print(json.dumps({'event': 'appended', 'bytes': os.path.getsize(sys.argv[1])}))\n")
+        for start in range(0, len(data), APPEND_CHUNK):
+            chunk = base64.b64encode(data[start:start + APPEND_CHUNK]).decode()
+            _last_event(self._file_job("append", volume, relative_path, script, chunk), "appended",
+                        f"appending job for {relative_path}")
 
     # --- launcher ------------------------------------------------------------------------------------
     def _mpijob_body(self, spec: TrainingSpec) -> dict:

@@ -116,6 +116,14 @@ class LocalPlatform(Platform):
             raise FileNotFoundError(f"{relative_path} does not exist on volume '{volume.name}' ({path})")
         return path.read_bytes()
 
+    def append_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
+        path = self._inside(volume, relative_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as sink:
+            sink.write(data)
+            sink.flush()
+            os.fsync(sink.fileno())
+
     # --- launcher ------------------------------------------------------------------------------------
     def submit_training(self, spec: TrainingSpec) -> TrainingHandle:
         run_dir = self._inside(spec.volume, spec.run_dir)

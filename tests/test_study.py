@@ -1,0 +1,71 @@
+"""A sweep's study kept on the dataset volume (flows/study.py): Optuna's journal read back as it was written,
+a half-written last line from a stopped sweep ignored, interrupted trials asked for again under their run
+key; appended through the cluster platform's Jobs as through the local platform's files."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState
+
+from flows.study import VolumeJournal, counted, journal_path, recover_interrupted
+from tasks.platforms import LocalPlatform
+
+SPACE = {"lr": FloatDistribution(0.01, 0.2, log=True)}
+
+
+def _open(platform: LocalPlatform, volume: object) -> tuple[VolumeJournal, optuna.Study]:
+    optuna.logging.set_verbosity(logging.WARNING)
+    journal = VolumeJournal(platform, volume, journal_path("lanes"))
+    study = optuna.create_study(study_name="lanes", storage=optuna.storages.JournalStorage(journal),
+                                direction="maximize", load_if_exists=True)
+    return journal, study
+
+
+def test_a_study_on_the_volume_is_continued_and_its_interrupted_trial_asked_for_again(laneflow_home: Path) -> None:
+    platform = LocalPlatform()
+    volume = platform.ensure_volume("tusimple")
+    journal, study = _open(platform, volume)
+    finished = study.ask(SPACE)
+    finished.set_user_attr("run_key", "lanes-0")
+    study.tell(finished, 0.7)
+    running = study.ask(SPACE)
+    running.set_user_attr("run_key", "lanes-1")
+    journal.flush()  # the sweep stops here (killed): trial 1 stays RUNNING on the volume
+    written = Path(volume.location) / "studies" / "lanes.journal"
+    with written.open("a") as sink:
+        sink.write('{"op_code": 5, "worker_id": "x", "trial_id"')  # the line being written when it died
+    journal, study = _open(platform, volume)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.RUNNING]
+    assert recover_interrupted(study) == [1] and counted(study) == 1
+    retry = study.ask(SPACE)  # asked first, with what the interrupted trial had
+    assert retry.params == running.params and retry.user_attrs["run_key"] == "lanes-1"
+    study.tell(retry, 0.8)
+    journal.flush()
+    _, reopened = _open(platform, volume)
+    assert counted(reopened) == 2 and reopened.best_value == pytest.approx(0.8)
+    assert [t.user_attrs.get("interrupted", False) for t in reopened.trials] == [False, True, False]
+
+
+def test_a_journal_that_is_not_one_is_refused_naming_it(laneflow_home: Path) -> None:
+    platform = LocalPlatform()
+    volume = platform.ensure_volume("tusimple")
+    platform.append_file(volume, journal_path("lanes"), b"not json\n{}\n")
+    with pytest.raises(ValueError, match=r"studies/lanes.journal on volume 'tusimple' is not an Optuna journal"):
+        VolumeJournal(platform, volume, journal_path("lanes"))
+
+
+def test_the_cluster_platform_appends_to_a_file_on_the_claim(emulator: tuple) -> None:
+    from tests.test_cluster_platform import cluster_platform
+
+    emu, cluster = emulator
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    platform.append_file(volume, "studies/s.journal", b'{"a": 1}\n')
+    platform.append_file(volume, "studies/s.journal", b'{"b": 2}\n')
+    assert (cluster.claim_dir("lanes", "data") / "studies" / "s.journal").read_bytes() == b'{"a": 1}\n{"b": 2}\n'
+    assert platform.read_file(volume, "studies/s.journal") == b'{"a": 1}\n{"b": 2}\n'
