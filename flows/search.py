@@ -102,7 +102,7 @@ def check_space(space: dict[str, Any]) -> dict[str, SearchDimension]:
                 except ValidationError as exc:
                     raise SearchSpaceError(f"{where}: choice {value!r} is not a valid {key}: "
                                            f"{_limits_error(exc)}") from None
-            if len({repr(value) for value in dimension.choices}) != len(dimension.choices):
+            if any(a == b for i, a in enumerate(dimension.choices) for b in dimension.choices[i + 1:]):
                 raise SearchSpaceError(f"{where}: the choices repeat a value")
         dimensions[key] = dimension
     return dimensions
@@ -116,7 +116,7 @@ def _parse(where: str, raw: Any) -> SearchDimension:
                                f"got {raw!r}")
     model = SearchChoices if "choices" in raw else SearchRange
     try:
-        return model.model_validate(raw)
+        return model.model_validate(raw, strict=True)  # "0.001" or true is not a bound
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
         raise SearchSpaceError(f"{where}: {problems}") from None

@@ -15,6 +15,7 @@ retry's ``train_pipeline`` finds the interrupted run's folder and resumes from i
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from optuna.storages.journal import BaseJournalBackend
@@ -28,7 +29,8 @@ def journal_path(study: str) -> str:
     return f"{STUDIES_DIR}/{study}.journal"
 
 
-#: Written after a line a stopped sweep left half-written, so that every later read skips that line.
+#: Written after the line a stopped sweep left unfinished (no newline: cut off, or whole but never
+#: acknowledged), so that every later read skips that line, whatever it holds.
 TORN_MARK = {"laneflow": "the line above was cut off when a sweep stopped; it is not part of the study"}
 
 
@@ -48,55 +50,58 @@ class VolumeJournal(BaseJournalBackend):
             text = platform.read_file(volume, path).decode()
         except FileNotFoundError:
             text = ""
+        lines = text.split("\n")
+        # Without a final newline the last line was being written when a sweep stopped: that operation
+        # never was. The next flush ends that line and marks it, so later reads skip it too.
+        unfinished = lines.pop() if lines else ""
+        self._prefix = "\n" + json.dumps(TORN_MARK) + "\n" if unfinished.strip() else ""
         self._logs: list[dict[str, Any]] = []
         self._unwritten: list[str] = []
-        lines = text.splitlines()
         for number, line in enumerate(lines):
-            if not line.strip():
+            if not line.strip() or _is_torn_mark(line):
                 continue
+            if number + 1 < len(lines) and _is_torn_mark(lines[number + 1]):
+                continue  # a line an earlier stop left unfinished
             try:
-                log = json.loads(line)
+                self._logs.append(json.loads(line))
             except json.JSONDecodeError:
-                following = lines[number + 1] if number + 1 < len(lines) else None
-                if following is None and not text.endswith("\n"):
-                    # The last line was being written when a sweep stopped: that operation never was. The next
-                    # flush ends it and says so, so later reads skip it.
-                    self._unwritten = ["", json.dumps(TORN_MARK)]
-                    break
-                if following is not None and _is_torn_mark(following):
-                    continue
                 raise ValueError(f"{path} on volume '{volume.name}' is not an Optuna journal (line {number + 1}); "
                                  "move it away or name another study") from None
-            if log != TORN_MARK:
-                self._logs.append(log)
 
     def read_logs(self, log_number_from: int) -> list[dict[str, Any]]:
         return self._logs[log_number_from:]
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        lines = [json.dumps(log, separators=(",", ":")) for log in logs]  # fails before anything is kept
         self._logs.extend(logs)
-        self._unwritten.extend(json.dumps(log, separators=(",", ":")) for log in logs)
+        self._unwritten.extend(lines)
 
     def flush(self) -> None:
         """The lines not on the volume yet, written there."""
-        if self._unwritten and self._unwritten != ["", json.dumps(TORN_MARK)]:
-            self.platform.append_file(self.volume, self.path, ("\n".join(self._unwritten) + "\n").encode())
-            self._unwritten = []
+        if self._unwritten:
+            data = self._prefix + "\n".join(self._unwritten) + "\n"
+            self.platform.append_file(self.volume, self.path, data.encode())
+            self._prefix, self._unwritten = "", []
 
 
 def recover_interrupted(study: Any) -> list[int]:
-    """Trials a stopped sweep left running: failed (``interrupted``), their parameters asked for again first
-    with the run key of the interrupted run. Returns their numbers."""
+    """Trials an earlier sweep did not finish — left RUNNING by a killed sweep, or whose run was cancelled or
+    crashed (marked ``interrupted``) — asked for again first, once each, with their run key. Returns their
+    numbers."""
     from optuna.trial import TrialState
 
-    interrupted = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
         study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        study.enqueue_trial(trial.params, user_attrs={"run_key": trial.user_attrs.get("run_key"),
-                                                      "retry_of": trial.number}, skip_if_exists=False)
-        interrupted.append(trial.number)
-    return interrupted
+    trials = study.get_trials(deepcopy=False)
+    already = {trial.user_attrs.get("retry_of") for trial in trials}  # a finished trial cannot be marked
+    retried = []
+    for trial in trials:
+        if trial.state == TrialState.FAIL and trial.user_attrs.get("interrupted") and trial.number not in already:
+            study.enqueue_trial(trial.params, user_attrs={"run_key": trial.user_attrs.get("run_key"),
+                                                          "retry_of": trial.number}, skip_if_exists=False)
+            retried.append(trial.number)
+    return retried
 
 
 def counted(study: Any) -> int:
@@ -118,3 +123,36 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
             continue
         rows.append({**trial.user_attrs["result"], "index": trial.number, "params": dict(trial.params)})
     return rows
+
+
+def run_key_for(study: Any, number: int) -> str:
+    """``<study>-<nonce>-<trial>``: the nonce is the study's own (made when it was created), so a study
+    started afresh under an old name (its journal moved away) never finds an old study's runs."""
+    nonce = study.user_attrs.get("nonce")
+    if nonce is None:
+        nonce = uuid.uuid4().hex[:4]
+        study.set_user_attr("nonce", nonce)
+    return f"{study.study_name}-{nonce}-{number}"
+
+
+def check_same_study(study: Any, name: str, space: dict[str, Any], params: Any) -> None:
+    """A continued study must search the same space over the same base run (same data, preset, budget):
+    otherwise its trials do not compare and an interrupted one would resume a checkpoint of another
+    setting. The first sweep records both on the study."""
+    from optuna.distributions import distribution_to_json
+
+    wanted_space = {key: distribution_to_json(value) for key, value in sorted(space.items())}
+    wanted_base = {key: value for key, value in params.for_record().items() if key not in space}
+    recorded_space, recorded_base = study.user_attrs.get("space"), study.user_attrs.get("base")
+    if recorded_space is None:
+        study.set_user_attr("space", wanted_space)
+        study.set_user_attr("base", wanted_base)
+        return
+    if recorded_space != wanted_space:
+        raise ValueError(f"study {name!r} searched {sorted(recorded_space)} with other ranges or choices: give "
+                         f"the same space to continue it, or name a new study")
+    changed = sorted(key for key in set(recorded_base) | set(wanted_base)
+                     if recorded_base.get(key) != wanted_base.get(key))
+    if changed:
+        raise ValueError(f"study {name!r} was run with other {', '.join(changed)}: its trials would not compare "
+                         "with these; keep them to continue it, or name a new study")

@@ -25,11 +25,19 @@ from prefect.events import emit_event
 from prefect.runtime import deployment
 from prefect.runtime import flow_run as current_run
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import Field
+from pydantic import Field, TypeAdapter, ValidationError
 
 from flows.params import SweepError, TrainParams, expand_sweep, takes_train_params
 from flows.search import SearchDimension, SearchSpace, SearchStrategy, check_space, distributions
-from flows.study import VolumeJournal, counted, journal_path, recover_interrupted, trial_rows
+from flows.study import (
+    VolumeJournal,
+    check_same_study,
+    counted,
+    journal_path,
+    recover_interrupted,
+    run_key_for,
+    trial_rows,
+)
 from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
 from tasks.names import DNS_LABEL
@@ -39,7 +47,7 @@ from tasks.report import data_uri
 
 MAX_CHILDREN_IN_FLIGHT = 16
 #: A study's name: its trials' run keys (<study>-<trial>) must fit a run name.
-StudyName = Annotated[str | None, Field(None, max_length=16, pattern=DNS_LABEL.pattern)]
+StudyName = Annotated[str | None, Field(None, max_length=12, pattern=DNS_LABEL.pattern)]
 
 
 @task(name="sweep_run", task_run_name="sweep-run-{index}", cache_policy=NO_CACHE)
@@ -122,21 +130,24 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
     for platform_name, volume_name, artifacts in sorted(datasets, key=repr):
         platform = load_platform(platform_name)
         prepare_dataset(platform, ensure_dataset_volume(platform, volume_name), list(artifacts))
+    searched = journal = None
     if search == "grid":
         futures = [run_child.submit(child, index, f"{current_run.name}-{index}")
                    for index, child in enumerate(param_sets)]
         rows = [{**future.result(), "params": {key: getattr(child, key) for key in varied}}
                 for future, child in zip(futures, param_sets, strict=True)]
     else:
-        study_name = study or deployment.name
-        rows, searched = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name,
-                                 study_name)
+        rows, searched, journal = _search(params, dimensions, search, trials, max_concurrent, seed,
+                                          current_run.name, study_name_of(study, deployment.name))
         create_markdown_artifact(markdown=study_plots_markdown(searched, f"{search} sweep {current_run.name}"),
                                  key="sweep-study", description=f"Optuna's view of {search} sweep {current_run.name}")
     table = leaderboard(rows, varied)
     best = next((entry for entry in table if entry["val accuracy"] is not None), None)
     if best is not None:
-        _score_best_on_test(best, next(row for row in rows if row["index"] == best["trial"]))
+        _score_best_on_test(best, next(row for row in rows if row["index"] == best["trial"]),
+                            searched if journal is not None else None)
+        if journal is not None:
+            journal.flush()
         emit_event("laneflow.sweep.best", resource={"prefect.resource.id": f"laneflow.sweep.{current_run.name}",
                                                    "prefect.resource.name": str(current_run.name)},
                    payload={"best": best, "search": search})
@@ -152,7 +163,7 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
 
 def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
             max_concurrent: int, seed: int | None, sweep_name: str,
-            study_name: str | None) -> tuple[list[dict[str, Any]], Any]:
+            study_name: str | None) -> tuple[list[dict[str, Any]], Any, VolumeJournal | None]:
     """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
     ``max_concurrent`` in flight. Only this flow touches the study; with a ``study_name`` it is the journal
     on the volume (flows/study.py), continued where an earlier sweep left it."""
@@ -161,34 +172,38 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
 
     logger = get_run_logger()
     optuna.logging.set_verbosity(logging.WARNING)
-    sampler = optuna.samplers.RandomSampler(seed=seed) if strategy == "random" else \
-        optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, trials // 3)))
+    space = distributions(dimensions)
     journal = None
     if study_name is None:
-        study = optuna.create_study(direction="maximize", sampler=sampler)
+        study = optuna.create_study(direction="maximize")
     else:
         platform = load_platform(params.platform)
         journal = VolumeJournal(platform, ensure_dataset_volume(platform, params.volume), journal_path(study_name))
         study = optuna.create_study(study_name=study_name, storage=optuna.storages.JournalStorage(journal),
-                                    direction="maximize", sampler=sampler, load_if_exists=True)
+                                    direction="maximize", load_if_exists=True)
+        check_same_study(study, study_name, space, params)
         if retried := recover_interrupted(study):
             logger.info("study %s: trials %s were interrupted by an earlier sweep; they run again first, resuming "
                         "their checkpoints", study_name, retried)
         journal.flush()
         logger.info("study %s (%s on volume %s): %d of %d trials done", study_name, journal_path(study_name),
                     params.volume, counted(study), trials)
-    space = distributions(dimensions)
+    # A seeded sampler of a continued study starts past the trials it has (or it would ask those again).
+    offset = None if seed is None else seed + len(study.trials)
+    study.sampler = optuna.samplers.RandomSampler(seed=offset) if strategy == "random" else \
+        optuna.samplers.TPESampler(seed=offset, n_startup_trials=min(10, max(2, trials // 3)),
+                                   constant_liar=max_concurrent > 1)  # in-flight trials count as bad guesses
     in_flight: dict[concurrent.futures.Future, tuple[Any, Any]] = {}
     rows: list[dict[str, Any]] = []
     asked = counted(study)
     while asked < trials or in_flight:
         while asked < trials and len(in_flight) < max_concurrent:
             trial = study.ask(space)
-            key = trial.user_attrs.get("run_key") or (f"{study_name}-{trial.number}" if study_name else None)
+            child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
+            key = trial.user_attrs.get("run_key") or (run_key_for(study, trial.number) if study_name else None)
             trial.set_user_attr("run_key", key)
             if journal is not None:
                 journal.flush()  # a sweep stopped from here on leaves this trial RUNNING, to be resumed
-            child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
             name = f"{study_name}-trial-{trial.number}" if study_name else f"{sweep_name}-{trial.number}"
             future = run_child.submit(child, trial.number, name, key)
             in_flight[future.wrapped_future] = (future, trial)
@@ -196,10 +211,16 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
         done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
         for wrapped in done:
             future, trial = in_flight.pop(wrapped)
-            row = {**future.result(), "params": dict(trial.params)}
+            try:
+                row = {**future.result(), "params": dict(trial.params)}
+            except Exception as exc:  # the child could not even be run: a failed trial, the sweep goes on
+                row = {"index": trial.number, "state": "Failed", "error": str(exc)[:500], "params": dict(trial.params)}
             trial.set_user_attr("result", {key: row[key] for key in _RECORDED if key in row})
             accuracy = val_accuracy(row)
-            if accuracy is None:
+            if row["state"] in ("Cancelled", "Crashed"):  # stopped from outside: the next sweep resumes it
+                trial.set_user_attr("interrupted", True)
+                study.tell(trial, state=TrialState.FAIL)
+            elif accuracy is None:
                 study.tell(trial, state=TrialState.FAIL)
             else:
                 study.tell(trial, accuracy)
@@ -208,7 +229,20 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
             rows.append(row)
     if journal is not None:
         rows = trial_rows(study)  # earlier sweeps' trials of the study too
-    return sorted(rows, key=lambda row: row["index"]), study
+    return sorted(rows, key=lambda row: row["index"]), study, journal
+
+
+def study_name_of(given: str | None, deployment_name: str | None) -> str | None:
+    """The study to continue: the one given, else the deployment's name (checked as a study name, since it
+    becomes part of run names), else none (a study of this sweep only)."""
+    name = given if given is not None else deployment_name
+    if name is None:
+        return None
+    try:
+        return TypeAdapter(StudyName).validate_python(name)
+    except ValidationError:
+        raise SweepError(f"study {name!r} (the {'given name' if given is not None else 'deployment name'}) cannot "
+                         f"name a study: at most 12 lowercase letters, digits or '-'; pass study=...") from None
 
 
 #: What a trial's row keeps in the study (enough to rank it and to score the best on test later).
@@ -246,10 +280,16 @@ def study_plots_markdown(study: Any, title: str) -> str:
     return "\n\n".join(sections) + "\n"
 
 
-def _score_best_on_test(best: dict[str, Any], row: dict[str, Any]) -> None:
-    """The best run's test score, the one time the test set is looked at."""
-    platform = load_platform(row["platform"])
-    volume = ensure_dataset_volume(platform, row["volume"])
-    metrics = evaluate(platform, volume, row["run_dir"], row["data_dir"], "test")
+def _score_best_on_test(best: dict[str, Any], row: dict[str, Any], study: Any = None) -> None:
+    """The best run's test score, the one time the test set is looked at (kept in the study, so a later sweep
+    whose best is the same trial shows it without scoring it again)."""
+    key = f"test-{row['index']}"
+    metrics = study.user_attrs.get(key) if study is not None else None
+    if metrics is None:
+        platform = load_platform(row["platform"])
+        volume = ensure_dataset_volume(platform, row["volume"])
+        metrics = evaluate(platform, volume, row["run_dir"], row["data_dir"], "test")
+        if study is not None:
+            study.set_user_attr(key, metrics)
     best["test accuracy"] = round(selection_accuracy(metrics), 4)
     best["test official accuracy"] = round(metrics["accuracy"], 4)

@@ -50,7 +50,10 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
     except Exception:  # parameters never validated: nothing was started
         return
     platform = load_platform(params.platform)
-    name = run_name(flow_run.id, key=flow_run.parameters.get("run_key"))
+    try:
+        name = run_name(flow_run.id, key=flow_run.parameters.get("run_key"))
+    except ValueError:  # a key the run refused: nothing was started under it
+        return
     try:
         stopped = platform.cancel_training(name, VolumeRef(name=params.volume, location=""))
         print(f"laneflow: training job {name} {'stopped' if stopped else 'was not running'} ({state.name})")

@@ -167,16 +167,18 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
                  "trials": 2, "seed": 3, "study": "killed"}
     script = "import json, sys\nfrom flows.sweep import sweep\nsweep(**json.loads(sys.argv[1]))"
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
-    metrics = laneflow_home / "volumes" / "study" / "runs" / "train-killed-1" / "metrics.jsonl"
+    runs = laneflow_home / "volumes" / "study" / "runs"
     output = tmp_path / "sweep.log"
     with output.open("wb") as sink, running(
             [sys.executable, "-c", script, json.dumps(arguments, default=lambda v: v.model_dump(mode="json"))],
             stop_signals=(signal.SIGKILL,), env=env, cwd=PROJECT_ROOT, stdout=sink,
             stderr=subprocess.STDOUT) as killed:
         deadline = time.monotonic() + 600
-        while not (metrics.is_file() and metrics.read_text().count('"event": "step"') >= 3):
+        while not ((found := sorted(runs.glob("train-killed-*-1/metrics.jsonl")))
+                   and found[0].read_text().count('"event": "step"') >= 3):
             assert killed.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
             time.sleep(0.5)
+        metrics = found[0]
         killed.kill()  # no hook, no goodbye: trial 1 stays RUNNING in the journal; its training goes on
         killed.wait()
     # The killed run's 'gpu' slot is held until Prefect's lease on it expires (minutes): a second slot lets
@@ -185,7 +187,7 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
     assert sorted(row["trial"] for row in table) == [0, 2]  # trial 1 interrupted; its retry is trial 2
     assert all(row["state"] == "Completed" for row in table), table
     retry = next(row for row in table if row["trial"] == 2)
-    assert retry["run"] == "train-killed-1"  # the interrupted run's folder, under its run key
+    assert retry["run"] == metrics.parent.name  # the interrupted run's folder, under its run key
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
             any_=["killed-trial-0", "killed-trial-1", "killed-trial-2"])))

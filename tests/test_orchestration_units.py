@@ -456,6 +456,8 @@ def test_a_search_space_is_checked_against_the_fields_it_names() -> None:
         "range of a literal": ({"preset": {"low": 0, "high": 1}}, r"space\['preset'\]: preset is not a number"),
         "typo in a range": ({"lr": {"low": 0.1, "hihg": 0.2}}, r"space\['lr'\]: .*hihg"),
         "log and step": ({"lr": {"low": 0.1, "high": 0.2, "log": True, "step": 0.05}}, r"log or step, not both"),
+        "a bound as text": ({"lr": {"low": "0.001", "high": 0.2}}, r"space\['lr'\]: low: "),
+        "repeated choice": ({"lr": {"choices": [0.1, 0.1]}}, r"the choices repeat a value"),
         "empty": ({}, "space is empty"),
     }
     for case, (space, message) in refused.items():

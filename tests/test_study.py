@@ -69,3 +69,41 @@ def test_the_cluster_platform_appends_to_a_file_on_the_claim(emulator: tuple) ->
     platform.append_file(volume, "studies/s.journal", b'{"b": 2}\n')
     assert (cluster.claim_dir("lanes", "data") / "studies" / "s.journal").read_bytes() == b'{"a": 1}\n{"b": 2}\n'
     assert platform.read_file(volume, "studies/s.journal") == b'{"a": 1}\n{"b": 2}\n'
+
+
+def test_a_journal_whose_last_line_has_no_newline_stays_readable_through_later_sweeps(laneflow_home: Path) -> None:
+    """A stop between a line's JSON and its newline (or a cluster append cut between chunks): the line is
+    dropped and marked, and the journal reads the same after every later flush."""
+    platform = LocalPlatform()
+    volume = platform.ensure_volume("tusimple")
+    journal, study = _open(platform, volume)
+    study.tell(study.ask(SPACE), 0.5)
+    journal.flush()
+    path = Path(volume.location) / journal_path("lanes")
+    path.write_bytes(path.read_bytes() + b'{"op_code": 4, "worker_id": "w", "study_id": 0}')  # whole, no newline
+    for value in (0.6, 0.7):
+        journal, study = _open(platform, volume)
+        study.tell(study.ask(SPACE), value)
+        journal.flush()
+    _, study = _open(platform, volume)
+    assert [t.value for t in study.trials] == [0.5, 0.6, 0.7]
+
+
+def test_a_study_is_continued_only_over_the_same_space_and_base_run(laneflow_home: Path) -> None:
+    from flows.params import DataSource, TrainParams
+    from flows.study import check_same_study, run_key_for
+
+    platform = LocalPlatform()
+    volume = platform.ensure_volume("tusimple")
+    base = TrainParams(source=DataSource(url="https://m.example/train_set.zip", sha256="a" * 64), epochs=2)
+    journal, study = _open(platform, volume)
+    check_same_study(study, "lanes", SPACE, base)
+    key = run_key_for(study, 3)
+    journal.flush()
+    _, study = _open(platform, volume)
+    check_same_study(study, "lanes", SPACE, base.model_copy(update={"lr": 0.3}))  # lr is searched: any base lr
+    assert run_key_for(study, 3) == key and key.startswith("lanes-") and key.endswith("-3")
+    with pytest.raises(ValueError, match=r"study 'lanes' searched \['lr'\] with other ranges"):
+        check_same_study(study, "lanes", {"lr": FloatDistribution(0.01, 0.5, log=True)}, base)
+    with pytest.raises(ValueError, match=r"study 'lanes' was run with other epochs"):
+        check_same_study(study, "lanes", SPACE, base.model_copy(update={"epochs": 3}))
