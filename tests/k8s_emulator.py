@@ -204,9 +204,6 @@ class Cluster:
     rbac_enforced: bool = False
     #: The MPI operator's in-memory view of each MPIJob (defaulted spec), by (namespace, name).
     operator_specs: dict[tuple[str, str], dict] = field(default_factory=dict)
-    #: Seconds the controllers' clock is ahead of this machine's (``advance``): the TTL-after-finished
-    #: controller counts a day in a test.
-    clock_offset_s: float = 0.0
     #: Set when the emulator stops: nothing scheduled for later (retries, restarts) runs after that.
     closed: bool = False
     #: Exceptions of the time-driven controllers, raised when the emulator stops.
@@ -268,9 +265,16 @@ class Cluster:
                     self.rbac_enforced = True
 
     def advance(self, seconds: float) -> None:
-        """Time passes for the controllers that count it (the TTL-after-finished controller)."""
+        """``seconds`` pass for what has finished so far: the finish times of the Jobs that finished move back
+        by that much, so the TTL-after-finished controller counts a day in a test (and a Job that finishes
+        later starts its own day then)."""
         with self.lock:
-            self.clock_offset_s += seconds
+            for job in self.objects["jobs"].values():
+                for condition in (job.get("status") or {}).get("conditions") or []:
+                    if condition.get("type") in ("Complete", "Failed") and condition.get("lastTransitionTime"):
+                        stamp = calendar.timegm(time.strptime(condition["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ"))
+                        condition["lastTransitionTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                        time.gmtime(stamp - seconds))
             _ttl_sweep(self)
             self.changed.notify_all()
 
@@ -1215,7 +1219,7 @@ def _ttl_sweep(cluster: Cluster) -> None:
     """The TTL-after-finished controller (pkg/controller/ttlafterfinished ``processJob``): a Job whose
     Complete or Failed condition is older than ``ttlSecondsAfterFinished`` (``jobFinishTime``: that
     condition's lastTransitionTime) is deleted, Foreground."""
-    now = time.time() + cluster.clock_offset_s
+    now = time.time()
     for job in list(cluster.objects["jobs"].values()):
         ttl = job["spec"].get("ttlSecondsAfterFinished")
         if ttl is None or job["metadata"].get("deletionTimestamp"):
