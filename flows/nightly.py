@@ -33,6 +33,12 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
     challenger = train_pipeline(**params.flow_parameters())
     name = champion_variable(params.volume)
     champion = Variable.get(name, default=None)
+    if challenger.get("stopped") is not None:  # its training honoured a stop request: there is no model to judge
+        reason = (f"challenger {challenger['run']} was stopped at step {challenger['steps']} of "
+                  f"{challenger['total_steps']} ({challenger['stopped'].get('reason', 'on request')}): not scored")
+        logger.info("champion kept: %s", reason)
+        return {"champion": champion["run"] if champion else None, "promoted": False, "reason": reason,
+                "challenger": challenger}
     champion_accuracy = None
     if champion:
         champion_accuracy = selection_accuracy(champion["metrics"])

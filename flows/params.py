@@ -73,6 +73,8 @@ class TrainParams(BaseModel):
     workers: int = Field(2, ge=1, le=512, description="Horovod processes (one per GPU on a cluster)")
     lr: float = Field(0.05, gt=0, le=10, description="base learning rate; the trainer scales it by workers")
     max_steps: int = Field(0, ge=0, description="stop after this many steps (0: run every epoch)")
+    eval_every: int = Field(0, ge=0, description="score val every this many steps (0: only at the end); a sweep's "
+                                                 "pruner reads these scores")
     loader_workers: int = Field(2, ge=0, le=64, description="DataLoader worker processes per Horovod process")
     eval_split: Literal["val", "test"] = Field("test", description="split the evaluate stage scores")
     snapshot: bool = Field(True, description="capture dataset + run as a snapshot with lineage")
@@ -103,7 +105,8 @@ class TrainParams(BaseModel):
     def trainer_settings(self) -> dict[str, str]:
         """The trainer's ``--set`` overrides these parameters stand for."""
         return {"epochs": str(self.epochs), "batch_size": str(self.batch_size), "lr": repr(self.lr),
-                "max_steps": str(self.max_steps), "num_workers": str(self.loader_workers), "eval_split": "val"}
+                "max_steps": str(self.max_steps), "num_workers": str(self.loader_workers), "eval_split": "val",
+                "eval_every": str(self.eval_every)}
 
     def for_record(self) -> dict[str, Any]:
         """Flat and safe to publish: the artifacts' URLs lose query strings and credentials."""

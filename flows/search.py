@@ -22,7 +22,7 @@ from flows.params import TrainParams
 
 #: Fields a sweep never searches: each trial must train on the same data, be scored the same way and keep the
 #: same things.
-NOT_SEARCHABLE = ("source", "platform", "volume", "eval_split", "snapshot", "package", "promote",
+NOT_SEARCHABLE = ("source", "platform", "volume", "eval_split", "eval_every", "snapshot", "package", "promote",
                   "timeout_minutes", "images_per_second_per_worker", "bytes_per_image")
 
 

@@ -9,6 +9,10 @@ Hyperparameters are chosen without the test set: every child is scored on ``val`
 ``label_data_0531``, the split the trainer holds out), the leaderboard ranks by val accuracy without the
 200 ms rule, and only the best run is then scored on ``test``, once. Ends with a leaderboard table
 artifact and a ``laneflow.sweep.best`` event.
+
+With a ``pruner`` a searching sweep also stops hopeless trials early: each trial's val scores (every
+``eval_every`` steps) are reported to Optuna from the trial's wait loop (``tasks.pruning``), and a trial
+Optuna prunes checkpoints, stops, and ends as a "Pruned" flow run — completed, not failed, not retried.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import logging
-from typing import Annotated, Any
+import threading
+from contextlib import ExitStack
+from typing import Annotated, Any, Literal
 
 from prefect import flow, get_client, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -40,12 +46,16 @@ from flows.study import (
 )
 from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
-from tasks.names import DNS_LABEL
+from tasks.names import DNS_LABEL, run_name
 from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset
 from tasks.platforms import load_platform
+from tasks.pruning import StopVerdict, judged_by
 from tasks.report import data_uri
 
 MAX_CHILDREN_IN_FLIGHT = 16
+PrunerName = Literal["none", "median", "successive_halving", "hyperband"]
+#: The state a pruned trial's flow run ends in (a Completed state of that name).
+PRUNED = "Pruned"
 #: A study's name: its trials' run keys (<study>-<trial>) must fit a run name.
 StudyName = Annotated[str | None, Field(None, max_length=12, pattern=DNS_LABEL.pattern)]
 
@@ -57,7 +67,7 @@ def run_child(params: TrainParams, index: int, name: str, run_key: str | None = 
                                                              return_state=True)
     result = state.result(raise_on_failure=False)
     row = {"index": index, "state": state.name, "flow_run_id": str(state.state_details.flow_run_id)}
-    if state.is_completed():
+    if state.is_completed():  # trained to its end, or stopped by the pruner (state "Pruned")
         return {**row, **result}
     return {**row, "error": str(result)[:500]}
 
@@ -68,20 +78,28 @@ def val_accuracy(row: dict[str, Any]) -> float | None:
     return selection_accuracy(metrics) if row.get("state") == "Completed" and metrics else None
 
 
+def last_val_report(row: dict[str, Any]) -> dict[str, Any] | None:
+    """A pruned trial's last periodic val score (the one it was judged on)."""
+    return (row.get("val") or [None])[-1] if row.get("state") == PRUNED else None
+
+
 def leaderboard(rows: list[dict[str, Any]], varied: list[str]) -> list[dict]:
-    """Best val accuracy first; failed runs last. Each row's ``params`` are the values it was given."""
+    """Best val accuracy first, then pruned trials (by the val score they were stopped at), failed runs last.
+    Each row's ``params`` are the values it was given; ``steps`` what it trained (the compute it used)."""
     table = []
     for row in rows:
-        metrics = row.get("metrics") or {}
-        accuracy = val_accuracy(row)
+        scored = row.get("metrics") if val_accuracy(row) is not None else last_val_report(row)
+        accuracy = selection_accuracy(scored) if scored else None
         table.append({"rank": 0, "trial": row["index"], "run": row.get("run", "-"), "state": row["state"],
                       **{key: row["params"].get(key) for key in varied},
                       # Ranked without the 200 ms run-time rule (tasks.champion.selection_accuracy).
                       "val accuracy": round(accuracy, 4) if accuracy is not None else None,
-                      "val official accuracy": round(metrics["accuracy"], 4) if accuracy is not None else None,
+                      "val official accuracy": round(scored["accuracy"], 4) if scored else None,
                       "steps": row.get("steps"),
                       "test accuracy": None, "test official accuracy": None})
-    table.sort(key=lambda r: (r["val accuracy"] is None, -(r["val accuracy"] or 0.0), r["trial"]))
+    order = {"Completed": 0, PRUNED: 1}
+    table.sort(key=lambda r: (order.get(r["state"], 2), r["val accuracy"] is None, -(r["val accuracy"] or 0.0),
+                              r["trial"]))
     for rank, entry in enumerate(table, 1):
         entry["rank"] = rank
     return table
@@ -92,7 +110,7 @@ def leaderboard(rows: list[dict[str, Any]], varied: list[str]) -> list[dict]:
 def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: list[dict[str, Any]] | None = None,
           max_concurrent: Annotated[int, Field(ge=1)] = 1, search: SearchStrategy = "grid",
           space: SearchSpace | None = None, trials: Annotated[int, Field(ge=1, le=1000)] = 8,
-          seed: int | None = None, study: StudyName = None) -> list[dict[str, Any]]:
+          seed: int | None = None, study: StudyName = None, pruner: PrunerName = "none") -> list[dict[str, Any]]:
     """Train every parameter set (grid product, then listed runs), or ``trials`` sampled from ``space``, on
     the base parameters; rank them by val accuracy and score the best on test.
 
@@ -107,11 +125,15 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
         study: for random/tpe, the study to continue, kept on the volume as studies/<study>.journal
             (default: the deployment's name; none outside a deployment): finished trials are kept, an
             interrupted one is run again from its checkpoint, and trials counts the study's total
+        pruner: for random/tpe, stop trials whose val scores (every eval_every steps, which must be set) Optuna
+            judges hopeless: median, successive_halving or hyperband; none trains every trial to its end
     """
     logger = get_run_logger()
     if search == "grid":
         if space:
             raise SweepError("space is searched by search='random' or 'tpe'; a grid sweep takes grid and runs")
+        if pruner != "none":
+            raise SweepError(f"pruner={pruner!r} stops trials of a search: use search='random' or 'tpe'")
         param_sets = [p.model_copy(update={"eval_split": "val"}) for p in expand_sweep(params, grid or {}, runs or [])]
         varied = sorted({key for key in TrainParams.model_fields if key not in ("source", "eval_split")
                          and len({repr(getattr(p, key)) for p in param_sets}) > 1})
@@ -119,6 +141,9 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
     else:
         if grid or runs:
             raise SweepError(f"search={search!r} samples from space; grid and runs are for search='grid'")
+        if pruner != "none" and not params.eval_every:
+            raise SweepError(f"pruner={pruner!r} judges trials on their val scores during training: set eval_every "
+                             "(score val every that many steps, e.g. a tenth of a trial's steps)")
         dimensions = check_space(space or {})
         varied, planned, param_sets = sorted(dimensions), trials, [params]
     with get_client(sync_client=True) as client:
@@ -138,7 +163,7 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
                 for future, child in zip(futures, param_sets, strict=True)]
     else:
         rows, searched, journal = _search(params, dimensions, search, trials, max_concurrent, seed,
-                                          current_run.name, study_name_of(study, deployment.name))
+                                          current_run.name, study_name_of(study, deployment.name), pruner)
         create_markdown_artifact(markdown=study_plots_markdown(searched, f"{search} sweep {current_run.name}"),
                                  key="sweep-study", description=f"Optuna's view of {search} sweep {current_run.name}")
     table = leaderboard(rows, varied)
@@ -151,9 +176,11 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
         emit_event("laneflow.sweep.best", resource={"prefect.resource.id": f"laneflow.sweep.{current_run.name}",
                                                    "prefect.resource.name": str(current_run.name)},
                    payload={"best": best, "search": search})
-    completed = sum(r["state"] == "Completed" for r in rows)
+    completed, pruned = sum(r["state"] == "Completed" for r in rows), sum(r["state"] == PRUNED for r in rows)
     create_table_artifact(table=table, key="sweep-leaderboard", description=(
-        f"{search} sweep {current_run.name}: {completed} of {len(rows)} runs completed; ranked by val accuracy "
+        f"{search} sweep {current_run.name}: {completed} of {len(rows)} runs completed"
+        + (f", {pruned} pruned (their val score is the one they were stopped at)" if pruned else "")
+        + f", {sum(r.get('steps') or 0 for r in rows)} training steps in all; ranked by val accuracy "
         "(TuSimple's label_data_0531, held out from training) without the 200 ms run-time rule, the official "
         "score beside it. Only the best run was scored on test, once"
         + (f": {best['test accuracy']} (official {best['test official accuracy']})" if best else "")
@@ -161,21 +188,56 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
     return table
 
 
-def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
-            max_concurrent: int, seed: int | None, sweep_name: str,
-            study_name: str | None) -> tuple[list[dict[str, Any]], Any, VolumeJournal | None]:
-    """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
-    ``max_concurrent`` in flight. Only this flow touches the study; with a ``study_name`` it is the journal
-    on the volume (flows/study.py), continued where an earlier sweep left it."""
+class TrialJudge:
+    """Reports a trial's val scores to Optuna and stops the trial when its pruner says so; called from the
+    trial's wait loop (another thread of this process), so every use of the study holds ``lock``."""
+
+    def __init__(self, trial: Any, pruner: str, lock: threading.Lock) -> None:
+        self.trial, self.pruner, self.lock = trial, pruner, lock
+
+    def __call__(self, step: int, value: float) -> StopVerdict | None:
+        with self.lock:
+            self.trial.report(value, step)
+            if not self.trial.should_prune():
+                return None
+        return StopVerdict(f"Optuna's {self.pruner} pruner stopped trial {self.trial.number}: val accuracy "
+                           f"{value:.4f} at step {step} is not promising against the study's other trials", PRUNED)
+
+
+def make_pruner(name: str, trials: int, eval_every: int) -> Any:
+    """Optuna's pruner for ``name``; resources are training steps, judged every ``eval_every`` of them.
+
+    median: a trial worse than the median of earlier trials at the same step stops, once a few trials (a
+    quarter of the budget, 1 to 5) have finished to set the median. successive_halving / hyperband: only
+    the best third at each rung (eval_every, 3x, 9x ... steps) goes on.
+    """
     import optuna
-    from optuna.trial import TrialState
+
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=max(1, min(5, trials // 4)), n_warmup_steps=0)
+    if name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=eval_every, reduction_factor=3)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=eval_every, max_resource="auto", reduction_factor=3)
+    return optuna.pruners.NopPruner()
+
+
+def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
+            max_concurrent: int, seed: int | None, sweep_name: str, study_name: str | None,
+            pruner: str = "none") -> tuple[list[dict[str, Any]], Any, VolumeJournal | None]:
+    """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
+    ``max_concurrent`` in flight. Only this flow's threads touch the study (the trials' judges report to it
+    under the same lock); with a ``study_name`` it is the journal on the volume (flows/study.py), continued
+    where an earlier sweep left it."""
+    import optuna
 
     logger = get_run_logger()
     optuna.logging.set_verbosity(logging.WARNING)
     space = distributions(dimensions)
     journal = None
-    if study_name is None:
-        study = optuna.create_study(direction="maximize")
+    lock = threading.Lock()
+    if study_name is None:  # in memory, named so that its trials' runs have keys a judge can find
+        study = optuna.create_study(study_name="sweep", direction="maximize")
     else:
         platform = load_platform(params.platform)
         journal = VolumeJournal(platform, ensure_dataset_volume(platform, params.volume), journal_path(study_name))
@@ -193,43 +255,60 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
     study.sampler = optuna.samplers.RandomSampler(seed=offset) if strategy == "random" else \
         optuna.samplers.TPESampler(seed=offset, n_startup_trials=min(10, max(2, trials // 3)),
                                    constant_liar=max_concurrent > 1)  # in-flight trials count as bad guesses
-    in_flight: dict[concurrent.futures.Future, tuple[Any, Any]] = {}
+    study.pruner = make_pruner(pruner, trials, params.eval_every)
+    in_flight: dict[concurrent.futures.Future, tuple[Any, Any, ExitStack]] = {}
     rows: list[dict[str, Any]] = []
     asked = counted(study)
     while asked < trials or in_flight:
         while asked < trials and len(in_flight) < max_concurrent:
-            trial = study.ask(space)
-            child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
-            key = trial.user_attrs.get("run_key") or (run_key_for(study, trial.number) if study_name else None)
-            trial.set_user_attr("run_key", key)
-            if journal is not None:
-                journal.flush()  # a sweep stopped from here on leaves this trial RUNNING, to be resumed
+            with lock:
+                trial = study.ask(space)
+                child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
+                key = trial.user_attrs.get("run_key") or run_key_for(study, trial.number)
+                trial.set_user_attr("run_key", key)
+                if journal is not None:
+                    journal.flush()  # a sweep stopped from here on leaves this trial RUNNING, to be resumed
             name = f"{study_name}-trial-{trial.number}" if study_name else f"{sweep_name}-{trial.number}"
+            judging = ExitStack()
+            if pruner != "none":
+                judging.enter_context(judged_by(run_name("", key=key), TrialJudge(trial, pruner, lock)))
             future = run_child.submit(child, trial.number, name, key)
-            in_flight[future.wrapped_future] = (future, trial)
+            in_flight[future.wrapped_future] = (future, trial, judging)
             asked += 1
         done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
         for wrapped in done:
-            future, trial = in_flight.pop(wrapped)
+            future, trial, judging = in_flight.pop(wrapped)
+            judging.close()
             try:
                 row = {**future.result(), "params": dict(trial.params)}
             except Exception as exc:  # the child could not even be run: a failed trial, the sweep goes on
                 row = {"index": trial.number, "state": "Failed", "error": str(exc)[:500], "params": dict(trial.params)}
-            trial.set_user_attr("result", {key: row[key] for key in _RECORDED if key in row})
-            accuracy = val_accuracy(row)
-            if row["state"] in ("Cancelled", "Crashed"):  # stopped from outside: the next sweep resumes it
-                trial.set_user_attr("interrupted", True)
-                study.tell(trial, state=TrialState.FAIL)
-            elif accuracy is None:
-                study.tell(trial, state=TrialState.FAIL)
-            else:
-                study.tell(trial, accuracy)
-            if journal is not None:
-                journal.flush()
+            with lock:
+                _tell(study, trial, row)
+                if journal is not None:
+                    journal.flush()
             rows.append(row)
     if journal is not None:
         rows = trial_rows(study)  # earlier sweeps' trials of the study too
     return sorted(rows, key=lambda row: row["index"]), study, journal
+
+
+def _tell(study: Any, trial: Any, row: dict[str, Any]) -> None:
+    """Optuna learns how the trial ended: its val accuracy, pruned (at its last report), or failed — a run
+    stopped from outside (cancelled, crashed) is marked to be resumed by the next sweep of the study."""
+    from optuna.trial import TrialState
+
+    trial.set_user_attr("result", {key: row[key] for key in _RECORDED if key in row})
+    accuracy = val_accuracy(row)
+    if row["state"] in ("Cancelled", "Crashed"):
+        trial.set_user_attr("interrupted", True)
+        study.tell(trial, state=TrialState.FAIL)
+    elif row["state"] == PRUNED:
+        study.tell(trial, state=TrialState.PRUNED)
+    elif accuracy is None:
+        study.tell(trial, state=TrialState.FAIL)
+    else:
+        study.tell(trial, accuracy)
 
 
 def study_name_of(given: str | None, deployment_name: str | None) -> str | None:
@@ -247,7 +326,7 @@ def study_name_of(given: str | None, deployment_name: str | None) -> str | None:
 
 #: What a trial's row keeps in the study (enough to rank it and to score the best on test later).
 _RECORDED = ("state", "run", "flow_run_id", "metrics", "steps", "resumed_from", "run_dir", "data_dir", "platform",
-             "volume", "error")
+             "volume", "error", "stopped", "val")
 
 
 def study_plots_markdown(study: Any, title: str) -> str:

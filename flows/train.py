@@ -16,6 +16,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.events import emit_event
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_run
+from prefect.states import Completed, State
 from prefect.transactions import transaction
 from pydantic import Field
 
@@ -36,7 +37,7 @@ from tasks.pipeline import (
     submit_training,
     wait_for_training,
 )
-from tasks.platforms import TrainingSpec, VolumeRef, load_platform
+from tasks.platforms import TrainingOutcome, TrainingSpec, VolumeRef, load_platform
 from tasks.service_level import ThroughputNeed
 
 GPU_LIMIT = "gpu"
@@ -66,7 +67,7 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
 
 @flow(name="train_pipeline", on_cancellation=[stop_training], on_crashed=[stop_training])
 @takes_train_params
-def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any]:
+def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any] | State:
     """Prepare TuSimple on a volume, train SCNN with Horovod, score it, snapshot and publish it.
 
     Args:
@@ -90,8 +91,23 @@ def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any
         raise
 
 
+def stopped_early(run: str, outcome: TrainingOutcome, dataset: dict[str, Any], spec: TrainingSpec,
+                  params: TrainParams) -> State:
+    """The flow run's end when its training honoured a stop request: in the state the request names
+    ("Pruned"), a Completed state (not failed, so never retried) carrying what the run did."""
+    request = outcome.stopped or {}
+    message = (f"training stopped at step {outcome.steps} of {outcome.total_steps}: "
+               f"{request.get('reason', 'a stop was requested')}")
+    get_run_logger().info("run %s: %s; not evaluated, snapshotted or packaged", run, message)
+    return Completed(name=str(request.get("state") or "Stopped"), message=message[:500], data={
+        "run": run, "flow_run_id": str(current_run.id), "volume": spec.volume.name, "stopped": request,
+        "steps": outcome.steps, "total_steps": outcome.total_steps, "resumed_from": outcome.resumed_from,
+        "val": outcome.val, "dataset_version": dataset["dataset_version"], "data_dir": spec.data_dir,
+        "run_dir": spec.run_dir, "platform": params.platform})
+
+
 def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: ThroughputNeed,
-              run: str) -> dict[str, Any]:
+              run: str) -> dict[str, Any] | State:
     logger = get_run_logger()
     with transaction():
         previous_level = promote_service_level(platform, volume, params.promote, need, run)
@@ -103,6 +119,9 @@ def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: Throu
         with concurrency(GPU_LIMIT, occupy=1):
             submit_training(platform, spec)
             outcome = wait_for_training(platform, spec, params.timeout_minutes * 60)
+        if outcome.stopped is not None:  # ended early on purpose (a sweep pruned it): nothing to score or keep
+            demote_service_level(platform, volume, previous_level)
+            return stopped_early(run, outcome, dataset, spec, params)
         evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
 
         snapshot = snapshot_name(volume.name, run) if params.snapshot else None

@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # the platforms import this module
     from training.data.sources import Artifact
 
 EXIT_CONFIG_ERROR = 2  # training.train: bad setting, missing data root, empty split, mismatched checkpoint
-EXIT_PREEMPTED = 75  # training.train: stopped on request after a checkpoint
+EXIT_PREEMPTED = 75  # training.train: stopped by a signal after a checkpoint; resumable
+STOPPED_ON_REQUEST = "stopped on request"  # training.train honoured a stop request: ended early, for good
 #: MPIJob ``Failed`` reasons a new attempt can fix: workers evicted (a node drained, pods preempted), or
 #: the launcher pod evicted — the operator appends the last failed launcher pod's reason to
 #: ``BackoffLimitExceeded`` (kubeflow/mpi-operator ``updateMPIJobFailedStatus``).
@@ -166,6 +167,8 @@ def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]
     names = [event.get("event") for event in events]
     if launcher_code == 0 and "done" in names:
         return ExitReading(True, False, "finished")
+    if launcher_code == 0 and "stopped" in names:  # asked to stop (a pruned trial): checkpointed, ended on purpose
+        return ExitReading(True, False, STOPPED_ON_REQUEST)
     reported = first_rank_exit(lines)
     code = reported.code if reported else launcher_code
     who = f" on rank {reported.rank}" if reported and reported.rank is not None else ""

@@ -31,8 +31,10 @@ from prefect.exceptions import MissingContextError
 from prefect.transactions import get_transaction
 from prefect.variables import Variable
 
+from tasks.champion import selection_accuracy
 from tasks.lineage import render_lineage_markdown
 from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, TrainingOutcome, TrainingSpec, VolumeRef
+from tasks.pruning import judge_of, stop_request_path
 from tasks.report import (
     data_uri,
     eval_series,
@@ -221,13 +223,31 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
     """Stream the job's events into logs and a progress artifact until it ends.
 
     A retry (after a preemption or a lost worker) submits the job again: the same name, the same run
-    directory, so the trainer resumes from its newest checkpoint.
+    directory, so the trainer resumes from its newest checkpoint. A judge registered for the run
+    (``tasks.pruning``: a sweep's pruner) hears each periodic val score and may ask the run to stop.
     """
     logger = get_run_logger()
     handle = platform.submit_training(spec)  # adopts the running job; restarts an interrupted one
     progress_id = create_progress_artifact(progress=0.0, key=f"progress-{spec.job_name}",
                                            description=f"training {spec.job_name}")
     state: dict[str, int] = {"total": 0}
+    judge, asked = judge_of(spec.job_name), []
+
+    def hear(event: dict[str, Any]) -> None:
+        """Tell the judge a val score; leave the stop request it asks for (once) where the trainer reads it."""
+        nonlocal judge
+        try:
+            verdict = judge(int(event["step"]), selection_accuracy(event))
+        except Exception as exc:  # a judge that breaks stops judging; training goes on
+            logger.warning("the run's judge failed on the val score at step %s (%s); it is not asked again",
+                           event.get("step"), exc)
+            judge = None
+            return
+        if verdict is not None:
+            platform.append_file(spec.volume, stop_request_path(spec.run_dir), verdict.request(int(event["step"])))
+            asked.append(verdict)
+            logger.info("asked training to stop at step %s (%s): %s; it checkpoints and ends", event["step"],
+                        verdict.state, verdict.reason)
 
     def on_event(event: dict[str, Any]) -> None:
         kind = event.get("event")
@@ -240,13 +260,22 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
                         event["lr"], event["img_per_s"], 100 * event["input_stall"])
             if state["total"]:
                 update_progress_artifact(progress_id, min(100.0, 100.0 * event["step"] / state["total"]))
-        elif kind in ("epoch", "checkpoint", "eval", "preempted", "done"):
+        elif kind == "val":
+            logger.info("val at step %s: accuracy %.4f without the 200 ms rule (official %.4f)", event.get("step"),
+                        selection_accuracy(event), event.get("accuracy", 0.0))
+            if judge is not None and not asked:
+                hear(event)
+        elif kind in ("epoch", "checkpoint", "eval", "preempted", "stopped", "done"):
             logger.info("%s: %s", kind, json.dumps({k: v for k, v in event.items() if k != "event"}))
 
     outcome = platform.wait_for_training(handle, on_event, logger.debug, timeout_s)
     update_progress_artifact(progress_id, 100.0)
-    logger.info("training %s finished at step %d (resumed from %d)", spec.job_name, outcome.steps,
-                outcome.resumed_from)
+    if outcome.stopped is not None:
+        logger.info("training %s stopped at step %d of %d as asked (%s)", spec.job_name, outcome.steps,
+                    outcome.total_steps, outcome.stopped.get("reason", "no reason given"))
+    else:
+        logger.info("training %s finished at step %d (resumed from %d)", spec.job_name, outcome.steps,
+                    outcome.resumed_from)
     return outcome
 
 

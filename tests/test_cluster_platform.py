@@ -528,6 +528,48 @@ def test_a_preempted_rank_under_mpirun_stops_the_job_resumably_and_the_retry_res
     assert outcome.resumed_from >= 1 and outcome.steps == 6
 
 
+def test_a_stop_request_from_the_wait_loop_stops_an_mpijob_after_a_checkpoint_and_it_succeeds(
+        prefect_server: dict, emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """A sweep's pruner on a cluster: the wait loop hears the first val score of a 2-worker MPIJob and leaves a
+    stop request on the claim (a short Job of its own); both ranks agree to stop, rank 0 checkpoints, mpirun
+    exits 0, the MPIJob succeeds, and the outcome says it stopped early and why."""
+    from prefect import flow
+
+    from tasks.pipeline import wait_for_training
+    from tasks.platforms import TrainingOutcome
+    from tasks.pruning import StopVerdict, judged_by
+
+    emu, _ = emulator
+    platform, volume, data_dir = prepared
+    heard: list[tuple[int, float]] = []
+
+    def judge(step: int, value: float) -> StopVerdict:
+        heard.append((step, value))
+        return StopVerdict("pruned by the test at the first report", "Pruned")
+
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="40", log_every="1", eval_every="2")
+
+    @flow
+    def watched() -> TrainingOutcome:  # the task's logs go where a flow run's go
+        platform.submit_training(spec)
+        return wait_for_training(platform, spec, 600)
+
+    with judged_by(spec.job_name, judge):
+        outcome = watched()
+    assert [step for step, _ in heard] == [2], heard  # asked once, at the first report
+    assert outcome.stopped is not None and outcome.stopped["state"] == "Pruned", outcome
+    assert outcome.stopped["reason"] == "pruned by the test at the first report"
+    assert 2 < outcome.steps < outcome.total_steps == 80, outcome
+    _, custom = client_apis(emu)
+    job = custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", spec.job_name)
+    assert any(c["type"] == "Succeeded" and c["status"] == "True" for c in job["status"]["conditions"]), job["status"]
+    record = platform.read_file(volume, f"{spec.run_dir}/metrics.jsonl").decode().splitlines()
+    events = [json.loads(line)["event"] for line in record]
+    assert events[-2:] == ["checkpoint", "stopped"] and "done" not in events, events
+    with pytest.raises(FileNotFoundError):  # the run that honoured the request removed it
+        platform.read_file(volume, f"{spec.run_dir}/stop-request.json")
+
+
 def test_an_image_without_the_ssh_client_settings_fails_with_host_key_verification(
         emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str], tmp_path: Path) -> None:
     """What happens with the operator and an image that does not accept the workers' fresh host keys: mpirun's

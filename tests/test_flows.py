@@ -109,18 +109,36 @@ def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
     assert all(earlier[1] <= later[0] for earlier, later in itertools.pairwise(spans)), spans
 
 
-def test_a_tpe_sweep_runs_the_trials_optuna_asks_for_scores_them_on_val_and_only_the_best_on_test(
+def test_a_tpe_sweep_with_a_pruner_stops_a_hopeless_trial_at_its_first_report_and_scores_only_the_best_on_test(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    """Four TPE trials over lr: 0.05 learns the synthetic lanes within 40 steps (val accuracy ~0.75 here),
+    1e-4 learns nothing (0.0). Seed 10 makes Optuna's first two (random) trials 0.05 then 1e-4, so the
+    median pruner has one finished trial to compare the hopeless one with at its first val report."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.objects import StateType
 
-    base = params_for(synthetic_archive, volume="search", workers=1, snapshot=False)
-    space = {"lr": {"low": 0.01, "high": 0.2, "log": True}, "batch_size": {"choices": [2, 4]}}
-    state = sweep(**base, search="tpe", space=space, trials=4, max_concurrent=2, seed=7, return_state=True)
+    base = params_for(synthetic_archive, volume="search", workers=1, snapshot=False, epochs=20, max_steps=80,
+                      eval_every=40)
+    space = {"lr": {"choices": [0.05, 0.0001]}}
+    state = sweep(**base, search="tpe", space=space, trials=4, seed=10, pruner="median", return_state=True)
     table = state.result()
-    assert sorted(row["trial"] for row in table) == [0, 1, 2, 3]
-    assert all(row["state"] == "Completed" and row["val accuracy"] is not None for row in table), table
-    assert all(0.01 <= row["lr"] <= 0.2 and row["batch_size"] in (2, 4) for row in table)
-    accuracies = [row["val accuracy"] for row in table]
+    by_trial = {row["trial"]: row for row in table}
+    assert sorted(by_trial) == [0, 1, 2, 3] and all(row["lr"] in (0.05, 0.0001) for row in table)
+    assert by_trial[0]["lr"] == 0.05 and by_trial[0]["state"] == "Completed" and by_trial[0]["steps"] == 80
+    assert by_trial[1]["lr"] == 0.0001 and by_trial[1]["state"] == "Pruned", table
+    for row in table:  # whatever TPE asked next: a hopeless trial never trains past its first report
+        if row["lr"] == 0.0001:
+            assert row["state"] == "Pruned" and row["val accuracy"] == 0.0 and 40 < row["steps"] < 80, row
+        run = laneflow_home / "volumes" / "search" / "runs" / row["run"]
+        events = [json.loads(line)["event"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        if row["state"] == "Pruned":  # stopped on request after a checkpoint: no model, no final evaluation
+            assert events.count("val") == 1 and events[-1] == "stopped" and "done" not in events, events
+            assert events[-2] == "checkpoint" and not (run / "model.pt").exists()
+        else:
+            assert row["state"] == "Completed" and "stopped" not in events and (run / "model.pt").is_file()
+    completed = [row for row in table if row["state"] == "Completed"]
+    assert table[:len(completed)] == completed  # finished trials rank above pruned ones
+    accuracies = [row["val accuracy"] for row in completed]
     assert accuracies == sorted(accuracies, reverse=True) and [row["rank"] for row in table] == [1, 2, 3, 4]
     # The test set is looked at once: for the best trial, after the choice was made on val.
     assert table[0]["test accuracy"] is not None and all(row["test accuracy"] is None for row in table[1:])
@@ -129,13 +147,17 @@ def test_a_tpe_sweep_runs_the_trials_optuna_asks_for_scores_them_on_val_and_only
         children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             name=FlowRunFilterName(any_=[f"{name}-{trial}" for trial in range(4)])))
     assert len(children) == 4 and all(child.parameters["eval_split"] == "val" for child in children)
-    by_trial = {int(child.name.rsplit("-", 1)[1]): child.parameters for child in children}
-    assert all(by_trial[row["trial"]]["lr"] == row["lr"] for row in table)  # what Optuna asked is what ran
+    child_of = {int(child.name.rsplit("-", 1)[1]): child for child in children}
+    assert all(child_of[row["trial"]].parameters["lr"] == row["lr"] for row in table)  # what Optuna asked ran
+    # In the UI a pruned trial is "Pruned": a completed run (not failed), run once (not retried).
+    assert child_of[1].state.name == "Pruned" and child_of[1].state.type == StateType.COMPLETED
+    assert "training stopped at step" in child_of[1].state.message and child_of[1].run_count == 1
     leaderboard_rows = latest_artifact("sweep-leaderboard")
     assert [row["run"] for row in json.loads(leaderboard_rows)] == [row["run"] for row in table]
     study = str(latest_artifact("sweep-study"))
     for section in ("Optimization history", "Parameter importances", "Parallel coordinates"):
-        assert f"## {section}\n\n![{section}](data:image/png;base64," in study, study[:2000]
+        assert f"## {section}" in study, study[:2000]
+    assert "![Optimization history](data:image/png;base64," in study
 
 
 def test_a_search_space_is_refused_before_anything_trains_naming_the_key(
@@ -148,6 +170,12 @@ def test_a_search_space_is_refused_before_anything_trains_naming_the_key(
     state = sweep(**base, search="random", space={"lr": {"low": 0.2, "high": 0.1}}, return_state=True)
     assert state.is_failed()
     assert "space['lr']: low (0.2) must be below high (0.1)" in str(state.result(raise_on_failure=False))
+    lr_space = {"lr": {"low": 0.01, "high": 0.1}}
+    no_curve = sweep(**base, search="tpe", space=lr_space, pruner="median", return_state=True)
+    assert "pruner='median' judges trials on their val scores during training: set eval_every" in \
+        str(no_curve.result(raise_on_failure=False))
+    grid = sweep(**{**base, "eval_every": 5}, grid={"lr": [0.1]}, pruner="hyperband", return_state=True)
+    assert "pruner='hyperband' stops trials of a search" in str(grid.result(raise_on_failure=False))
     assert not (laneflow_home / "volumes").exists()
 
 

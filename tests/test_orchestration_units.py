@@ -210,6 +210,8 @@ def test_exit_reading_under_mpirun_names_the_rank(code: int, lines: list[str], e
     (2, [], [], False, False, "configuration or data"),
     (1, ["Exit code: 1"], [], False, False, "exit code 1"),
     (0, [], [{"event": "step"}], False, False, "never reported 'done'"),
+    (0, [], [{"event": "val"}, {"event": "checkpoint"}, {"event": "stopped"}], True, False, "stopped on request"),
+    (1, ["Exit code: 3"], [{"event": "stopped"}], False, False, "exit code 3"),  # a rank failed after stopping
 ])
 def test_exit_reading(code: int, lines: list[str], events: list[dict], succeeded: bool, resumable: bool,
                       reason: str) -> None:
@@ -344,6 +346,63 @@ def test_models_are_compared_without_the_run_time_rule() -> None:
     assert table[2]["val accuracy"] is None and table[2]["state"] == "Failed"
 
 
+def test_pruned_trials_rank_below_finished_ones_at_the_score_they_were_stopped_at() -> None:
+    late = {"accuracy": 0.6, "untimed_accuracy": 0.6}
+    rows = [{"index": 0, "state": "Pruned", "run": "train-p", "params": {"lr": 0.3}, "steps": 45,
+             "val": [{"step": 20, "accuracy": 0.2, "untimed_accuracy": 0.3}, {"step": 40, **late}]},
+            {"index": 1, "state": "Completed", "run": "train-c", "params": {"lr": 0.05}, "steps": 80,
+             "metrics": {"accuracy": 0.5, "untimed_accuracy": 0.5}},
+            {"index": 2, "state": "Failed", "params": {"lr": 0.1}, "error": "boom"}]
+    table = leaderboard(rows, ["lr"])
+    # 0.6 at step 40 is not a finished run's score: the finished run ranks first, the pruned one after it.
+    assert [(row["run"], row["state"], row["val accuracy"], row["steps"]) for row in table] == [
+        ("train-c", "Completed", 0.5, 80), ("train-p", "Pruned", 0.6, 45), ("-", "Failed", None, None)]
+
+
+def test_stopped_runs_outcome_says_why_and_keeps_the_val_curve() -> None:
+    events = [{"event": "start", "step": 0, "total_steps": 80}, {"event": "step", "step": 40},
+              {"event": "val", "step": 40, "accuracy": 0.0, "untimed_accuracy": 0.0},
+              {"event": "checkpoint", "step": 45}, {"event": "stopped", "step": 45, "reason": "pruned",
+                                                     "state": "Pruned"}]
+    outcome = outcome_from_events("j", events, 2.0, [])
+    assert outcome.steps == 45 and outcome.total_steps == 80 and outcome.eval == {}
+    assert outcome.stopped == {"step": 45, "reason": "pruned", "state": "Pruned"}
+    assert outcome.val == [{"step": 40, "accuracy": 0.0, "untimed_accuracy": 0.0}]
+    finished = outcome_from_events("j", [*events[:3], {"event": "eval"}, {"event": "done", "step": 80}], 2.0, [])
+    assert finished.stopped is None and finished.steps == 80
+
+
+@pytest.mark.parametrize(("name", "kind"), [("none", "NopPruner"), ("median", "MedianPruner"),
+                                            ("successive_halving", "SuccessiveHalvingPruner"),
+                                            ("hyperband", "HyperbandPruner")])
+def test_each_pruner_name_is_optunas_pruner(name: str, kind: str) -> None:
+    from flows.sweep import make_pruner
+
+    assert type(make_pruner(name, trials=8, eval_every=10)).__name__ == kind
+
+
+def test_the_median_pruner_stops_a_trial_below_the_median_of_finished_trials_at_the_same_step() -> None:
+    """The judge a trial's wait loop calls, against a real Optuna study: quiet until one trial finished, then
+    a trial worse at the same step gets a "Pruned" verdict naming the step and score."""
+    import threading
+
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from flows.sweep import TrialJudge, make_pruner
+
+    study = optuna.create_study(direction="maximize", pruner=make_pruner("median", trials=4, eval_every=10))
+    lock, space = threading.Lock(), {"lr": FloatDistribution(0.01, 0.1)}
+    first = study.ask(space)
+    assert TrialJudge(first, "median", lock)(10, 0.7) is None  # nothing finished yet to compare with
+    study.tell(first, 0.8)
+    second = study.ask(space)
+    assert TrialJudge(second, "median", lock)(10, 0.75) is None  # as good as the finished trial at step 10
+    verdict = TrialJudge(study.ask(space), "median", lock)(10, 0.1)
+    assert verdict is not None and verdict.state == "Pruned" and "val accuracy 0.1000 at step 10" in verdict.reason
+    assert json.loads(verdict.request(10)) == {"reason": verdict.reason, "state": "Pruned", "requested_at_step": 10}
+
+
 # --- parameters and sweeps ---------------------------------------------------------------------------
 
 def test_params_validate_with_field_names() -> None:
@@ -398,7 +457,8 @@ def test_flows_take_the_fields_of_train_params_as_their_own_top_level_parameters
 
     fields = list(TrainParams.model_fields)
     for flow, extras in ((train_pipeline, ["run_key"]), (nightly_retrain, ["min_improvement"]),
-                         (sweep, ["grid", "runs", "max_concurrent", "search", "space", "trials", "seed", "study"])):
+                         (sweep, ["grid", "runs", "max_concurrent", "search", "space", "trials", "seed", "study",
+                                  "pruner"])):
         schema = flow.parameters.model_dump_for_openapi()
         assert list(schema["properties"]) == fields + extras, flow.name
         assert all(schema["properties"][name].get("description") for name in fields )

@@ -21,7 +21,7 @@ from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.dataset import DataError, LaneDataset, poly_lr, read_list
 from training.evaluate import lanes_from_probabilities
-from training.train import EXIT_PREEMPTED, parse_overrides
+from training.train import EXIT_PREEMPTED, STOP_REQUEST, parse_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -59,12 +59,26 @@ def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return run_to_end(cmd, timeout, env=env(), cwd=REPO)
 
 
+def test_the_orchestrator_writes_the_stop_request_where_the_trainer_reads_it() -> None:
+    from tasks import pruning
+
+    assert pruning.STOP_REQUEST == STOP_REQUEST  # tasks.pruning cannot import training.train (torch)
+
+
 def test_plain_run_writes_checkpoints_metrics_model_and_eval(prepared: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    done = run(train_cmd(prepared, run_dir, "--set", "epochs=2", "--set", "checkpoint_every=3"))
+    run_dir.mkdir()
+    # Left by an earlier attempt that never saw it: a new attempt drops it (the orchestrator asks again).
+    (run_dir / STOP_REQUEST).write_text('{"reason": "an old request", "state": "Pruned"}\n')
+    done = run(train_cmd(prepared, run_dir, "--set", "epochs=2", "--set", "checkpoint_every=3",
+                         "--set", "eval_every=8"))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "ignoring a stop request left from an earlier attempt" in done.stderr
+    assert not (run_dir / STOP_REQUEST).exists()
     kinds = [e["event"] for e in events(done.stdout)]
-    assert kinds[0] == "start" and kinds[-2:] == ["eval", "done"]
+    assert kinds[0] == "start" and kinds[-2:] == ["eval", "done"] and "stopped" not in kinds
+    (val,) = [e for e in events(done.stdout) if e["event"] == "val"]  # at step 8; step 16 is the final eval
+    assert val["step"] == 8 and {"accuracy", "untimed_accuracy", "fp", "fn"} <= set(val)
     steps = [e for e in events(done.stdout) if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 17))
     for event in steps:

@@ -27,7 +27,7 @@ from training.model import SCNN, ModelConfig
 
 log = logging.getLogger("laneflow.evaluate")
 
-__all__ = ["evaluate_run", "lanes_from_probabilities", "load_model", "predict"]
+__all__ = ["evaluate_run", "lanes_from_probabilities", "load_model", "predict", "score_split"]
 
 
 def ground_truth_for(data_root: Path, split: str, raw_files: set[str]) -> dict[str, dict]:
@@ -100,6 +100,15 @@ def draw_overlay(data_root: Path, predictions: list[dict], ground_truth: dict[st
         np.zeros((tile[1], tile[0], 3), np.uint8)
     cv2.imwrite(str(out), grid)
     return out
+
+
+def score_split(model: SCNN, config: ModelConfig, data_root: Path, split: str, device: torch.device) -> dict:
+    """The TuSimple scores of ``model`` on ``split``, in memory: the trainer's periodic validation (a sweep's
+    pruner reads it), which must leave the run's files as they are. The model is left in eval mode."""
+    predictions, ground_truth = predict(model, config, Path(data_root), split, device)
+    lines = [json.dumps({k: v for k, v in p.items() if k != "slots"}) for p in predictions]
+    score = score_predictions(lines, ground_truth, source=f"{split} predictions")
+    return {"split": split, **score.as_dict()}
 
 
 def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Path, split: str,

@@ -3,9 +3,12 @@
 Safe to retry: rank 0 alone writes checkpoints (atomically, every N steps and at epoch end) and
 the run resumes from the newest valid one; a truncated checkpoint is skipped with a warning. SIGTERM
 makes every rank stop after the current step, rank 0 checkpoint, and the process exit with
-``EXIT_PREEMPTED`` (75), which the orchestrator treats as "retry me". Rank 0 prints one JSON object
-per line on stdout for the orchestrator (``step``, ``epoch``, ``checkpoint``, ``eval``, ``preempted``,
-``done``); readable logs go to stderr.
+``EXIT_PREEMPTED`` (75), which the orchestrator treats as "retry me". A stop request left in the run
+directory (``stop-request.json``, written by the orchestrator: a sweep's pruner) makes the run checkpoint
+and end with exit 0 and a ``stopped`` event instead: finished early on purpose, not to be resumed. With
+``eval_every`` rank 0 scores the val split every that many steps (``val`` events). Rank 0 prints one JSON
+object per line on stdout for the orchestrator (``step``, ``epoch``, ``checkpoint``, ``val``, ``eval``,
+``preempted``, ``stopped``, ``done``); readable logs go to stderr.
 
     python -m training.train --data-root DIR --run-dir DIR --preset cpu-demo --set epochs=3 --set lr=0.05
 """
@@ -37,7 +40,7 @@ from training.dataset import (
     poly_lr,
     steps_per_epoch,
 )
-from training.evaluate import evaluate_run
+from training.evaluate import evaluate_run, score_split
 from training.model import SCNN, ModelConfig, SCNNLoss, load_backbone_weights, model_config
 from training.precision import MixedPrecision
 
@@ -48,6 +51,9 @@ EXIT_CONFIG_ERROR = 2
 KEEP_CHECKPOINTS = 3
 #: Ranks agree on a stop request (one tiny allreduce) every this many steps, not every step.
 STOP_CHECK_EVERY = 5
+#: In the run directory: asks the run to checkpoint and stop for good (JSON: reason, and the state the
+#: orchestrator shows, e.g. "Pruned"). Removed by the run that honours it.
+STOP_REQUEST = "stop-request.json"
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class TrainConfig:
     seed: int = 0
     eval_split: str = "val"
     max_steps: int = 0  # 0 = no limit beyond epochs
+    #: Score the val split every this many steps (0: only at the end): the curve a sweep's pruner reads.
+    eval_every: int = 0
     log_every: int = 10
     cache: int = 1  # 1: decode each image once into a cache on the data volume; 0: decode every epoch
     #: Gradient allreduce grouping: 0 = one allreduce per tensor as its gradient is ready (overlaps
@@ -134,8 +142,9 @@ def validate(config: TrainConfig) -> None:
     if config.lr <= 0:
         raise ValueError(f"setting 'lr' must be > 0, got {config.lr}")
     if min(config.num_workers, config.max_steps, config.warmup_steps, config.allreduce_groups,
-           config.cycle_time_ms) < 0:
-        raise ValueError("num_workers, max_steps, warmup_steps, allreduce_groups and cycle_time_ms must be >= 0")
+           config.cycle_time_ms, config.eval_every) < 0:
+        raise ValueError("num_workers, max_steps, warmup_steps, allreduce_groups, cycle_time_ms and eval_every "
+                         "must be >= 0")
     precision.validate(config.precision, config.memory_format, config.compression)
     model_config(config.preset, **config.model_overrides)
 
@@ -173,10 +182,12 @@ class Distributed:
             if buffer.is_floating_point():
                 self.hvd.allreduce_(buffer, op=self.hvd.Average, name=f"buffer.{name}")
 
-    def any(self, flag: bool, name: str) -> bool:
+    def any(self, flags: tuple[bool, ...], name: str) -> tuple[bool, ...]:
+        """For each flag, whether any rank raised it (one allreduce for all of them)."""
         if self.size == 1:
-            return flag
-        return bool(self.hvd.allreduce(torch.tensor([float(flag)]), name=name, op=self.hvd.Sum) > 0)
+            return flags
+        summed = self.hvd.allreduce(torch.tensor([float(flag) for flag in flags]), name=name, op=self.hvd.Sum)
+        return tuple(bool(value > 0) for value in summed)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -233,6 +244,19 @@ def check_compatible(state: dict, model_cfg: ModelConfig, path: str) -> None:
 
 
 # --- training ------------------------------------------------------------------------------------
+
+def read_stop_request(run_dir: Path) -> dict | None:
+    """The orchestrator's request to stop this run for good, if there is one (a torn or odd file still
+    asks: it was written to stop the run)."""
+    path = run_dir / STOP_REQUEST
+    if not path.exists():
+        return None
+    try:
+        request = json.loads(path.read_text().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        request = None
+    return request if isinstance(request, dict) else {"reason": f"{STOP_REQUEST} was found"}
+
 
 class StopRequest:
     """Set by SIGTERM/SIGINT; checked between steps so a checkpoint is never written mid-step."""
@@ -335,6 +359,10 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
             })
             record("checkpoint", step=step, path=str(path))
 
+    if is_main and (stale := read_stop_request(run_dir)) is not None:
+        # Left by a request this run's previous attempt never saw: the orchestrator asks again if it still wants.
+        log.warning("ignoring a stop request left from an earlier attempt: %s", stale)
+        (run_dir / STOP_REQUEST).unlink(missing_ok=True)
     record("start", step=step, total_steps=total_steps, world_size=dist.size, resumed=state is not None,
            precision=run_precision, memory_format="channels_last" if memory_format == torch.channels_last
            else "contiguous", device=device.type)
@@ -362,10 +390,26 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
                        lr=optimizer.param_groups[0]["lr"], img_per_s=images_seen * dist.size / elapsed,
                        input_stall=waited / elapsed, **parts)
                 window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
-            if step % STOP_CHECK_EVERY == 0 and dist.any(stop.requested, "stop"):
-                checkpoint()
-                record("preempted", step=step)
-                return EXIT_PREEMPTED
+            if config.eval_every and step % config.eval_every == 0 and step < total_steps:
+                dist.average_buffers(model)  # a collective: every rank reaches it at the same step
+                if is_main:
+                    scores = score_split(model, model_cfg, data_root, "val", device)
+                    record("val", step=step, **{k: v for k, v in scores.items() if k != "split"})
+                model.train()
+            if step % STOP_CHECK_EVERY == 0:
+                request = read_stop_request(run_dir) if is_main else None
+                signalled, asked = dist.any((stop.requested, request is not None), "stop")
+                if signalled:
+                    checkpoint()
+                    record("preempted", step=step)
+                    return EXIT_PREEMPTED
+                if asked and step < total_steps:  # at its end a run finishes: nothing is saved by stopping
+                    checkpoint()
+                    if is_main:
+                        log.info("stopping at step %d as requested: %s", step, request)
+                        record("stopped", step=step, **{k: v for k, v in request.items() if k != "step"})
+                        (run_dir / STOP_REQUEST).unlink(missing_ok=True)
+                    return 0
             if step % config.checkpoint_every == 0:
                 checkpoint()
             if step >= total_steps:

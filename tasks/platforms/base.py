@@ -92,6 +92,9 @@ class TrainingOutcome(BaseModel):
     eval: dict[str, Any] = Field(default_factory=dict, description="the trainer's own end-of-run evaluation")
     duration_s: float
     log_tail: list[str] = Field(default_factory=list)
+    stopped: dict[str, Any] | None = Field(None, description="the stop request the run honoured (ended early on "
+                                                              "purpose: a pruned trial), None when it ran to its end")
+    val: list[dict[str, Any]] = Field(default_factory=list, description="the periodic val scores (eval_every)")
 
 
 class SnapshotRef(BaseModel):
@@ -108,14 +111,17 @@ def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s:
                         log_tail: list[str]) -> TrainingOutcome:
     """What a finished job's event stream says: last step, where the last attempt started, its evaluation."""
     starts = [e for e in events if e.get("event") == "start"]
-    steps = [e for e in events if e.get("event") in ("step", "done")]
+    steps = [e for e in events if e.get("event") in ("step", "done", "stopped")]
     evals = [e for e in events if e.get("event") == "eval"]
+    stopped = [e for e in events if e.get("event") == "stopped"]
     return TrainingOutcome(
         job_name=job_name, steps=int(steps[-1]["step"]) if steps else 0,
         total_steps=int(starts[-1]["total_steps"]) if starts else 0,
         resumed_from=int(starts[-1]["step"]) if starts else 0,
         eval={k: v for k, v in evals[-1].items() if k != "event"} if evals else {},
-        duration_s=round(duration_s, 3), log_tail=log_tail)
+        duration_s=round(duration_s, 3), log_tail=log_tail,
+        stopped={k: v for k, v in stopped[-1].items() if k != "event"} if stopped else None,
+        val=[{k: v for k, v in e.items() if k != "event"} for e in events if e.get("event") == "val"])
 
 
 def last_attempt(metrics_jsonl: str) -> list[dict[str, Any]]:

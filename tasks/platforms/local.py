@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from tasks.launch import JobOutput, horovodrun_command, prepare_args, read_exit
+from tasks.launch import STOPPED_ON_REQUEST, JobOutput, horovodrun_command, prepare_args, read_exit
 from tasks.names import validate_name
 from tasks.platforms.base import (
     EventSink,
@@ -134,7 +134,9 @@ class LocalPlatform(Platform):
                 return TrainingHandle(job_name=spec.job_name, spec=spec, state="running", adopted=True,
                                       details={"pid": running.pid})
             record = _read_json(record_file)
-            if record.get("exit_code") == 0 and (run_dir / "model.pt").is_file():
+            # Finished: trained to its end, or stopped for good on request (a pruned trial is not resumed).
+            if record.get("exit_code") == 0 and ((run_dir / "model.pt").is_file() or
+                                                 record.get("reason") == STOPPED_ON_REQUEST):
                 return TrainingHandle(job_name=spec.job_name, spec=spec, state="succeeded", adopted=True,
                                       details=record)
             if record.get("exit_code") is None and record.get("pgid"):
