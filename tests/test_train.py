@@ -168,6 +168,12 @@ def test_mismatched_checkpoint_is_a_clear_error(prepared: Path, tmp_path: Path):
     assert "was written for a different model" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_learning_rate_that_blows_the_weights_up_is_a_clear_error_not_a_crash(prepared: Path, tmp_path: Path):
+    done = run(train_cmd(prepared, tmp_path / "run", "--set", "lr=10", "--set", "max_steps=6"))
+    assert done.returncode == 2, done.stderr[-3000:]  # exit 2: not retried, it would diverge again
+    assert "training diverged" in done.stderr and "lower lr" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_missing_data_root_and_empty_split_are_clear_errors(tmp_path: Path):
     done = run(train_cmd(tmp_path / "nowhere", tmp_path / "run"))
     assert done.returncode == 2 and "data root" in done.stderr and "does not exist" in done.stderr

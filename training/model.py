@@ -13,6 +13,7 @@ of building, autograd-tracking and concatenating a Python list of every slice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -216,6 +217,10 @@ def load_backbone_weights(model: SCNN, path: str | Path) -> int:
     return len(loaded)
 
 
+class TrainingDiverged(ValueError):
+    """The weights blew up (a learning rate too high for the batch): training cannot go on, nor resume."""
+
+
 @dataclass
 class SCNNLoss:
     """Cross-entropy over the 5 classes (background weighted 0.4) + 0.1 x BCE on lane existence."""
@@ -230,9 +235,14 @@ class SCNNLoss:
     def __call__(self, logits: torch.Tensor, existence: torch.Tensor, masks: torch.Tensor,
                  exist_targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         seg = F.cross_entropy(logits, masks.long(), weight=self._class_weights.to(logits.device))
+        seg_value = float(seg.detach())  # read for the step's record anyway
+        if not math.isfinite(seg_value) or not bool(torch.isfinite(existence).all()):
+            # Otherwise binary_cross_entropy fails with "all elements of input should be between 0 and 1".
+            raise TrainingDiverged("training diverged: the loss or the lane-existence outputs are not finite "
+                                   "(NaN or inf)")
         exist = F.binary_cross_entropy(existence, exist_targets.float())
         total = seg + self.existence_weight * exist
-        return total, {"seg_loss": float(seg.detach()), "exist_loss": float(exist.detach())}
+        return total, {"seg_loss": seg_value, "exist_loss": float(exist.detach())}
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -41,7 +41,7 @@ from training.dataset import (
     steps_per_epoch,
 )
 from training.evaluate import evaluate_run, score_split
-from training.model import SCNN, ModelConfig, SCNNLoss, load_backbone_weights, model_config
+from training.model import SCNN, ModelConfig, SCNNLoss, TrainingDiverged, load_backbone_weights, model_config
 from training.precision import MixedPrecision
 
 log = logging.getLogger("laneflow.train")
@@ -379,8 +379,12 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
             waited += time.perf_counter() - fetch_start
             for group in optimizer.param_groups:
                 group["lr"] = poly_lr(step, total_steps, lr, config.warmup_steps)
-            loss, parts = train_step(model, images, masks, exist, criterion, optimizer, mixed, memory_format,
-                                     distributed=dist.size > 1)
+            try:
+                loss, parts = train_step(model, images, masks, exist, criterion, optimizer, mixed, memory_format,
+                                         distributed=dist.size > 1)
+            except TrainingDiverged as exc:  # exit 2: running it again diverges again
+                raise TrainingDiverged(f"{exc} at step {step + 1}, learning rate {optimizer.param_groups[0]['lr']:.4g} "
+                                       f"(lr {config.lr} x {dist.size} worker(s), poly schedule): lower lr") from None
             step += 1
             images_seen += images.shape[0]
             losses.append(loss.item())
