@@ -7,7 +7,7 @@ STAMP := $(VENV)/.laneflow-installed
 DEMO_DIR ?= .laneflow/demo
 PORT ?= 4200
 
-.PHONY: demo serve stop-server test lint bench bench-accuracy bench-overhead install clean
+.PHONY: demo serve stop-server test lint bench bench-accuracy bench-overhead bench-sweep install clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt scripts/versions.env
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -42,6 +42,9 @@ bench-overhead: $(STAMP)
 
 bench-accuracy: $(STAMP)
 	$(PY) bench/accuracy.py
+
+bench-sweep: $(STAMP)
+	$(PY) bench/sweep.py
 
 clean:
 	-$(VENV)/bin/laneflow stop-server --home $(DEMO_DIR)

@@ -106,7 +106,8 @@ class TrainParams(BaseModel):
         """The trainer's ``--set`` overrides these parameters stand for."""
         return {"epochs": str(self.epochs), "batch_size": str(self.batch_size), "lr": repr(self.lr),
                 "max_steps": str(self.max_steps), "num_workers": str(self.loader_workers), "eval_split": "val",
-                "eval_every": str(self.eval_every)}
+                # only when set: a training image from before eval_every still takes every other setting
+                **({"eval_every": str(self.eval_every)} if self.eval_every else {})}
 
     def for_record(self) -> dict[str, Any]:
         """Flat and safe to publish: the artifacts' URLs lose query strings and credentials."""

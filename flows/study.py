@@ -135,6 +135,11 @@ def run_key_for(study: Any, number: int) -> str:
     return f"{study.study_name}-{nonce}-{number}"
 
 
+#: Base settings a continued study may change: how often val is scored changes no trial's training (a
+#: study can start pruning later).
+NOT_COMPARED = {"eval_every"}
+
+
 def check_same_study(study: Any, name: str, space: dict[str, Any], params: Any) -> None:
     """A continued study must search the same space over the same base run (same data, preset, budget):
     otherwise its trials do not compare and an interrupted one would resume a checkpoint of another
@@ -142,7 +147,8 @@ def check_same_study(study: Any, name: str, space: dict[str, Any], params: Any) 
     from optuna.distributions import distribution_to_json
 
     wanted_space = {key: distribution_to_json(value) for key, value in sorted(space.items())}
-    wanted_base = {key: value for key, value in params.for_record().items() if key not in space}
+    wanted_base = {key: value for key, value in params.for_record().items()
+                   if key not in space and key not in NOT_COMPARED}
     recorded_space, recorded_base = study.user_attrs.get("space"), study.user_attrs.get("base")
     if recorded_space is None:
         study.set_user_attr("space", wanted_space)
@@ -151,8 +157,10 @@ def check_same_study(study: Any, name: str, space: dict[str, Any], params: Any) 
     if recorded_space != wanted_space:
         raise ValueError(f"study {name!r} searched {sorted(recorded_space)} with other ranges or choices: give "
                          f"the same space to continue it, or name a new study")
-    changed = sorted(key for key in set(recorded_base) | set(wanted_base)
-                     if recorded_base.get(key) != wanted_base.get(key))
+    defaults = {name: field.default for name, field in type(params).model_fields.items()}
+    # A setting recorded before it existed was its default then.
+    changed = sorted(key for key in (set(recorded_base) | set(wanted_base)) - NOT_COMPARED
+                     if recorded_base.get(key, defaults.get(key)) != wanted_base.get(key, defaults.get(key)))
     if changed:
         raise ValueError(f"study {name!r} was run with other {', '.join(changed)}: its trials would not compare "
                          "with these; keep them to continue it, or name a new study")

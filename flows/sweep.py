@@ -21,6 +21,7 @@ import concurrent.futures
 import io
 import logging
 import threading
+import uuid
 from contextlib import ExitStack
 from typing import Annotated, Any, Literal
 
@@ -34,7 +35,15 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field, TypeAdapter, ValidationError
 
 from flows.params import SweepError, TrainParams, expand_sweep, takes_train_params
-from flows.search import SearchDimension, SearchSpace, SearchStrategy, check_space, distributions
+from flows.search import (
+    SearchChoices,
+    SearchDimension,
+    SearchRange,
+    SearchSpace,
+    SearchStrategy,
+    check_space,
+    distributions,
+)
 from flows.study import (
     VolumeJournal,
     check_same_study,
@@ -163,11 +172,14 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
                 for future, child in zip(futures, param_sets, strict=True)]
     else:
         rows, searched, journal = _search(params, dimensions, search, trials, max_concurrent, seed,
-                                          current_run.name, study_name_of(study, deployment.name), pruner)
+                                          current_run.name, study_name_of(study, deployment.name), pruner,
+                                          str(current_run.id))
         create_markdown_artifact(markdown=study_plots_markdown(searched, f"{search} sweep {current_run.name}"),
                                  key="sweep-study", description=f"Optuna's view of {search} sweep {current_run.name}")
     table = leaderboard(rows, varied)
-    best = next((entry for entry in table if entry["val accuracy"] is not None), None)
+    # Only a trial trained to its end has a model to test (a pruned one's score is from part of its run).
+    best = next((entry for entry in table if entry["state"] == "Completed" and entry["val accuracy"] is not None),
+                None)
     if best is not None:
         _score_best_on_test(best, next(row for row in rows if row["index"] == best["trial"]),
                             searched if journal is not None else None)
@@ -190,41 +202,74 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
 
 class TrialJudge:
     """Reports a trial's val scores to Optuna and stops the trial when its pruner says so; called from the
-    trial's wait loop (another thread of this process), so every use of the study holds ``lock``."""
+    trial's wait loop (another thread of this process), so every use of the study holds ``lock``.
 
-    def __init__(self, trial: Any, pruner: str, lock: threading.Lock) -> None:
-        self.trial, self.pruner, self.lock = trial, pruner, lock
+    Optuna hears each score at the training images seen so far (steps x batch size x workers), so trials
+    of different batch sizes or worker counts are compared at equal data, not at equal steps. A verdict
+    stands: a retried run (its stop request lost with a preempted attempt) is stopped at its next score; a
+    score at or before one already heard (a log replayed when a job is adopted) is not reported again.
+    """
+
+    def __init__(self, trial: Any, pruner: str, lock: threading.Lock, images_per_step: int) -> None:
+        self.trial, self.pruner, self.lock, self.images_per_step = trial, pruner, lock, images_per_step
+        self.verdict: StopVerdict | None = None
+        self.heard = 0
 
     def __call__(self, step: int, value: float) -> StopVerdict | None:
+        images = step * self.images_per_step
+        if self.verdict is not None or images <= self.heard:
+            return self.verdict
+        self.heard = images
         with self.lock:
-            self.trial.report(value, step)
+            self.trial.report(value, images)
             if not self.trial.should_prune():
                 return None
-        return StopVerdict(f"Optuna's {self.pruner} pruner stopped trial {self.trial.number}: val accuracy "
-                           f"{value:.4f} at step {step} is not promising against the study's other trials", PRUNED)
+        self.verdict = StopVerdict(f"Optuna's {self.pruner} pruner stopped trial {self.trial.number}: val accuracy "
+                                   f"{value:.4f} after {images} training images (step {step}) is not promising "
+                                   "against the study's other trials", PRUNED)
+        return self.verdict
 
 
-def make_pruner(name: str, trials: int, eval_every: int) -> Any:
-    """Optuna's pruner for ``name``; resources are training steps, judged every ``eval_every`` of them.
+def images_per_step(params: TrainParams) -> int:
+    """Training images one step of ``params`` uses, all workers together: the pruners' unit of resource."""
+    return params.batch_size * params.workers
 
-    median: a trial worse than the median of earlier trials at the same step stops, once a few trials (a
-    quarter of the budget, 1 to 5) have finished to set the median. successive_halving / hyperband: only
-    the best third at each rung (eval_every, 3x, 9x ... steps) goes on.
+
+def smallest_images_per_step(params: TrainParams, dimensions: dict[str, SearchDimension]) -> int:
+    """The fewest images per step any trial of the space can use: the first rung of a halving pruner is
+    ``eval_every`` steps of it."""
+    def lowest(name: str) -> int:
+        dimension = dimensions.get(name)
+        if isinstance(dimension, SearchChoices):
+            return int(min(dimension.choices))
+        if isinstance(dimension, SearchRange):
+            return int(dimension.low)
+        return int(getattr(params, name))
+
+    return lowest("batch_size") * lowest("workers")
+
+
+def make_pruner(name: str, trials: int, min_resource: int) -> Any:
+    """Optuna's pruner for ``name``; resources are training images, the first judged at ``min_resource``.
+
+    median: a trial worse than the median of finished trials after as many images stops, once a few trials
+    (a quarter of the budget, 1 to 5) have finished to set the median. successive_halving / hyperband: only
+    the best third at each rung (min_resource, 3x, 9x ... images) goes on.
     """
     import optuna
 
     if name == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=max(1, min(5, trials // 4)), n_warmup_steps=0)
     if name == "successive_halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=eval_every, reduction_factor=3)
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource, reduction_factor=3)
     if name == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=eval_every, max_resource="auto", reduction_factor=3)
+        return optuna.pruners.HyperbandPruner(min_resource=min_resource, max_resource="auto", reduction_factor=3)
     return optuna.pruners.NopPruner()
 
 
 def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
             max_concurrent: int, seed: int | None, sweep_name: str, study_name: str | None,
-            pruner: str = "none") -> tuple[list[dict[str, Any]], Any, VolumeJournal | None]:
+            pruner: str = "none", sweep_id: str = "") -> tuple[list[dict[str, Any]], Any, VolumeJournal | None]:
     """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
     ``max_concurrent`` in flight. Only this flow's threads touch the study (the trials' judges report to it
     under the same lock); with a ``study_name`` it is the journal on the volume (flows/study.py), continued
@@ -236,8 +281,8 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
     space = distributions(dimensions)
     journal = None
     lock = threading.Lock()
-    if study_name is None:  # in memory, named so that its trials' runs have keys a judge can find
-        study = optuna.create_study(study_name="sweep", direction="maximize")
+    if study_name is None:  # in memory, named after this sweep: its trials' run keys are its own
+        study = optuna.create_study(study_name=f"s{uuid.UUID(sweep_id).hex[:10]}", direction="maximize")
     else:
         platform = load_platform(params.platform)
         journal = VolumeJournal(platform, ensure_dataset_volume(platform, params.volume), journal_path(study_name))
@@ -255,10 +300,26 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
     study.sampler = optuna.samplers.RandomSampler(seed=offset) if strategy == "random" else \
         optuna.samplers.TPESampler(seed=offset, n_startup_trials=min(10, max(2, trials // 3)),
                                    constant_liar=max_concurrent > 1)  # in-flight trials count as bad guesses
-    study.pruner = make_pruner(pruner, trials, params.eval_every)
+    study.pruner = make_pruner(pruner, trials, params.eval_every * smallest_images_per_step(params, dimensions))
     in_flight: dict[concurrent.futures.Future, tuple[Any, Any, ExitStack]] = {}
     rows: list[dict[str, Any]] = []
     asked = counted(study)
+    try:
+        _run_trials(study, space, params, trials, max_concurrent, pruner, lock, journal, asked, rows, in_flight,
+                    name_of=lambda n: f"{study_name}-trial-{n}" if study_name else f"{sweep_name}-{n}")
+    finally:  # a sweep that stops here leaves no judge behind
+        for _, _, judging in in_flight.values():
+            judging.close()
+    if journal is not None:
+        rows = trial_rows(study)  # earlier sweeps' trials of the study too
+    return sorted(rows, key=lambda row: row["index"]), study, journal
+
+
+def _run_trials(study: Any, space: dict[str, Any], params: TrainParams, trials: int, max_concurrent: int,
+                pruner: str, lock: threading.Lock, journal: VolumeJournal | None, asked: int,
+                rows: list[dict[str, Any]], in_flight: dict[concurrent.futures.Future, tuple[Any, Any, ExitStack]],
+                name_of: Any) -> None:
+    """Keep up to ``max_concurrent`` trials in flight until ``trials`` were asked for and every one told."""
     while asked < trials or in_flight:
         while asked < trials and len(in_flight) < max_concurrent:
             with lock:
@@ -268,11 +329,11 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
                 trial.set_user_attr("run_key", key)
                 if journal is not None:
                     journal.flush()  # a sweep stopped from here on leaves this trial RUNNING, to be resumed
-            name = f"{study_name}-trial-{trial.number}" if study_name else f"{sweep_name}-{trial.number}"
             judging = ExitStack()
             if pruner != "none":
-                judging.enter_context(judged_by(run_name("", key=key), TrialJudge(trial, pruner, lock)))
-            future = run_child.submit(child, trial.number, name, key)
+                judge = TrialJudge(trial, pruner, lock, images_per_step(child))
+                judging.enter_context(judged_by(run_name("", key=key), judge))
+            future = run_child.submit(child, trial.number, name_of(trial.number), key)
             in_flight[future.wrapped_future] = (future, trial, judging)
             asked += 1
         done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
@@ -288,9 +349,6 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
                 if journal is not None:
                     journal.flush()
             rows.append(row)
-    if journal is not None:
-        rows = trial_rows(study)  # earlier sweeps' trials of the study too
-    return sorted(rows, key=lambda row: row["index"]), study, journal
 
 
 def _tell(study: Any, trial: Any, row: dict[str, Any]) -> None:

@@ -231,7 +231,8 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
     progress_id = create_progress_artifact(progress=0.0, key=f"progress-{spec.job_name}",
                                            description=f"training {spec.job_name}")
     state: dict[str, int] = {"total": 0}
-    judge, asked = judge_of(spec.job_name), []
+    # A job adopted as already finished replays its log: nothing is left to judge.
+    judge, asked = (judge_of(spec.job_name) if handle.state != "succeeded" else None), []
 
     def hear(event: dict[str, Any]) -> None:
         """Tell the judge a val score; leave the stop request it asks for (once) where the trainer reads it."""
@@ -243,11 +244,17 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
                            event.get("step"), exc)
             judge = None
             return
-        if verdict is not None:
+        if verdict is None:
+            return
+        try:
             platform.append_file(spec.volume, stop_request_path(spec.run_dir), verdict.request(int(event["step"])))
-            asked.append(verdict)
-            logger.info("asked training to stop at step %s (%s): %s; it checkpoints and ends", event["step"],
-                        verdict.state, verdict.reason)
+        except Exception as exc:  # training goes on; the judge is asked again at the next score
+            logger.warning("could not leave the stop request for %s (%s): %s; training goes on", spec.job_name,
+                           verdict.state, exc)
+            return
+        asked.append(verdict)
+        logger.info("asked training to stop at step %s (%s): %s; it checkpoints and ends", event["step"],
+                    verdict.state, verdict.reason)
 
     def on_event(event: dict[str, Any]) -> None:
         kind = event.get("event")
@@ -269,13 +276,17 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
             logger.info("%s: %s", kind, json.dumps({k: v for k, v in event.items() if k != "event"}))
 
     outcome = platform.wait_for_training(handle, on_event, logger.debug, timeout_s)
-    update_progress_artifact(progress_id, 100.0)
     if outcome.stopped is not None:
+        if asked:  # what this wait asked for names the state, whatever the trainer could read of the request
+            outcome = outcome.model_copy(update={"stopped": {**outcome.stopped, "reason": asked[-1].reason,
+                                                             "state": asked[-1].state}})
+        update_progress_artifact(progress_id, 100.0 * outcome.steps / max(1, outcome.total_steps))
         logger.info("training %s stopped at step %d of %d as asked (%s)", spec.job_name, outcome.steps,
                     outcome.total_steps, outcome.stopped.get("reason", "no reason given"))
-    else:
-        logger.info("training %s finished at step %d (resumed from %d)", spec.job_name, outcome.steps,
-                    outcome.resumed_from)
+        return outcome
+    update_progress_artifact(progress_id, 100.0)
+    logger.info("training %s finished at step %d (resumed from %d)%s", spec.job_name, outcome.steps,
+                outcome.resumed_from, "; the stop request came too late, it trained to its end" if asked else "")
     return outcome
 
 

@@ -378,12 +378,13 @@ def test_stopped_runs_outcome_says_why_and_keeps_the_val_curve() -> None:
 def test_each_pruner_name_is_optunas_pruner(name: str, kind: str) -> None:
     from flows.sweep import make_pruner
 
-    assert type(make_pruner(name, trials=8, eval_every=10)).__name__ == kind
+    assert type(make_pruner(name, trials=8, min_resource=10)).__name__ == kind
 
 
-def test_the_median_pruner_stops_a_trial_below_the_median_of_finished_trials_at_the_same_step() -> None:
+def test_the_median_pruner_stops_a_trial_below_the_median_of_finished_trials_after_as_many_images() -> None:
     """The judge a trial's wait loop calls, against a real Optuna study: quiet until one trial finished, then
-    a trial worse at the same step gets a "Pruned" verdict naming the step and score."""
+    a trial worse after as many training images gets a "Pruned" verdict naming the images and step, and
+    keeps it; a score replayed from an adopted log is not reported twice."""
     import threading
 
     import optuna
@@ -391,16 +392,34 @@ def test_the_median_pruner_stops_a_trial_below_the_median_of_finished_trials_at_
 
     from flows.sweep import TrialJudge, make_pruner
 
-    study = optuna.create_study(direction="maximize", pruner=make_pruner("median", trials=4, eval_every=10))
+    study = optuna.create_study(direction="maximize", pruner=make_pruner("median", trials=4, min_resource=20))
     lock, space = threading.Lock(), {"lr": FloatDistribution(0.01, 0.1)}
     first = study.ask(space)
-    assert TrialJudge(first, "median", lock)(10, 0.7) is None  # nothing finished yet to compare with
+    assert TrialJudge(first, "median", lock, images_per_step=2)(10, 0.7) is None  # nothing finished to compare with
     study.tell(first, 0.8)
+    assert study.trials[0].intermediate_values == {20: 0.7}  # heard after 10 steps x 2 images
     second = study.ask(space)
-    assert TrialJudge(second, "median", lock)(10, 0.75) is None  # as good as the finished trial at step 10
-    verdict = TrialJudge(study.ask(space), "median", lock)(10, 0.1)
-    assert verdict is not None and verdict.state == "Pruned" and "val accuracy 0.1000 at step 10" in verdict.reason
-    assert json.loads(verdict.request(10)) == {"reason": verdict.reason, "state": "Pruned", "requested_at_step": 10}
+    assert TrialJudge(second, "median", lock, images_per_step=2)(10, 0.75) is None  # as good after 20 images
+    # Batch 4: after 5 steps it has seen the 20 images the first trial had seen after 10.
+    hopeless = TrialJudge(study.ask(space), "median", lock, images_per_step=4)
+    verdict = hopeless(5, 0.1)
+    assert verdict is not None and verdict.state == "Pruned"
+    assert "val accuracy 0.1000 after 20 training images (step 5)" in verdict.reason
+    assert hopeless(10, 0.9) is verdict  # it stands: a retried run is stopped at its next score
+    assert json.loads(verdict.request(5)) == {"reason": verdict.reason, "state": "Pruned", "requested_at_step": 5}
+    replayed = TrialJudge(study.ask(space), "median", lock, images_per_step=2)
+    assert replayed(10, 0.9) is None and replayed(10, 0.0) is None  # the same step again is not reported
+
+
+def test_a_halving_pruners_first_rung_is_eval_every_steps_of_the_smallest_batch_the_space_allows() -> None:
+    from flows.search import check_space
+    from flows.sweep import smallest_images_per_step
+
+    base = TrainParams(source=source(), batch_size=8, workers=2)
+    assert smallest_images_per_step(base, check_space({"lr": {"low": 0.01, "high": 0.1}})) == 16
+    assert smallest_images_per_step(base, check_space({"batch_size": {"choices": [4, 2, 8]}})) == 4
+    assert smallest_images_per_step(base, check_space({"workers": {"low": 1, "high": 4, "step": 1}})) == 8
+
 
 
 # --- parameters and sweeps ---------------------------------------------------------------------------

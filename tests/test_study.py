@@ -107,3 +107,9 @@ def test_a_study_is_continued_only_over_the_same_space_and_base_run(laneflow_hom
         check_same_study(study, "lanes", {"lr": FloatDistribution(0.01, 0.5, log=True)}, base)
     with pytest.raises(ValueError, match=r"study 'lanes' was run with other epochs"):
         check_same_study(study, "lanes", SPACE, base.model_copy(update={"epochs": 3}))
+    check_same_study(study, "lanes", SPACE, base.model_copy(update={"eval_every": 10}))  # pruning can start later
+    # A study recorded before a setting existed recorded it at its default.
+    study.set_user_attr("base", {k: v for k, v in study.user_attrs["base"].items() if k != "max_steps"})
+    check_same_study(study, "lanes", SPACE, base)
+    with pytest.raises(ValueError, match=r"study 'lanes' was run with other max_steps"):
+        check_same_study(study, "lanes", SPACE, base.model_copy(update={"max_steps": 5}))

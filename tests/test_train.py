@@ -21,7 +21,7 @@ from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.dataset import DataError, LaneDataset, poly_lr, read_list
 from training.evaluate import lanes_from_probabilities
-from training.train import EXIT_PREEMPTED, STOP_REQUEST, parse_overrides
+from training.train import EXIT_PREEMPTED, STOP_REQUEST, parse_overrides, read_stop_request
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -63,6 +63,16 @@ def test_the_orchestrator_writes_the_stop_request_where_the_trainer_reads_it() -
     from tasks import pruning
 
     assert pruning.STOP_REQUEST == STOP_REQUEST  # tasks.pruning cannot import training.train (torch)
+
+
+def test_a_stop_request_is_read_once_it_is_written(tmp_path: Path) -> None:
+    assert read_stop_request(tmp_path) is None
+    (tmp_path / STOP_REQUEST).write_text("")  # created, not yet written: looked at again at the next check
+    assert read_stop_request(tmp_path) is None
+    (tmp_path / STOP_REQUEST).write_text('{"reason": "pruned", "state": "Pruned", "event": "x", "step": 3}\n')
+    assert read_stop_request(tmp_path) == {"reason": "pruned", "state": "Pruned"}  # cannot clash with the record
+    (tmp_path / STOP_REQUEST).write_text('{"reason": "pru')  # torn: it was still written to stop the run
+    assert read_stop_request(tmp_path) == {"reason": f"{STOP_REQUEST} was found"}
 
 
 def test_plain_run_writes_checkpoints_metrics_model_and_eval(prepared: Path, tmp_path: Path):

@@ -227,6 +227,9 @@ class SCNNLoss:
 
     background_weight: float = 0.4
     existence_weight: float = 0.1
+    #: Fail on a non-finite loss (TrainingDiverged). Off under fp16, where the gradient scaler skips the
+    #: step of an overflowed forward pass and lowers its scale instead.
+    check_finite: bool = True
     _class_weights: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -236,7 +239,7 @@ class SCNNLoss:
                  exist_targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         seg = F.cross_entropy(logits, masks.long(), weight=self._class_weights.to(logits.device))
         seg_value = float(seg.detach())  # read for the step's record anyway
-        if not math.isfinite(seg_value) or not bool(torch.isfinite(existence).all()):
+        if self.check_finite and (not math.isfinite(seg_value) or not bool(torch.isfinite(existence).all())):
             # Otherwise binary_cross_entropy fails with "all elements of input should be between 0 and 1".
             raise TrainingDiverged("training diverged: the loss or the lane-existence outputs are not finite "
                                    "(NaN or inf)")

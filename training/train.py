@@ -246,16 +246,25 @@ def check_compatible(state: dict, model_cfg: ModelConfig, path: str) -> None:
 # --- training ------------------------------------------------------------------------------------
 
 def read_stop_request(run_dir: Path) -> dict | None:
-    """The orchestrator's request to stop this run for good, if there is one (a torn or odd file still
-    asks: it was written to stop the run)."""
+    """The orchestrator's request to stop this run for good, if there is one. An empty file is a request
+    still being written (looked at again at the next check); one that cannot be read as JSON still asks."""
     path = run_dir / STOP_REQUEST
-    if not path.exists():
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # a volume hiccup must not stop rank 0 alone: the next check looks again
+        log.warning("could not read %s (%s); looking again at the next check", path, exc)
+        return None
+    if not text:
         return None
     try:
-        request = json.loads(path.read_text().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
+        request = json.loads(text.splitlines()[-1])
+    except ValueError:
         request = None
-    return request if isinstance(request, dict) else {"reason": f"{STOP_REQUEST} was found"}
+    if not isinstance(request, dict):
+        return {"reason": f"{STOP_REQUEST} was found"}
+    return {key: value for key, value in request.items() if key not in ("event", "step")}
 
 
 class StopRequest:
@@ -335,7 +344,7 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
         optimizer = dist.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                   groups=config.allreduce_groups or None, compression=compression)
 
-    criterion = SCNNLoss()
+    criterion = SCNNLoss(check_finite=run_precision != "fp16")
     stop = StopRequest()
     metrics_file = run_dir / "metrics.jsonl"
     if is_main:
@@ -395,11 +404,13 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
                        input_stall=waited / elapsed, **parts)
                 window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
             if config.eval_every and step % config.eval_every == 0 and step < total_steps:
+                scoring_started = time.perf_counter()
                 dist.average_buffers(model)  # a collective: every rank reaches it at the same step
                 if is_main:
                     scores = score_split(model, model_cfg, data_root, "val", device)
                     record("val", step=step, **{k: v for k, v in scores.items() if k != "split"})
                 model.train()
+                window_start += time.perf_counter() - scoring_started  # img/s counts training time only
             if step % STOP_CHECK_EVERY == 0:
                 request = read_stop_request(run_dir) if is_main else None
                 signalled, asked = dist.any((stop.requested, request is not None), "stop")
@@ -411,7 +422,7 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
                     checkpoint()
                     if is_main:
                         log.info("stopping at step %d as requested: %s", step, request)
-                        record("stopped", step=step, **{k: v for k, v in request.items() if k != "step"})
+                        record("stopped", step=step, **request)
                         (run_dir / STOP_REQUEST).unlink(missing_ok=True)
                     return 0
             if step % config.checkpoint_every == 0:
@@ -425,6 +436,9 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
                 checkpoint()
 
     dist.average_buffers(model)
+    if is_main and (late := read_stop_request(run_dir)) is not None:  # came after the last check: the run is done
+        log.info("a stop request came after the last check; the run trained to its end: %s", late)
+        (run_dir / STOP_REQUEST).unlink(missing_ok=True)
     # Every rank reports what it ended with: diverged replicas would show here first.
     log.info("final weights sha256 %s (rank %d)", weights_digest(model), dist.rank)
     if is_main:

@@ -40,6 +40,7 @@ from tasks.platforms.base import (
     TrainingOutcome,
     TrainingSpec,
     VolumeRef,
+    last_attempt,
     outcome_from_events,
     paths_in,
 )
@@ -395,8 +396,7 @@ def _merged_lines(process: subprocess.Popen, deadline: float) -> Iterator[tuple[
 
 
 def _outcome_from_metrics(job_name: str, run_dir: Path, duration_s: float) -> TrainingOutcome:
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return outcome_from_events(job_name, events, duration_s, [])
+    return outcome_from_events(job_name, last_attempt((run_dir / "metrics.jsonl").read_text()), duration_s, [])
 
 
 def _copy_tree(source: Path, target: Path, stats: dict[str, int], *, freeze: bool) -> None:
