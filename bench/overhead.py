@@ -14,35 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
-from flows.local_server import free_port, server_env, start_server
-from tasks.processes import stop_process
+from flows.local_server import throwaway_server
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=50)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="laneflow-overhead-") as tmp:
-        home, port = Path(tmp), free_port()
-        server = start_server(home, port)
-        try:
-            os.environ.update(server_env(home, port))
-            os.environ["LANEFLOW_HOME"] = str(home / "laneflow")
-            pipeline_figures(home)
-            per_task_figures(args.tasks)
-        finally:
-            from prefect.events.worker import EventsWorker
-            from prefect.logging.handlers import APILogWorker
-
-            APILogWorker.drain_all(timeout=30)
-            EventsWorker.drain_all(timeout=30)
-            stop_process(server, grace_s=30)
+    with throwaway_server("laneflow-overhead-") as home:
+        pipeline_figures(home)
+        per_task_figures(args.tasks)
 
 
 def pipeline_figures(home: Path) -> None:

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from flows.local_server import free_port, server_env, start_server
-from tasks.processes import stop_process
+from flows.local_server import throwaway_server
 
 
 def main() -> None:
@@ -40,20 +37,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7, help="the samplers' seed")
     parser.add_argument("--tolerance", type=float, default=0.01, help="'matches the grid's best' within this")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="laneflow-sweep-bench-") as tmp:
-        home, port = Path(tmp), free_port()
-        server = start_server(home, port)
-        try:
-            os.environ.update(server_env(home, port))
-            os.environ["LANEFLOW_HOME"] = str(home / "laneflow")
-            compare(args, home)
-        finally:
-            from prefect.events.worker import EventsWorker
-            from prefect.logging.handlers import APILogWorker
-
-            APILogWorker.drain_all(timeout=30)
-            EventsWorker.drain_all(timeout=30)
-            stop_process(server, grace_s=30)
+    with throwaway_server("laneflow-sweep-bench-") as home:
+        compare(args, home)
 
 
 def log_spaced(low: float, high: float, count: int) -> list[float]:
@@ -96,7 +81,7 @@ def compare(args: argparse.Namespace, home: Path) -> None:
     strategies = [
         ("grid", {"grid": {"lr": lrs, "batch_size": batch_sizes}}),
         ("random", {"search": "random", "space": space, "trials": trials, "seed": args.seed}),
-            ("tpe", {"search": "tpe", "space": space, "trials": trials, "seed": args.seed}),
+        ("tpe", {"search": "tpe", "space": space, "trials": trials, "seed": args.seed}),
         ("tpe + successive halving", {"search": "tpe", "space": space, "trials": trials, "seed": args.seed,
                                       "pruner": "successive_halving", "eval_every": args.eval_every}),
     ]

@@ -12,9 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.processes import group_alive, stop_group, stop_process
@@ -116,3 +119,24 @@ def _is_prefect_server(pid: int) -> bool:
 def ui_url(api: str, flow_run_id: str) -> str:
     """The UI page of a flow run, from the API URL."""
     return f"{api.removesuffix('/api')}/runs/flow-run/{flow_run_id}"
+
+
+@contextmanager
+def throwaway_server(prefix: str) -> Iterator[Path]:
+    """A Prefect server of its own in a temporary folder, this process's environment pointed at it (and
+    ``LANEFLOW_HOME`` inside it), stopped with everything in it afterwards: for benches and scripts that
+    must not touch the user's server. Yields the folder."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        home, port = Path(tmp), free_port()
+        server = start_server(home, port)
+        try:
+            os.environ.update(server_env(home, port))
+            os.environ["LANEFLOW_HOME"] = str(home / "laneflow")
+            yield home
+        finally:
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=30)  # what the client still holds goes out before the server stops
+            EventsWorker.drain_all(timeout=30)
+            stop_process(server, grace_s=30)
