@@ -70,6 +70,9 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
 def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any] | State:
     """Prepare TuSimple on a volume, train SCNN with Horovod, score it, snapshot and publish it.
 
+    A run whose training honoured a stop request (a sweep's pruner) ends Completed under the request's
+    state name ("Pruned") without scoring, snapshot or package.
+
     Args:
         run_key: names the run train-<run_key> instead of after this flow run: a later run of the same key
             resumes its checkpoint (a sweep's interrupted trial); empty for a new run each time
