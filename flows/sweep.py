@@ -301,54 +301,42 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
         optuna.samplers.TPESampler(seed=offset, n_startup_trials=min(10, max(2, trials // 3)),
                                    constant_liar=max_concurrent > 1)  # in-flight trials count as bad guesses
     study.pruner = make_pruner(pruner, trials, params.eval_every * smallest_images_per_step(params, dimensions))
-    in_flight: dict[concurrent.futures.Future, tuple[Any, Any, ExitStack]] = {}
+    in_flight: dict[concurrent.futures.Future, tuple[Any, Any]] = {}
     rows: list[dict[str, Any]] = []
     asked = counted(study)
-    try:
-        _run_trials(study, space, params, trials, max_concurrent, pruner, lock, journal, asked, rows, in_flight,
-                    name_of=lambda n: f"{study_name}-trial-{n}" if study_name else f"{sweep_name}-{n}")
-    finally:  # a sweep that stops here leaves no judge behind
-        for _, _, judging in in_flight.values():
-            judging.close()
+    with ExitStack() as judges:  # every trial's judge is let go when the sweep ends, however it ends
+        while asked < trials or in_flight:
+            while asked < trials and len(in_flight) < max_concurrent:
+                with lock:
+                    trial = study.ask(space)
+                    child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
+                    key = trial.user_attrs.get("run_key") or run_key_for(study, trial.number)
+                    trial.set_user_attr("run_key", key)
+                    if journal is not None:
+                        journal.flush()  # a sweep stopped from here on leaves this trial RUNNING, to be resumed
+                if pruner != "none":
+                    judges.enter_context(judged_by(run_name("", key=key),
+                                                   TrialJudge(trial, pruner, lock, images_per_step(child))))
+                name = f"{study_name}-trial-{trial.number}" if study_name else f"{sweep_name}-{trial.number}"
+                future = run_child.submit(child, trial.number, name, key)
+                in_flight[future.wrapped_future] = (future, trial)
+                asked += 1
+            done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
+            for wrapped in done:
+                future, trial = in_flight.pop(wrapped)
+                try:
+                    row = {**future.result(), "params": dict(trial.params)}
+                except Exception as exc:  # the child could not even be run: a failed trial, the sweep goes on
+                    row = {"index": trial.number, "state": "Failed", "error": str(exc)[:500],
+                           "params": dict(trial.params)}
+                with lock:
+                    _tell(study, trial, row)
+                    if journal is not None:
+                        journal.flush()
+                rows.append(row)
     if journal is not None:
         rows = trial_rows(study)  # earlier sweeps' trials of the study too
     return sorted(rows, key=lambda row: row["index"]), study, journal
-
-
-def _run_trials(study: Any, space: dict[str, Any], params: TrainParams, trials: int, max_concurrent: int,
-                pruner: str, lock: threading.Lock, journal: VolumeJournal | None, asked: int,
-                rows: list[dict[str, Any]], in_flight: dict[concurrent.futures.Future, tuple[Any, Any, ExitStack]],
-                name_of: Any) -> None:
-    """Keep up to ``max_concurrent`` trials in flight until ``trials`` were asked for and every one told."""
-    while asked < trials or in_flight:
-        while asked < trials and len(in_flight) < max_concurrent:
-            with lock:
-                trial = study.ask(space)
-                child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
-                key = trial.user_attrs.get("run_key") or run_key_for(study, trial.number)
-                trial.set_user_attr("run_key", key)
-                if journal is not None:
-                    journal.flush()  # a sweep stopped from here on leaves this trial RUNNING, to be resumed
-            judging = ExitStack()
-            if pruner != "none":
-                judge = TrialJudge(trial, pruner, lock, images_per_step(child))
-                judging.enter_context(judged_by(run_name("", key=key), judge))
-            future = run_child.submit(child, trial.number, name_of(trial.number), key)
-            in_flight[future.wrapped_future] = (future, trial, judging)
-            asked += 1
-        done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
-        for wrapped in done:
-            future, trial, judging = in_flight.pop(wrapped)
-            judging.close()
-            try:
-                row = {**future.result(), "params": dict(trial.params)}
-            except Exception as exc:  # the child could not even be run: a failed trial, the sweep goes on
-                row = {"index": trial.number, "state": "Failed", "error": str(exc)[:500], "params": dict(trial.params)}
-            with lock:
-                _tell(study, trial, row)
-                if journal is not None:
-                    journal.flush()
-            rows.append(row)
 
 
 def _tell(study: Any, trial: Any, row: dict[str, Any]) -> None:

@@ -106,9 +106,13 @@ def score_split(model: SCNN, config: ModelConfig, data_root: Path, split: str, d
     """The TuSimple scores of ``model`` on ``split``, in memory: the trainer's periodic validation (a sweep's
     pruner reads it), which must leave the run's files as they are. The model is left in eval mode."""
     predictions, ground_truth = predict(model, config, Path(data_root), split, device)
-    lines = [json.dumps({k: v for k, v in p.items() if k != "slots"}) for p in predictions]
-    score = score_predictions(lines, ground_truth, source=f"{split} predictions")
+    score = score_predictions(prediction_lines(predictions), ground_truth, source=f"{split} predictions")
     return {"split": split, **score.as_dict()}
+
+
+def prediction_lines(predictions: list[dict]) -> list[str]:
+    """Prediction records as the benchmark's JSON lines (without laneflow's own slot numbers)."""
+    return [json.dumps({k: v for k, v in p.items() if k != "slots"}) for p in predictions]
 
 
 def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Path, split: str,
@@ -121,9 +125,9 @@ def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Pat
     data_root, run_dir = Path(data_root), Path(run_dir)
     predictions, ground_truth = predict(model, config, data_root, split, device)
     prediction_file = run_dir / f"predictions_{split}.json"
-    prediction_file.write_text("".join(json.dumps({k: v for k, v in p.items() if k != "slots"}) + "\n"
-                                       for p in predictions))
-    score = score_predictions(prediction_file.read_text().splitlines(), ground_truth, source=str(prediction_file))
+    lines = prediction_lines(predictions)
+    prediction_file.write_text("".join(line + "\n" for line in lines))
+    score = score_predictions(lines, ground_truth, source=str(prediction_file))
     # Both the official score and the one models are chosen by (no run-time rule); see training.metric.
     result = {"split": split, **score.as_dict(),
               "run_time_ms": float(np.mean([p["run_time"] for p in predictions])) if predictions else 0.0}

@@ -118,10 +118,15 @@ def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s:
         job_name=job_name, steps=int(steps[-1]["step"]) if steps else 0,
         total_steps=int(starts[-1]["total_steps"]) if starts else 0,
         resumed_from=int(starts[-1]["step"]) if starts else 0,
-        eval={k: v for k, v in evals[-1].items() if k != "event"} if evals else {},
+        eval=_payload(evals[-1]) if evals else {},
         duration_s=round(duration_s, 3), log_tail=log_tail,
-        stopped={k: v for k, v in stopped[-1].items() if k != "event"} if stopped else None,
-        val=[{k: v for k, v in e.items() if k != "event"} for e in events if e.get("event") == "val"])
+        stopped=_payload(stopped[-1]) if stopped else None,
+        val=[_payload(e) for e in events if e.get("event") == "val"])
+
+
+def _payload(event: dict[str, Any]) -> dict[str, Any]:
+    """An event's fields without its kind."""
+    return {k: v for k, v in event.items() if k != "event"}
 
 
 def last_attempt(metrics_jsonl: str) -> list[dict[str, Any]]:
