@@ -6,6 +6,7 @@ and ``serve`` (server + deployments + worker).
     laneflow lineage <run-or-snapshot> [--platform local]
     laneflow snapshots [--platform local]
     laneflow serve [--home .laneflow/serve] [--port 4200]
+    laneflow deploy [--home .laneflow/serve] [--port 4200]
     laneflow stop-server [--home .laneflow/serve]
 """
 
@@ -157,27 +158,88 @@ def apply_deployments(env: dict[str, str]) -> None:
         raise RuntimeError(f"prefect deploy failed (exit {done.returncode}):\n{output}")
 
 
-def serve(home: Path, port: int) -> int:
-    """Start (or reuse) the server, apply prefect.yaml, and run a worker until interrupted (Ctrl-C)."""
+ARTIFACT_PREFIXES = ("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL")
+
+
+def deployment_environment(home: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the deployments' dataset defaults filled in (prefect.yaml reads them at deploy time):
+    the synthetic artifacts unless the environment names others, and a local dataset index listing
+    them unless ``LANEFLOW_DATASET_INDEX`` names the data team's."""
     from training.data.synthetic import cached_artifacts
+
+    env = dict(env)
+    if not all(env.get(f"{prefix}_URL") and env.get(f"{prefix}_SHA256") for prefix in ARTIFACT_PREFIXES):
+        synthetic = cached_artifacts(home / "source", train=160, val=24, test=40)
+        for prefix, artifact in zip(ARTIFACT_PREFIXES, synthetic, strict=True):
+            env.setdefault(f"{prefix}_URL", artifact["url"])
+            env.setdefault(f"{prefix}_SHA256", artifact["sha256"])
+    if not env.get("LANEFLOW_DATASET_INDEX"):
+        env["LANEFLOW_DATASET_INDEX"] = write_local_index(home / "source" / "index.json", env).as_uri()
+    return env
+
+
+def write_local_index(path: Path, env: dict[str, str]) -> Path:
+    """A dataset index of one version, the deployments' default artifacts (rewritten only when they change,
+    so the dataset watch never sees a new version it was not given)."""
+    from datetime import UTC, datetime
+
+    from tasks.dataset_index import DatasetRelease, index_json
+
+    artifacts = tuple({"url": env[f"{prefix}_URL"], "sha256": env[f"{prefix}_SHA256"].lower(),
+                       "kind": "file" if prefix == "LANEFLOW_TEST_LABEL" else "archive"}
+                      for prefix in ARTIFACT_PREFIXES)
+    version = "local-" + artifacts[0]["sha256"][:12]
+    if path.exists() and f'"{version}"' in path.read_text():
+        return path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(index_json([DatasetRelease(version, datetime.now(UTC).replace(microsecond=0), artifacts)]))
+    return path.resolve()
+
+
+def deploy(env: dict[str, str]) -> list[str]:
+    """Work pool, ``gpu`` limit, prefect.yaml's deployments, then the alert automations, on the server the
+    environment points at; the alerts applied (none without an alert block)."""
+    from flows.alerts import apply_alerts
+
+    os.environ.update(env)
+    ensure_local_setup()
+    apply_deployments(env)
+    print("deployments train, nightly, dataset_watch, sweep, restore, predict applied", flush=True)
+    return apply_alerts()
+
+
+def deploy_command(home: Path, port: int) -> int:
+    """``laneflow deploy``: to $PREFECT_API_URL when set, else to the local server (started if needed)."""
+    from flows.alerts import AlertSetupError
+
+    home = home.resolve()
+    env = {**os.environ, "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))}
+    if not os.environ.get("PREFECT_API_URL"):
+        print(f"laneflow deploy: Prefect server on 127.0.0.1:{port} (first start takes a minute or two)...", flush=True)
+        ensure_server(home, port)
+        env.update(server_env(home, port))
+    try:
+        deploy(deployment_environment(home, env))
+    except AlertSetupError as exc:
+        print(f"laneflow deploy: deployments applied, alerts not: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def serve(home: Path, port: int) -> int:
+    """Start (or reuse) the server, apply prefect.yaml and the alerts, and run a worker until interrupted."""
+    from flows.alerts import AlertSetupError
 
     home = home.resolve()
     print(f"laneflow serve: Prefect server on 127.0.0.1:{port} (first start takes a minute or two)...", flush=True)
     api = ensure_server(home, port)
-    env = {**os.environ, **server_env(home, port),
-           "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))}
-    # Default dataset of the deployments' parameter forms (prefect.yaml): the synthetic artifacts, unless
-    # the environment names others.
-    prefixes = ("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL")
-    if not all(env.get(f"{prefix}_URL") and env.get(f"{prefix}_SHA256") for prefix in prefixes):
-        synthetic = cached_artifacts(home / "source", train=160, val=24, test=40)
-        for prefix, artifact in zip(prefixes, synthetic, strict=True):
-            env.setdefault(f"{prefix}_URL", artifact["url"])
-            env.setdefault(f"{prefix}_SHA256", artifact["sha256"])
-    os.environ.update(env)
-    ensure_local_setup()
-    apply_deployments(env)
-    print(f"deployments train, nightly, sweep, restore applied; UI at {api.removesuffix('/api')}/deployments")
+    env = deployment_environment(home, {**os.environ, **server_env(home, port),
+                                        "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))})
+    try:
+        deploy(env)
+    except AlertSetupError as exc:  # the deployments are there; the UI is still worth having
+        print(f"laneflow serve: alerts not applied: {exc}", file=sys.stderr, flush=True)
+    print(f"UI at {api.removesuffix('/api')}/deployments")
     print(f"starting a worker on work pool '{WORK_POOL}' (Ctrl-C stops it; the server keeps running)", flush=True)
     return run_worker_until_interrupted(env, port)
 
@@ -224,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd = commands.add_parser("serve", help="local server + deployments from prefect.yaml + a process worker")
     serve_cmd.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
     serve_cmd.add_argument("--port", type=int, default=DEFAULT_PORT)
+    deploy_cmd = commands.add_parser("deploy", help="apply prefect.yaml's deployments and the alert automations "
+                                                    "($PREFECT_API_URL, else the local server)")
+    deploy_cmd.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
+    deploy_cmd.add_argument("--port", type=int, default=DEFAULT_PORT)
     stop = commands.add_parser("stop-server", help="stop the local Prefect server started by demo or serve")
     stop.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
     predict_cmd = commands.add_parser("predict", help="lanes on images or a video with a model package")
@@ -251,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # before the worker started (server start-up, deploy): nothing else to stop
             print("laneflow serve: interrupted before the worker started", file=sys.stderr)
             return 130
+    if args.command == "deploy":
+        return deploy_command(args.home, args.port)
     if args.command == "stop-server":
         stopped = stop_server(args.home)
         print("server stopped" if stopped else f"no server was started from {args.home}")

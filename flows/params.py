@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tasks.dataset_index import check_index_url
 from tasks.names import DNS_LABEL, MAX_NAME, validate_name
 from training.data.sources import Artifact
 
@@ -42,12 +43,21 @@ class DatasetArtifact(BaseModel):
 
 
 class DataSource(BaseModel):
-    """The dataset's artifacts. TuSimple ships three: train_set.zip, test_set.zip and test_label.json; a
-    single archive with the label files inside (one train_set.zip mirror) is a dataset too."""
+    """The dataset: its artifacts, or a dataset index to take the newest version from.
+
+    TuSimple ships three artifacts: train_set.zip, test_set.zip and test_label.json; a single archive with
+    the label files inside (one train_set.zip mirror) is a dataset too. An index (tasks/dataset_index.py)
+    is read when the run starts; the run then trains on the artifacts of the newest version it lists, and
+    its lineage names the index and the version.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    artifacts: list[DatasetArtifact] = Field(min_length=1, description="archives to extract and files to place")
+    artifacts: Annotated[list[DatasetArtifact], Field(min_length=1)] | None = Field(
+        None, description="archives to extract and files to place")
+    index: str | None = Field(None, min_length=1,
+                              description="or: URL of a dataset index (https://, or file:// for a local one); the "
+                                          "run trains on the newest version it lists")
 
     @model_validator(mode="before")
     @classmethod
@@ -57,7 +67,17 @@ class DataSource(BaseModel):
             return {"artifacts": [{**value, "kind": "archive"}]}
         return value
 
+    @model_validator(mode="after")
+    def _artifacts_or_index(self) -> DataSource:
+        if (self.artifacts is None) == (self.index is None):
+            raise ValueError("give the dataset's artifacts or an index, not both and not neither")
+        if self.index is not None:
+            check_index_url(self.index)
+        return self
+
     def to_artifacts(self) -> list[Artifact]:
+        if self.artifacts is None:
+            raise ValueError(f"the index source {self.index!r} is read first (tasks.dataset_index.resolve_source)")
         return [Artifact(item.url, item.sha256.lower(), item.kind) for item in self.artifacts]
 
 
@@ -101,6 +121,10 @@ class TrainParams(BaseModel):
     def flow_parameters(self) -> dict[str, Any]:
         """Keyword arguments for a flow decorated with ``takes_train_params``."""
         return {name: getattr(self, name) for name in type(self).model_fields}
+
+    def pinned_to(self, artifacts: list[dict[str, Any]]) -> TrainParams:
+        """The same run on exactly these artifacts (an index source, once read)."""
+        return self.model_copy(update={"source": DataSource(artifacts=artifacts)})
 
     def trainer_settings(self) -> dict[str, str]:
         """The trainer's ``--set`` overrides these parameters stand for."""

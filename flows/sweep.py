@@ -56,7 +56,7 @@ from flows.study import (
 from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
 from tasks.names import DNS_LABEL, run_name
-from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset
+from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset, read_dataset_index
 from tasks.platforms import load_platform
 from tasks.pruning import StopVerdict, judged_by
 from tasks.report import data_uri
@@ -138,6 +138,8 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
             judges hopeless: median, successive_halving or hyperband; none trains every trial to its end
     """
     logger = get_run_logger()
+    if params.source.index is not None:  # every trial trains on the same version, read once
+        params = params.pinned_to(read_dataset_index(params.source.index)[0])
     if search == "grid":
         if space:
             raise SweepError("space is searched by search='random' or 'tpe'; a grid sweep takes grid and runs")

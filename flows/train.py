@@ -33,6 +33,7 @@ from tasks.pipeline import (
     prepare_dataset,
     promote_service_level,
     publish_artifacts,
+    read_dataset_index,
     return_volume_home,
     submit_training,
     wait_for_training,
@@ -81,6 +82,10 @@ def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any
     run = run_name(current_run.id, key=run_key)
     platform = load_platform(params.platform)
     logger.info("run %s on platform %s (%s)", run, params.platform, type(platform).__name__)
+    release = None
+    if params.source.index is not None:  # trains on the newest version; lineage says which
+        artifacts, release = read_dataset_index(params.source.index)
+        params = params.pinned_to(artifacts)
 
     volume = ensure_dataset_volume(platform, params.volume)
     need = ThroughputNeed(workers=params.workers, images_per_second_per_worker=params.images_per_second_per_worker,
@@ -88,7 +93,7 @@ def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any
     # Inside the transaction: if anything after the promotion fails, its rollback demotes the volume; a
     # promotion that itself failed (Azure still moving the volume) is returned by the except below.
     try:
-        return _train_on(params, platform, volume, need, run)
+        return _train_on(params, platform, volume, need, run, release)
     except BaseException:
         return_volume_home(platform, volume, "a failed run")
         raise
@@ -110,11 +115,11 @@ def stopped_early(run: str, outcome: TrainingOutcome, dataset: dict[str, Any], s
 
 
 def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: ThroughputNeed,
-              run: str) -> dict[str, Any] | State:
+              run: str, release: dict[str, str] | None) -> dict[str, Any] | State:
     logger = get_run_logger()
     with transaction():
         previous_level = promote_service_level(platform, volume, params.promote, need, run)
-        dataset = prepare_dataset(platform, volume, params.source.to_artifacts())
+        dataset = {**prepare_dataset(platform, volume, params.source.to_artifacts()), "release": release}
         ensure_shared_access(platform, volume)
         spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
                             preset=params.preset, workers=params.workers, settings=params.trainer_settings(),

@@ -44,6 +44,8 @@ def build_lineage(*, run: str, flow_run_id: str, flow_run_name: str, platform: s
         "dataset_version": dataset.get("dataset_version"),
         "dataset_dir": dataset.get("dataset_dir"),
         "artifacts": dataset.get("artifacts"),
+        # Where the artifacts came from when the run's source was a dataset index: index, version, published.
+        "dataset_release": dataset.get("release"),
         "dataset_counts": {k: dataset.get("counts", {}).get(k) for k in ("read", "kept", "quarantined")},
         "code_version": code,
         "parameters": parameters,
@@ -76,6 +78,8 @@ def render_lineage_markdown(lineage: dict) -> str:
         f"| flow run | {lineage.get('flow_run_name')} (`{lineage.get('flow_run_id')}`) |",
         f"| platform / volume | {lineage.get('platform')} / `{lineage.get('volume')}` |",
         f"| dataset version | `{lineage.get('dataset_version')}` |",
+        *([f"| dataset index | {release.get('index')}: version `{release.get('version')}` (published "
+           f"{release.get('published')}) |"] if (release := lineage.get("dataset_release")) else []),
         *(f"| artifact `{a.get('name')}` ({a.get('kind')}) | sha256 `{a.get('sha256')}` |"
           for a in lineage.get("artifacts") or []),
         *([f"| archive sha256 | `{lineage['archive_sha256']}` |"] if lineage.get("archive_sha256") else []),

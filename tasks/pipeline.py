@@ -32,6 +32,7 @@ from prefect.transactions import get_transaction
 from prefect.variables import Variable
 
 from tasks.champion import selection_accuracy
+from tasks.dataset_index import redact, release_for
 from tasks.lineage import render_lineage_markdown
 from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, TrainingOutcome, TrainingSpec, VolumeRef
 from tasks.pruning import judge_of, stop_request_path
@@ -187,6 +188,18 @@ def ensure_dataset_volume(platform: Platform, name: str) -> VolumeRef:
     volume = platform.ensure_volume(name)
     get_run_logger().info("volume %s %s at %s", name, "created" if volume.created else "adopted", volume.location)
     return volume
+
+
+@task(name="read_dataset_index", task_run_name="read-dataset-index", **_TASK)
+def read_dataset_index(index_url: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The newest version a dataset index lists: its artifacts and what lineage records about it.
+
+    Read when the run starts, so a nightly retrain trains on the drop published last; a bad index fails
+    here (not retried), naming the problem, before anything is downloaded."""
+    release, releases = release_for(index_url)
+    get_run_logger().info("dataset index %s lists %d version(s); training on the newest: %s (published %s)",
+                          redact(index_url), len(releases), release.version, release.published.isoformat())
+    return release.source()["artifacts"], release.record(index_url)
 
 
 @task(name="prepare_dataset", task_run_name="prepare-dataset-{volume.name}", **_TASK)

@@ -1,4 +1,5 @@
-"""A real HTTP file server on 127.0.0.1 for download tests: Range support and scripted faults."""
+"""A real HTTP file server on 127.0.0.1 for download tests: Range support and scripted faults; POSTs are
+kept (a webhook receiver for notification tests)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,14 @@ def make_handler(state: FileServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(body[offset : offset + (1 << 16)])
                 if fault and fault.kind == "slow":
                     time.sleep(fault.delay)
+
+        def do_POST(self) -> None:
+            """A webhook receiver: the body is kept in ``requests`` (what a notification block sent), 204."""
+            length = int(self.headers.get("Content-Length") or 0)
+            state.requests.append({"path": self.path.lstrip("/"), "method": "POST", "body": self.rfile.read(length),
+                                   "content_type": self.headers.get("Content-Type")})
+            self.send_response(204)
+            self.end_headers()
 
         def _send_zeros(self, size: int, chunked: bool) -> None:
             self.send_response(200)

@@ -16,7 +16,7 @@ import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from flows.cli import WORK_POOL, apply_deployments, ensure_local_setup
+from flows.cli import WORK_POOL, apply_deployments, deployment_environment, ensure_local_setup
 from tasks.names import run_name, snapshot_name
 from tasks.processes import PREFECT_WORKER_SIGNALS, running
 from tests import leaks
@@ -34,15 +34,23 @@ def deployed(prefect_server: dict, synthetic_artifacts: list[dict], tmp_path_fac
     for prefix, artifact in zip(("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL"), synthetic_artifacts,
                                 strict=True):
         env[f"{prefix}_URL"], env[f"{prefix}_SHA256"] = artifact["url"], artifact["sha256"]
+    # The nightly and the dataset watch read a dataset index: the local one `laneflow serve` writes.
+    env = deployment_environment(tmp_path_factory.mktemp("deploy-home"), env)
     ensure_local_setup()
     apply_deployments(env)
     return env
 
 
-def test_prefect_yaml_creates_the_four_deployments(deployed: dict) -> None:
+def test_prefect_yaml_creates_the_deployments(deployed: dict) -> None:
     with get_client(sync_client=True) as client:
         deployments = {d.name: d for d in client.read_deployments()}
-    assert {"train", "nightly", "sweep", "restore"} <= set(deployments)
+        raw = client._client.get(f"/deployments/{deployments['nightly'].id}").raise_for_status().json()
+    assert {"train", "nightly", "dataset_watch", "sweep", "restore", "predict"} <= set(deployments)
+    # One nightly at a time; the server cancels one that would overlap (collision strategy CANCEL_NEW).
+    assert raw["global_concurrency_limit"]["limit"] == 1, raw
+    assert raw["concurrency_options"]["collision_strategy"] == "CANCEL_NEW", raw
+    assert deployments["nightly"].parameters["source"] == {"index": deployed["LANEFLOW_DATASET_INDEX"]}
+    assert [s.schedule.interval.total_seconds() for s in deployments["dataset_watch"].schedules] == [900]
     assert all(d.work_pool_name == WORK_POOL for d in deployments.values())
     nightly = deployments["nightly"].schedules
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly] == [("0 2 * * *", "Europe/Berlin",
@@ -269,3 +277,140 @@ def test_ctrl_c_stops_laneflow_serve_cleanly_and_leaves_the_server_running(deplo
                                                f"127.0.0.1:{port} (`make stop-server` stops it)")
     assert not [p for p in leaks.marked_processes(SESSION_MARKER) if p.pid in {w.pid for w in workers}]
     assert is_healthy(deployed["PREFECT_API_URL"])
+
+
+# --- Operating the nightly retrain: new data starts it, overlaps are refused, failures are announced -----------
+
+def nightly_runs(client) -> list:
+    """The nightly deployment's flow runs made by the API or a trigger (the cron's own runs excluded)."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    deployment = client.read_deployment_by_name("nightly_retrain/nightly")
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+    return [run for run in runs if not run.auto_scheduled]
+
+
+def wait_until(what: str, check, timeout_s: float = 300, every_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(every_s)
+    return found
+
+
+def publish(index: Path, version: str, published: str, artifacts: list[dict]) -> None:
+    """The data team's side: one more version in the index file."""
+    document = json.loads(index.read_text())
+    document["datasets"].append({"version": version, "published": published, "artifacts": artifacts})
+    index.write_text(json.dumps(document))
+
+
+def test_a_new_dataset_version_starts_one_nightly_on_its_artifacts_and_an_overlapping_nightly_never_trains(
+        deployed: dict, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+    from flows.dataset_watch import dataset_watch
+
+    index = Path(deployed["LANEFLOW_DATASET_INDEX"].removeprefix("file://"))
+    with get_client(sync_client=True) as client:
+        before = {run.id for run in nightly_runs(client)}
+    # The first look (or a scheduled one before it) takes the baseline: nothing is announced, nothing runs.
+    assert dataset_watch(index=deployed["LANEFLOW_DATASET_INDEX"])["announced"] is None
+    # A new drop: one archive with the labels inside (the one-archive form of a dataset).
+    archive, sha256 = synthetic_archive
+    drop = [{"url": archive.as_uri(), "sha256": sha256, "kind": "archive"}]
+    publish(index, "2030-01-01", "2030-01-01T00:00:00Z", drop)
+    assert dataset_watch(index=deployed["LANEFLOW_DATASET_INDEX"])["new_versions"] == ["2030-01-01"]
+    with get_client(sync_client=True) as client:
+        started = wait_until("a nightly run started by the dataset event", lambda: [
+            run for run in nightly_runs(client) if run.id not in before], timeout_s=120)
+    # A burst: another drop right after starts no second retrain (the trigger is debounced).
+    publish(index, "2030-01-02", "2030-01-02T00:00:00Z", drop)
+    assert dataset_watch(index=deployed["LANEFLOW_DATASET_INDEX"])["new_versions"] == ["2030-01-02"]
+    assert len(started) == 1 and started[0].parameters["source"] == {"artifacts": drop}, started
+    retrain = started[0]
+    log = tmp_path / "worker.log"
+    with log.open("wb") as sink, running_worker(deployed, sink) as worker, get_client(sync_client=True) as client:
+        wait_until("the retrain running", lambda: client.read_flow_run(retrain.id).state.is_running() or
+                   (worker.poll() is not None and pytest.fail(log.read_text()[-3000:])), timeout_s=300)
+        # While it runs, tonight's scheduled retrain comes due (created by hand here): the server cancels it.
+        deployment = client.read_deployment_by_name("nightly_retrain/nightly")
+        overlapping = client.create_flow_run_from_deployment(deployment.id)
+        refused = wait_until("the overlapping run handled", lambda: (
+            state if (state := client.read_flow_run(overlapping.id).state).is_final() else None), timeout_s=180)
+        final = wait_until("the retrain finished", lambda: (
+            state if (state := client.read_flow_run(retrain.id).state).is_final() else None), timeout_s=600)
+        assert final.is_completed(), f"{final.name}: {final.message}\n{log.read_text()[-3000:]}"
+        assert refused.is_cancelled() and "concurrency limit" in (refused.message or ""), refused
+        assert client.read_flow_run(overlapping.id).run_count == 0  # never ran (and the volume has no run of it)
+        assert len([run for run in nightly_runs(client) if run.id not in before]) == 2  # the retrain + refused one
+    runs = Path(deployed["LANEFLOW_HOME"]) / "volumes" / "nightly" / "runs"
+    trained = list(runs.iterdir())  # one training: the retrain's (the refused run has none)
+    assert len(trained) == 1, trained
+    snapshot = Path(deployed["LANEFLOW_HOME"]) / "snapshots" / snapshot_name("nightly", trained[0].name)
+    lineage = json.loads((snapshot / "lineage.json").read_text())
+    assert [artifact["sha256"] for artifact in lineage["artifacts"]] == [sha256]
+    assert lineage["parameters"]["source_artifacts"][0]["sha256"] == sha256
+
+
+def test_a_bad_index_fails_the_watch_naming_the_problem_and_starts_nothing(deployed: dict, tmp_path: Path) -> None:
+    from flows.dataset_watch import dataset_watch
+
+    index = tmp_path / "index.json"
+    good = {"version": "v1", "published": "2030-01-01T00:00:00Z",
+            "artifacts": [{"url": "https://data.example.com/v1/train_set.zip", "sha256": "a" * 64}]}
+    index.write_text(json.dumps({"datasets": [good]}))
+    assert dataset_watch(index=index.as_uri())["announced"] is None  # the baseline
+    with get_client(sync_client=True) as client:
+        before = {run.id for run in nightly_runs(client)}
+    for entry, named in [
+        ({**good, "version": "v2", "artifacts": [{"url": "https://data.example.com/v2/train_set.zip"}]},
+         "datasets[1] (v2).artifacts[0].sha256: missing"),
+        ({**good, "version": "v2", "artifacts": [{"url": "http://data.example.com/v2.zip", "sha256": "b" * 64}]},
+         "'http://data.example.com/v2.zip' must be https://"),
+    ]:
+        index.write_text(json.dumps({"datasets": [good, {**entry, "published": "2030-02-01T00:00:00Z"}]}))
+        state = dataset_watch(index=index.as_uri(), return_state=True)
+        assert state.is_failed() and named in str(state.result(raise_on_failure=False)), state
+    index.write_text('{"datasets": [')
+    state = dataset_watch(index=index.as_uri(), return_state=True)
+    assert state.is_failed() and "not JSON" in str(state.result(raise_on_failure=False))
+    time.sleep(5)  # what a trigger would have had to start a run in
+    with get_client(sync_client=True) as client:
+        assert {run.id for run in nightly_runs(client)} == before
+
+
+def test_alerts_apply_once_each_and_a_failed_nightly_reaches_the_webhook_through_the_servers_automation(
+        deployed: dict, tmp_path: Path) -> None:
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    from flows.alerts import PREFIX, AlertSettings, apply_alerts
+    from tests.http_server import RunningServer
+
+    with RunningServer() as receiver:
+        CustomWebhookNotificationBlock(name="laneflow-test-alerts", url=receiver.url("alerts"), method="POST",
+                                       json_data={"subject": "{{subject}}", "body": "{{body}}"}).save(
+            "laneflow-test-alerts", overwrite=True)
+        settings = AlertSettings(block="custom-webhook/laneflow-test-alerts", running_hours=6)
+        assert apply_alerts(settings) == apply_alerts(settings)  # twice: updated in place, not added again
+        with get_client(sync_client=True) as client:
+            ours = [a for a in client.read_automations() if a.name.startswith(PREFIX)]
+            assert sorted(a.name for a in ours) == sorted(apply_alerts(settings))
+            assert len(ours) == 4, [a.name for a in ours]
+            # The nightly's own trigger (prefect.yaml) is left alone: one, as deployed.
+            assert len(client.read_automations_by_name("laneflow: retrain on a new dataset version")) == 1
+            # A nightly whose dataset index is not there fails at its first stage.
+            deployment = client.read_deployment_by_name("nightly_retrain/nightly")
+            missing = (tmp_path / "no-such-index.json").as_uri()
+            failing = client.create_flow_run_from_deployment(deployment.id, parameters={"source": {"index": missing}})
+        log = tmp_path / "worker.log"
+        with log.open("wb") as sink, running_worker(deployed, sink), get_client(sync_client=True) as client:
+            final = wait_until("the failing nightly finished", lambda: (
+                state if (state := client.read_flow_run(failing.id).state).is_final() else None), timeout_s=300)
+            assert final.is_failed(), f"{final.name}: {log.read_text()[-3000:]}"
+            posted = wait_until("the notification", lambda: [r for r in receiver.requests if r.get("method") == "POST"],
+                                timeout_s=120)
+    message = json.loads(posted[0]["body"])
+    assert message["subject"] == "laneflow: nightly retrain Failed", message
+    with get_client(sync_client=True) as client:
+        flow_run_name = client.read_flow_run(failing.id).name
+    assert flow_run_name in message["body"] and "no such file" in message["body"], message
+    assert f"/runs/flow-run/{failing.id}" in message["body"], message
