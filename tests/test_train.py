@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.dataset import DataError, LaneDataset, poly_lr, read_list
 from training.evaluate import lanes_from_probabilities
-from training.train import EXIT_PREEMPTED, STOP_REQUEST, parse_overrides, read_stop_request
+from training.train import EXIT_PREEMPTED, STOP_REQUEST, TensorBoardLog, parse_overrides, read_stop_request
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -57,6 +58,47 @@ def events(stdout: str) -> list[dict]:
 
 def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return run_to_end(cmd, timeout, env=env(), cwd=REPO)
+
+
+def curves_in_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
+    """What TensorBoard must show, from metrics.jsonl: per tag, step -> value. An attempt's ``start`` drops
+    the points earlier attempts wrote after the step it resumes from (it writes them again)."""
+    curves: dict[str, dict[int, float]] = {}
+    last_step = 0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        kind = record["event"]
+        if kind == "start":
+            curves = {tag: {s: v for s, v in points.items() if s <= record["step"]} for tag, points in curves.items()}
+        elif kind == "step":
+            last_step = record["step"]
+            for tag, key in ("train/loss", "loss"), ("train/lr", "lr"), ("train/images_per_second", "img_per_s"):
+                curves.setdefault(tag, {})[record["step"]] = record[key]
+        if kind in ("val", "eval"):  # the final eval carries no step: it scores the last one
+            split, at = record.get("split", "val"), record.get("step", last_step)
+            for key in "accuracy", "untimed_accuracy", "fp", "fn":
+                curves.setdefault(f"{split}/{key}", {})[at] = record[key]
+    return curves
+
+
+def curves_in_tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Per tag, the (step, value) points TensorBoard's own reader shows for the run."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0})
+    accumulator.Reload()
+    return {tag: [(s.step, s.value) for s in accumulator.Scalars(tag)] for tag in accumulator.Tags()[SCALARS]}
+
+
+def assert_tensorboard_shows_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    expected, shown = curves_in_metrics(run_dir), curves_in_tensorboard(run_dir)
+    assert set(shown) == set(expected)
+    for tag, points in shown.items():
+        steps = [step for step, _ in points]
+        assert steps == sorted(set(steps)), f"{tag}: each step once, in order: {steps}"
+        assert steps == sorted(expected[tag]), tag
+        assert [value for _, value in points] == pytest.approx([expected[tag][s] for s in steps], rel=1e-6), tag
+    return shown
 
 
 def test_the_orchestrator_writes_the_stop_request_where_the_trainer_reads_it() -> None:
@@ -100,6 +142,10 @@ def test_plain_run_writes_checkpoints_metrics_model_and_eval(prepared: Path, tmp
     evaluation = json.loads((run_dir / "eval.json").read_text())
     assert evaluation["split"] == "val" and evaluation["images"] == 4
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == len(events(done.stdout)) - 1  # no "done"
+    shown = assert_tensorboard_shows_metrics(run_dir)
+    assert {"train/loss", "train/lr", "train/images_per_second", "val/accuracy", "val/untimed_accuracy"} <= set(shown)
+    assert [step for step, _ in shown["val/accuracy"]] == [8, 16]  # the periodic val, then the final eval
+    assert [step for step, _ in shown["train/loss"]] == list(range(1, 17))
 
 
 def test_horovodrun_two_ranks_end_identical_and_only_rank0_writes(prepared: Path, tmp_path: Path):
@@ -119,6 +165,8 @@ def test_horovodrun_two_ranks_end_identical_and_only_rank0_writes(prepared: Path
     start = metrics[0]
     assert start["world_size"] == 2 and start["total_steps"] == 4  # 16 images / 2 ranks / batch 2
     assert [m["step"] for m in metrics if m["event"] == "checkpoint"] == [2, 4]
+    assert len(list(run_dir.rglob("events.out.tfevents.*"))) == 1  # rank 0's writer alone
+    assert [step for step, _ in assert_tensorboard_shows_metrics(run_dir)["train/loss"]] == [1, 2, 3, 4]
 
 
 def wait_for(path_glob: Path, pattern: str, timeout: float = 240) -> None:
@@ -130,17 +178,41 @@ def wait_for(path_glob: Path, pattern: str, timeout: float = 240) -> None:
     raise AssertionError(f"nothing matching {pattern} appeared in {path_glob}")
 
 
+def wait_for_a_step_after_a_checkpoint(metrics: Path, timeout: float = 240) -> None:
+    """Until the newest line of metrics.jsonl is a step after a checkpoint: a kill then loses that step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = []
+        for line in metrics.read_text().splitlines() if metrics.exists() else []:
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # the newest line, half-written
+                break
+        saved = [r["step"] for r in records if r["event"] == "checkpoint"]
+        if saved and records[-1]["event"] == "step" and records[-1]["step"] > saved[-1]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step after a checkpoint appeared in {metrics}")
+
+
 def test_killed_run_resumes_from_its_checkpoint_not_from_zero(prepared: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     cmd = train_cmd(prepared, run_dir, "--set", "epochs=3", "--set", "checkpoint_every=2")
     with running(cmd, stop_signals=(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO):
-        wait_for(run_dir / "checkpoints", "step-*.pt")  # then killed at once (no stop signal: SIGKILL)
+        wait_for_a_step_after_a_checkpoint(run_dir / "metrics.jsonl")  # then killed at once (SIGKILL)
     saved = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    killed = {step for step, _ in curves_in_tensorboard(run_dir)["train/loss"]}
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-3000:]
     start = events(done.stdout)[0]
     assert start["resumed"] is True and start["step"] == saved >= 2
     assert events(done.stdout)[1]["step"] == saved + 1
+    # Both attempts wrote to one folder; TensorBoard shows each step once, the killed attempt's steps after
+    # the checkpoint (there usually are some: see the wait above) purged and written again.
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    assert set(range(1, saved + 1)) <= killed
+    shown = assert_tensorboard_shows_metrics(run_dir)
+    assert [step for step, _ in shown["train/loss"]] == list(range(1, 25))
 
 
 def test_sigterm_checkpoints_and_exits_preempted(prepared: Path, tmp_path: Path):
@@ -192,6 +264,23 @@ def test_missing_data_root_and_empty_split_are_clear_errors(tmp_path: Path):
         (empty / "seg_label" / "list").mkdir(parents=True)
         (empty / "seg_label" / "list" / "train_gt.txt").write_text("")
         read_list(empty, "train")
+
+
+def test_tensorboard_files_that_cannot_be_written_never_stop_training(tmp_path: Path, caplog):
+    (tmp_path / "run").write_text("not a folder")  # the writer cannot make its folder here
+    with caplog.at_level(logging.WARNING, "laneflow.train"), TensorBoardLog.open(tmp_path / "run" / "tb", 0) as board:
+        board.write("step", {"step": 1, "loss": 1.0, "lr": 0.1, "img_per_s": 3.0}, 1)
+    assert caplog.text.count("not writing TensorBoard files") == 1
+
+    class Broken:
+        def add_scalar(self, *_args: object) -> None:
+            raise OSError("No space left on device")
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "laneflow.train"), TensorBoardLog(Broken(), tmp_path) as board:
+        for step in (1, 2):  # the first failure is reported once, then the writer is left alone
+            board.write("step", {"step": step, "loss": 1.0, "lr": 0.1, "img_per_s": 3.0}, step)
+    assert caplog.text.count("stopped writing TensorBoard files") == 1 and "No space left" in caplog.text
 
 
 def test_overrides_are_typed_and_checked():

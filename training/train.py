@@ -8,7 +8,8 @@ directory (``stop-request.json``, written by the orchestrator: a sweep's pruner)
 and end with exit 0 and a ``stopped`` event instead: finished early on purpose, not to be resumed. With
 ``eval_every`` rank 0 scores the val split every that many steps (``val`` events). Rank 0 prints one JSON
 object per line on stdout for the orchestrator (``step``, ``epoch``, ``checkpoint``, ``val``, ``eval``,
-``preempted``, ``stopped``, ``done``); readable logs go to stderr.
+``preempted``, ``stopped``, ``done``); readable logs go to stderr. Rank 0 also writes the run's curves as
+TensorBoard scalars under ``<run-dir>/tensorboard/`` (``TensorBoardLog``).
 
     python -m training.train --data-root DIR --run-dir DIR --preset cpu-demo --set epochs=3 --set lr=0.05
 """
@@ -16,6 +17,7 @@ object per line on stdout for the orchestrator (``step``, ``epoch``, ``checkpoin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -203,6 +205,87 @@ def emit(event: str, **payload: object) -> None:
     print(json.dumps({"event": event, **payload}), flush=True)
 
 
+# --- TensorBoard ---------------------------------------------------------------------------------
+
+#: Where in the run directory rank 0 writes TensorBoard event files.
+TENSORBOARD_DIR = "tensorboard"
+#: TensorBoard tag -> the field of a ``step`` event it plots.
+TRAIN_SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/images_per_second": "img_per_s"}
+#: ``<split>/`` + suffix -> the field of a ``val`` or ``eval`` event it plots.
+SCORE_SCALARS = {"accuracy": "accuracy", "untimed_accuracy": "untimed_accuracy", "fp": "fp", "fn": "fn"}
+
+
+def tensorboard_scalars(event: str, payload: dict, step: int) -> list[tuple[str, float, int]]:
+    """The TensorBoard scalars ``(tag, value, global step)`` of one metrics.jsonl record: the same numbers.
+
+    ``step`` events give ``train/loss``, ``train/lr`` and ``train/images_per_second`` (``img_per_s``);
+    ``val`` events (every ``eval_every`` steps) give ``val/accuracy``, ``val/untimed_accuracy``, ``val/fp`` and
+    ``val/fn``; the final ``eval`` event gives the same four under its split's name (``val/...`` by default,
+    ``eval_split``), at the run's last step (``step``: the record carries none). Other events give none.
+    """
+    if event == "step":
+        wanted = TRAIN_SCALARS
+    elif event in ("val", "eval"):
+        wanted = {f"{payload.get('split', 'val')}/{suffix}": key for suffix, key in SCORE_SCALARS.items()}
+    else:
+        return []
+    at = int(payload.get("step", step))
+    return [(tag, float(payload[key]), at) for tag, key in wanted.items() if key in payload]
+
+
+class TensorBoardLog:
+    """Rank 0's TensorBoard writer (``torch.utils.tensorboard.SummaryWriter``); a no-op on other ranks.
+
+    Writing it never fails training: if the writer cannot be made (tensorboard missing, folder not
+    writable) or a write fails, one warning is logged and the run goes on without it. Opened with
+    ``purge_step`` = the step the run starts from + 1, so the points a killed attempt wrote after the
+    checkpoint this attempt resumes from are hidden (TensorBoard shows each step once). Flushed at each
+    record (log interval, checkpoint, val), closed when ``train`` ends on any path.
+    """
+
+    def __init__(self, writer: object | None = None, where: Path | None = None) -> None:
+        self._writer, self._where = writer, where
+
+    @classmethod
+    def open(cls, log_dir: Path, start_step: int) -> TensorBoardLog:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            return cls(SummaryWriter(str(log_dir), purge_step=start_step + 1), log_dir)
+        except Exception as exc:  # curves are a convenience, never a reason to stop
+            log.warning("not writing TensorBoard files to %s (%s); training goes on without them", log_dir, exc)
+            return cls()
+
+    def write(self, event: str, payload: dict, step: int) -> None:
+        if self._writer is None:
+            return
+        try:
+            for tag, value, at in tensorboard_scalars(event, payload, step):
+                self._writer.add_scalar(tag, value, at)
+            self._writer.flush()
+        except Exception as exc:
+            self._give_up(exc)
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        try:
+            self._writer.close()
+        except Exception as exc:
+            self._give_up(exc)
+        self._writer = None
+
+    def _give_up(self, exc: Exception) -> None:
+        log.warning("stopped writing TensorBoard files to %s (%s); training goes on without them", self._where, exc)
+        self._writer = None
+
+    def __enter__(self) -> TensorBoardLog:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -296,6 +379,14 @@ def train_step(model: torch.nn.Module, images: torch.Tensor, masks: torch.Tensor
 
 
 def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | None = None) -> int:
+    """Train (or resume) the run in ``run_dir``; what it opens (the TensorBoard writer) is closed on every
+    way out: the end, a stop request, SIGTERM, an error such as divergence."""
+    with contextlib.ExitStack() as closing:
+        return _train(config, data_root, run_dir, weights, closing)
+
+
+def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | None,
+           closing: contextlib.ExitStack) -> int:
     dist = Distributed(config.cycle_time_ms)
     is_main = dist.rank == 0
     torch.manual_seed(config.seed)
@@ -351,12 +442,15 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({"train": asdict(config), "model": asdict(model_cfg),
                                                           "world_size": dist.size}, indent=2))
+    board = closing.enter_context(TensorBoardLog.open(run_dir / TENSORBOARD_DIR, step) if is_main
+                                  else TensorBoardLog())
 
     def record(event: str, **payload: object) -> None:
         if is_main:
             emit(event, **payload)
             with metrics_file.open("a") as handle:
                 handle.write(json.dumps({"event": event, **payload}) + "\n")
+            board.write(event, payload, step)
 
     def checkpoint() -> None:
         dist.average_buffers(model)  # a collective: every rank calls checkpoint() at the same steps
