@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from training.data.sources import redact_url as redact
+
 VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
 KINDS = ("archive", "file")
@@ -58,13 +60,6 @@ class DatasetRelease:
     def record(self, index_url: str) -> dict[str, str]:
         """What lineage remembers about where the run's data came from."""
         return {"index": redact(index_url), "version": self.version, "published": self.published.isoformat()}
-
-
-def redact(url: str) -> str:
-    """The URL without query string or credentials (signed URLs carry secrets there)."""
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((parts.scheme, parts.hostname or "", parts.path, "", "")) \
-        if parts.scheme != "file" else url
 
 
 def check_index_url(url: str) -> str:
