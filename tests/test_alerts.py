@@ -20,7 +20,7 @@ def test_each_alert_watches_the_nightlys_runs_for_its_own_condition() -> None:
     for name in ("nightly failed", "nightly running too long", "nightly not started"):
         trigger = automations[name].trigger
         # Only runs of the nightly deployment (the server relates each flow-run event to its deployment).
-        assert trigger.match_related == {"prefect.resource.id": f"prefect.deployment.{nightly}",
+        assert trigger.match_related.model_dump() == {"prefect.resource.id": f"prefect.deployment.{nightly}",
                                          "prefect.resource.role": "deployment"}
         assert all(str(action.block_document_id) == BLOCK for action in automations[name].actions)
     failed = automations["nightly failed"].trigger
