@@ -116,6 +116,12 @@ def champion_command(volume: str, platform_name: str) -> int:
           f"200 ms rule, {metrics.get('accuracy', float('nan')):.4f} official ({metrics.get('split')}, "
           f"{metrics.get('images')} images)")
     print(f"package     : {package}")
+    tracked = record.get("mlflow") or {}
+    if tracked.get("model_url"):
+        print(f"mlflow      : {tracked['model_url']} ({tracked['model']} version {tracked['version']}, alias "
+              f"{tracked['alias']}; run {tracked.get('run_url') or tracked.get('run_id')})")
+    elif tracked.get("run_url") or tracked.get("run_id"):
+        print(f"mlflow      : run {tracked.get('run_url') or tracked['run_id']} (not in the model registry)")
     print()
     try:
         print(lineage_text(record.get("snapshot") or record["run"], platform_name), end="")

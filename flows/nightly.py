@@ -3,6 +3,10 @@
 The champion is a Prefect variable (``laneflow-champion-<volume>``), visible in the UI. When the data
 changed since the champion was crowned, the champion is re-scored on the challenger's test images
 first, so both accuracies describe the same images.
+
+With MLflow tracking on (``tasks.tracking``), a promoted challenger's MLflow run also becomes a version of
+registered model ``laneflow-<volume>`` carrying the alias ``champion``; the champion record keeps its link.
+A registry that fails costs a warning, never the promotion.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from flows.train import train_pipeline
 from tasks.champion import champion_record, champion_variable, decide_champion, selection_accuracy
 from tasks.pipeline import evaluate
 from tasks.platforms import VolumeRef, load_platform
+from tasks.tracking import register_champion_in_mlflow
 
 
 @flow(name="nightly_retrain")
@@ -52,8 +57,11 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
                                 challenger["data_dir"], challenger["metrics"]["split"])
             champion_accuracy = selection_accuracy(rescored)
     decision = decide_champion(champion_accuracy, selection_accuracy(challenger["metrics"]), min_improvement)
+    registered = None
     if decision.promote:
-        Variable.set(name, champion_record(challenger), overwrite=True)
+        if challenger.get("mlflow"):  # tracked: its MLflow run becomes the registered model's champion too
+            registered = register_champion_in_mlflow(challenger["mlflow"], params.volume, challenger["run"])
+        Variable.set(name, champion_record(challenger, registered), overwrite=True)
     event = "laneflow.champion.promoted" if decision.promote else "laneflow.champion.kept"
     winner = challenger["run"] if decision.promote else champion["run"]
     emit_event(event, resource={"prefect.resource.id": f"laneflow.champion.{params.volume}",
@@ -70,8 +78,11 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
                  f"| | |\n|---|---|\n| challenger | `{challenger['run']}` ({decision.challenger_accuracy:.4f}) |\n"
                  f"| previous champion | {previous} |\n| decision | {'promoted' if decision.promote else 'kept'}: "
                  f"{decision.reason} |\n| snapshot | `{challenger['snapshot']}` |\n"
-                 f"| package | `{(challenger if decision.promote else champion).get('package')}` |\n\n"
+                 f"| package | `{(challenger if decision.promote else champion).get('package')}` |\n"
+                 + (f"| MLflow | [{registered['model']} version {registered['version']}]({registered['url']}) "
+                    f"(alias `{registered['alias']}`) |\n" if registered and registered.get("url") else "") + "\n"
                  "Accuracies are TuSimple accuracy without the benchmark's 200 ms run-time rule, so the decision "
                  "does not depend on how busy the evaluating machine was.\n")
     logger.info("champion %s: %s", "promoted" if decision.promote else "kept", decision.reason)
-    return {"champion": winner, "promoted": decision.promote, "reason": decision.reason, "challenger": challenger}
+    return {"champion": winner, "promoted": decision.promote, "reason": decision.reason, "challenger": challenger,
+            "mlflow": registered}

@@ -154,8 +154,11 @@ def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: Throu
     emit_event("laneflow.training.finished", resource={"prefect.resource.id": f"laneflow.run.{run}",
                                                        "prefect.resource.name": run},
                payload={"metrics": evaluation, "dataset_version": dataset["dataset_version"], "snapshot": snapshot})
+    from tasks.tracking import track_in_mlflow  # after the transaction: tracking never holds the volume's level
+
+    tracked = track_in_mlflow(platform, volume, spec.run_dir, lineage)  # None when off or failed (one warning)
     return {"run": run, "flow_run_id": str(current_run.id), "volume": volume.name, "snapshot": snapshot,
             "dataset_version": dataset["dataset_version"], "metrics": evaluation, "steps": outcome.steps,
             "resumed_from": outcome.resumed_from, "data_dir": spec.data_dir, "run_dir": spec.run_dir,
             "dataset_steps": dataset["steps"], "package": package["package"] if package else None,
-            "platform": params.platform}
+            "platform": params.platform, "mlflow": tracked}

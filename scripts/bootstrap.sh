@@ -61,7 +61,26 @@ echo "bootstrap: installing horovod"
 scripts/install_horovod.sh "$VENV/bin/python"
 
 echo "bootstrap: installing laneflow and its dependencies"
-quiet_pip install -q -c scripts/constraints.txt -e '.[dev]' || die "could not install laneflow's dependencies"
+quiet_pip install -q -c scripts/constraints.txt -e '.[dev,mlflow]' || die "could not install laneflow's dependencies"
+
+# Test tool: the MLflow tracking server (the full `mlflow` package) in a virtualenv of its own. Its pins
+# (SQLAlchemy, Flask, alembic) disagree with Prefect's server, so laneflow's environment holds only the
+# client (mlflow-skinny, the [mlflow] extra); tests/mlflow_server.py starts this one. Pinned here only; the
+# client's version is in scripts/constraints.txt. Without it the MLflow server tests skip, saying why.
+MLFLOW_SERVER_VERSION=3.17.2
+MLFLOW_SERVER_VENV="$VENV/mlflow-server"
+mlflow_server_version() {
+    [ -x "$MLFLOW_SERVER_VENV/bin/mlflow" ] &&
+        "$MLFLOW_SERVER_VENV/bin/python" -c 'from importlib.metadata import version; print(version("mlflow"))' 2>/dev/null
+}
+if [ "$(mlflow_server_version || true)" != "$MLFLOW_SERVER_VERSION" ]; then
+    echo "bootstrap: installing the MLflow server $MLFLOW_SERVER_VERSION in $MLFLOW_SERVER_VENV (for the MLflow tests)"
+    if ! { [ -x "$MLFLOW_SERVER_VENV/bin/python" ] || "$VENV/bin/python" -m venv "$MLFLOW_SERVER_VENV"; } ||
+            ! "$MLFLOW_SERVER_VENV/bin/python" -m pip install -q "mlflow==$MLFLOW_SERVER_VERSION" \
+                2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2); then
+        echo "bootstrap: warning: could not install the MLflow server in $MLFLOW_SERVER_VENV; the MLflow server tests will skip" >&2
+    fi
+fi
 
 # Test tool from Debian: headless Chromium (the Prefect UI test). Installed when we may (root + apt);
 # otherwise that test skips and says why. (kubectl, for the kustomize tests, comes from PyPI with .[dev].)

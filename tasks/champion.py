@@ -46,7 +46,14 @@ def decide_champion(champion_accuracy: float | None, challenger_accuracy: float,
                     champion_accuracy, challenger_accuracy)
 
 
-def champion_record(result: dict[str, Any]) -> dict[str, Any]:
-    """What is remembered about a champion: enough to find, re-score and restore it."""
-    return {key: result.get(key) for key in ("run", "flow_run_id", "volume", "snapshot", "dataset_version",
-                                             "metrics", "data_dir", "run_dir", "package", "platform")}
+def champion_record(result: dict[str, Any], registered: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What is remembered about a champion: enough to find, re-score and restore it, and where MLflow has it
+    (its run, and the registered model version ``registered`` when the registry took it), None when untracked."""
+    record = {key: result.get(key) for key in ("run", "flow_run_id", "volume", "snapshot", "dataset_version",
+                                               "metrics", "data_dir", "run_dir", "package", "platform")}
+    tracked = result.get("mlflow")
+    record["mlflow"] = None if not tracked else {
+        "tracking_uri": tracked.get("tracking_uri"), "run_id": tracked.get("run_id"), "run_url": tracked.get("url"),
+        **{key: (registered or {}).get(key) for key in ("model", "version", "alias")},
+        "model_url": (registered or {}).get("url")}
+    return record

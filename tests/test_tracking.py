@@ -1,0 +1,266 @@
+"""MLflow tracking and registry (tasks.tracking): the pure helpers, a nightly run tracked on a real MLflow
+server and registered as champion, and a tracking server that is down costing one warning, never the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+
+from tasks import tracking
+from tasks.tracking import (
+    HTTP_DEFAULTS,
+    TRACKING_URI_ENV,
+    TRACKING_URI_VARIABLE,
+    evaluation_metrics,
+    flatten_params,
+    model_version_url,
+    registered_model_name,
+    run_tags,
+    run_url,
+    step_metrics,
+    training_metrics,
+)
+from tests.mlflow_server import MlflowServer, mlflow_server, server_missing
+from tests.test_pipeline import params_for, task_runs
+
+# --- pure helpers ----------------------------------------------------------------------------------------
+
+
+def test_parameters_flatten_to_mlflow_strings_as_the_lineage_reads_them() -> None:
+    parameters = {"lr": 0.05, "epochs": 3, "snapshot": True, "weights": None, "preset": "cpu-demo",
+                  "grid": [1, 2], "nested": {"a": {"b": 1}}, "empty": {},
+                  "source_artifacts": [{"url": "file:///a/train_set.zip", "sha256": "ab", "kind": "archive"},
+                                       {"url": "https://m/test_label.json", "sha256": "cd", "kind": "file"}]}
+    assert flatten_params(parameters) == {
+        "lr": "0.05", "epochs": "3", "snapshot": "true", "weights": "null", "preset": "cpu-demo", "grid": "[1, 2]",
+        "nested.a.b": "1", "empty": "{}",
+        "source_artifacts.0.url": "file:///a/train_set.zip", "source_artifacts.0.sha256": "ab",
+        "source_artifacts.0.kind": "archive", "source_artifacts.1.url": "https://m/test_label.json",
+        "source_artifacts.1.sha256": "cd", "source_artifacts.1.kind": "file"}
+    # MLflow's limits: keys of its alphabet and at most 250 characters, values at most 6000.
+    odd = flatten_params({"what?*": "x" * 7000, "k" * 300: 1})
+    assert odd["what__"] == "x" * 6000 and "k" * 250 in odd
+
+
+def test_step_metrics_follow_the_events_at_their_steps_and_a_resumed_step_counts_once() -> None:
+    events = [
+        {"event": "start", "step": 0, "total_steps": 20},
+        {"event": "step", "step": 10, "loss": 2.0, "lr": 0.1, "img_per_s": 5.0, "input_stall": 0.25},
+        {"event": "val", "step": 10, "accuracy": 0.1, "untimed_accuracy": 0.2, "fp": 0.3, "fn": 0.4},
+        {"event": "checkpoint", "step": 10, "path": "x"},
+        {"event": "start", "step": 10, "total_steps": 20, "resumed": True},  # a resumed attempt logs 20 again
+        {"event": "step", "step": 20, "loss": 9.0, "lr": 0.05, "img_per_s": 4.0, "input_stall": 0.5},
+        {"event": "step", "step": 20, "loss": 1.0, "lr": 0.05, "img_per_s": 6.0, "input_stall": 0.0},
+        {"event": "val", "step": 20, "accuracy": 0.5, "untimed_accuracy": 0.6, "fp": 0.1, "fn": 0.2},
+        {"event": "eval", "split": "val", "accuracy": 0.5},  # the trainer's own: the evaluate stage's is logged
+    ]
+    points = step_metrics(events)
+    assert [p for p in points if p[0] == "train/loss"] == [("train/loss", 2.0, 10), ("train/loss", 1.0, 20)]
+    assert [p for p in points if p[0] == "train/images_per_second"] == [("train/images_per_second", 5.0, 10),
+                                                                        ("train/images_per_second", 6.0, 20)]
+    assert ("train/input_stall", 0.25, 10) in points and ("train/lr", 0.05, 20) in points
+    assert [p for p in points if p[0] == "val/untimed_accuracy"] == [("val/untimed_accuracy", 0.2, 10),
+                                                                     ("val/untimed_accuracy", 0.6, 20)]
+    assert {name for name, _, _ in points} == {"train/loss", "train/lr", "train/images_per_second",
+                                               "train/input_stall", "val/accuracy", "val/untimed_accuracy",
+                                               "val/fp", "val/fn"}
+
+
+def test_metric_names_are_tensorboards() -> None:
+    from training.train import SCORE_SCALARS, TRAIN_SCALARS
+
+    assert TRAIN_SCALARS.items() <= tracking.STEP_METRICS.items()
+    assert tracking.SCORE_METRICS == SCORE_SCALARS
+
+
+def test_evaluation_and_training_metrics_sit_at_the_last_step_under_the_split() -> None:
+    evaluation = {"split": "test", "accuracy": 0.5, "untimed_accuracy": 0.75, "fp": 0.1, "fn": 0.2, "images": 3,
+                  "over_time_limit": 0, "flag": True, "note": "x"}
+    assert evaluation_metrics(evaluation, 20) == [
+        ("test/accuracy", 0.5, 20), ("test/untimed_accuracy", 0.75, 20), ("test/fp", 0.1, 20), ("test/fn", 0.2, 20),
+        ("test/images", 3.0, 20), ("test/over_time_limit", 0.0, 20)]
+    assert training_metrics({"steps": 20, "duration_s": 12.5, "resumed_from": 0, "trainer_eval": {}}) == [
+        ("training/duration_s", 12.5, 20), ("training/resumed_from", 0.0, 20)]
+
+
+def test_tags_and_links_find_the_run_from_laneflow_prefect_and_mlflow() -> None:
+    lineage = {"run": "train-abc", "flow_run_id": "f1", "flow_run_name": "brave-fox", "volume": "v",
+               "platform": "local", "dataset_version": "d1", "code_version": "git:1", "snapshot": None,
+               "package": "runs/train-abc/package", "metrics": {"accuracy": 0.5}, "parameters": {"lr": 0.1}}
+    tags = run_tags(lineage, "http://127.0.0.1:4200/")
+    assert tags["laneflow.run"] == "train-abc" and tags["prefect.flow_run_id"] == "f1"
+    assert tags["laneflow.dataset_version"] == "d1" and "laneflow.snapshot" not in tags
+    assert tags["laneflow.package"] == "runs/train-abc/package on volume v"
+    assert tags["prefect.flow_run_url"] == "http://127.0.0.1:4200/runs/flow-run/f1"
+    assert tags["mlflow.note.content"].startswith("# Lineage of `train-abc`")
+    assert run_url("http://m:5000/", "3", "r1") == "http://m:5000/#/experiments/3/runs/r1"
+    assert run_url("sqlite:///tmp/m.db", "3", "r1") is None  # no UI behind a database
+    assert model_version_url("https://m", "laneflow-v", "2") == "https://m/#/models/laneflow-v/versions/2"
+    assert registered_model_name("v") == tracking.experiment_name("v") == "laneflow-v"
+
+
+def test_the_environment_setting_wins_and_an_empty_one_turns_tracking_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TRACKING_URI_ENV, " http://m:5000 ")
+    assert tracking.tracking_uri() == "http://m:5000"  # the Prefect variable is not even read
+    monkeypatch.setenv(TRACKING_URI_ENV, "")
+    assert tracking.tracking_uri() is None
+
+
+def test_a_uri_without_mlflow_installed_is_one_warning_naming_the_extra(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    for name, value in HTTP_DEFAULTS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # what importing it does without the extra
+    logger = logging.getLogger("test.tracking")
+    with caplog.at_level(logging.WARNING, logger="test.tracking"):
+        assert tracking.load_client("http://m:5000", logger) is None
+    assert [record.levelno for record in caplog.records] == [logging.WARNING]
+    assert "pip install 'laneflow[mlflow]'" in caplog.text and "http://m:5000" in caplog.text
+
+
+# --- against a real MLflow server and a real Prefect server ---------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mlflow_booting(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[MlflowServer | None]:
+    """The MLflow server, started when this module's tests begin and left to boot (10-30 s on two cores)
+    while the tests before the one that needs it run; None when no selected test needs it or it cannot
+    start here."""
+    needed = any("mlflow" in item.fixturenames for item in request.session.items
+                 if item.module is request.module)
+    if not needed or server_missing() is not None:
+        yield None
+        return
+    with mlflow_server(tmp_path_factory.mktemp("mlflow"), wait=False) as server:
+        yield server
+
+
+@pytest.fixture
+def mlflow(mlflow_booting: MlflowServer | None) -> MlflowServer:
+    """A healthy MLflow server, or a skip saying why there is none."""
+    if mlflow_booting is None:
+        pytest.skip(server_missing() or "the MLflow server was not started")
+    return mlflow_booting.wait_until_healthy()
+
+
+@pytest.fixture
+def short_http(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's HTTP defaults, set as tracking sets them, and gone after the test."""
+    for name, value in HTTP_DEFAULTS.items():
+        monkeypatch.setenv(name, value)
+
+
+def flow_run_warnings(flow_run_id: UUID) -> list[str]:
+    """Every WARNING-or-above line of a flow run (its tasks' included), as the UI shows them."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]),
+                                                     level=LogFilterLevel(ge_=30)))
+    return [log.message for log in logs]
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_is_down_costs_one_warning_and_the_run_completes(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], short_http: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set from the UI (the Prefect variable), pointing at a port nobody listens on."""
+    from prefect.variables import Variable
+
+    from flows.local_server import free_port
+    from flows.train import train_pipeline
+
+    monkeypatch.delenv(TRACKING_URI_ENV, raising=False)
+    uri = f"http://127.0.0.1:{free_port()}"
+    Variable.set(TRACKING_URI_VARIABLE, uri, overwrite=True)
+    try:
+        state = train_pipeline(**params_for(synthetic_archive, volume="untracked", workers=1, max_steps=1,
+                                            snapshot=False), return_state=True)
+    finally:
+        Variable.unset(TRACKING_URI_VARIABLE)
+    assert state.is_completed(), state.message
+    assert state.result()["mlflow"] is None
+    flow_run_id = state.state_details.flow_run_id
+    warnings = [message for message in flow_run_warnings(flow_run_id) if "mlflow" in message.lower()]
+    assert len(warnings) == 1, warnings
+    assert uri in warnings[0] and "training is unaffected" in warnings[0] and "Connection refused" in warnings[0]
+    (tracked,) = task_runs(flow_run_id)["track_in_mlflow"]  # tried once: never retried
+    assert tracked.state.is_completed() and tracked.run_count == 1
+    assert tracked.total_run_time.total_seconds() < 20, tracked.total_run_time  # seconds, not MLflow's minutes
+
+
+@pytest.mark.slow
+def test_nightly_tracks_the_challenger_and_makes_it_the_registered_champion(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], mlflow: MlflowServer,
+        short_http: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+    from prefect.variables import Variable
+
+    from flows.cli import champion_command
+    from flows.nightly import nightly_retrain
+    from tasks.champion import champion_variable
+
+    monkeypatch.setenv(TRACKING_URI_ENV, mlflow.uri)
+    result = nightly_retrain(**params_for(synthetic_archive, volume="tracked", workers=1, epochs=5, max_steps=20,
+                                          eval_every=10, snapshot=False, package=True))
+    challenger = result["challenger"]
+    assert result["promoted"] and challenger["mlflow"] is not None
+    tracked = challenger["mlflow"]
+    client = MlflowClient(tracking_uri=mlflow.uri)
+    run = client.get_run(tracked["run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == challenger["run"]
+    assert client.get_experiment(run.info.experiment_id).name == "laneflow-tracked"
+    assert tracked["url"] == f"{mlflow.uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    tags = run.data.tags
+    assert tags["laneflow.run"] == challenger["run"] and tags["prefect.flow_run_id"] == challenger["flow_run_id"]
+    assert tags["laneflow.dataset_version"] == challenger["dataset_version"]
+
+    params = run.data.params
+    assert params["lr"] == "0.05" and params["batch_size"] == "2" and params["max_steps"] == "20"
+    assert params["source_artifacts.0.sha256"] == synthetic_archive[1]
+
+    # Step metrics: the run's own metrics.jsonl, value for value, step for step.
+    run_dir = laneflow_home / "volumes" / "tracked" / challenger["run_dir"]
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [e for e in events if e["event"] == "step"]
+    vals = [e for e in events if e["event"] == "val"]
+    assert [e["step"] for e in steps] == [10, 20] and [e["step"] for e in vals] == [10]  # the end: an eval event
+    for metric, field, source in (("train/loss", "loss", steps), ("train/lr", "lr", steps),
+                                  ("train/images_per_second", "img_per_s", steps),
+                                  ("val/untimed_accuracy", "untimed_accuracy", vals)):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, metric))
+        assert history == [(e["step"], pytest.approx(e[field])) for e in source], metric
+    metrics = challenger["metrics"]
+    assert run.data.metrics["test/accuracy"] == pytest.approx(metrics["accuracy"])
+    assert run.data.metrics["test/untimed_accuracy"] == pytest.approx(metrics["untimed_accuracy"])
+
+    lineage = json.loads(Path(client.download_artifacts(run.info.run_id, "lineage.json", str(tmp_path))).read_text())
+    assert lineage["run"] == challenger["run"] and lineage["package"] == challenger["package"]
+    uploaded = {Path(item.path).name for item in client.list_artifacts(run.info.run_id, "package")}
+    on_volume = {path.name for path in (laneflow_home / "volumes" / "tracked" / challenger["package"]).iterdir()}
+    assert "model.onnx" in uploaded and uploaded == on_volume
+
+    # The registry: a version of laneflow-tracked from this run's package, aliased champion.
+    version = client.get_model_version_by_alias("laneflow-tracked", "champion")
+    assert version.run_id == run.info.run_id and version.source == f"runs:/{run.info.run_id}/package"
+    assert result["mlflow"]["version"] == version.version
+    record = Variable.get(champion_variable("tracked"))
+    assert record["mlflow"]["version"] == version.version and record["mlflow"]["run_id"] == run.info.run_id
+    link = f"{mlflow.uri}/#/models/laneflow-tracked/versions/{version.version}"
+    assert record["mlflow"]["model_url"] == link
+
+    capsys.readouterr()
+    assert champion_command("tracked", "local") == 0
+    shown = capsys.readouterr().out
+    assert f"mlflow      : {link} (laneflow-tracked version {version.version}, alias champion" in shown
+    assert tracked["url"] in shown
