@@ -211,8 +211,17 @@ def test_nightly_tracks_the_challenger_and_makes_it_the_registered_champion(
     from tasks.champion import champion_variable
 
     monkeypatch.setenv(TRACKING_URI_ENV, mlflow.uri)
-    result = nightly_retrain(**params_for(synthetic_archive, volume="tracked", workers=1, epochs=5, max_steps=20,
-                                          eval_every=10, snapshot=False, package=True))
+    # The nightly reads the data team's index and trains on its newest version (an older one is listed first).
+    archive, sha256 = synthetic_archive
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"datasets": [
+        {"version": "2030-01-02", "published": "2030-01-02T00:00:00+00:00",
+         "artifacts": [{"url": archive.as_uri(), "sha256": sha256, "kind": "archive"}]},
+        {"version": "2030-01-01", "published": "2030-01-01T00:00:00Z",
+         "artifacts": [{"url": (tmp_path / "gone.zip").as_uri(), "sha256": "0" * 64}]}]}))
+    result = nightly_retrain(**{**params_for(synthetic_archive, volume="tracked", workers=1, epochs=5, max_steps=20,
+                                             eval_every=10, snapshot=False, package=True),
+                                "source": {"index": index.as_uri()}})
     challenger = result["challenger"]
     assert result["promoted"] and challenger["mlflow"] is not None
     tracked = challenger["mlflow"]
@@ -246,6 +255,9 @@ def test_nightly_tracks_the_challenger_and_makes_it_the_registered_champion(
 
     lineage = json.loads(Path(client.download_artifacts(run.info.run_id, "lineage.json", str(tmp_path))).read_text())
     assert lineage["run"] == challenger["run"] and lineage["package"] == challenger["package"]
+    assert lineage["dataset_release"] == {"index": index.as_uri(), "version": "2030-01-02",
+                                          "published": "2030-01-02T00:00:00+00:00"}
+    assert [artifact["sha256"] for artifact in lineage["artifacts"]] == [sha256]
     uploaded = {Path(item.path).name for item in client.list_artifacts(run.info.run_id, "package")}
     on_volume = {path.name for path in (laneflow_home / "volumes" / "tracked" / challenger["package"]).iterdir()}
     assert "model.onnx" in uploaded and uploaded == on_volume
