@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -305,8 +306,20 @@ def publish(index: Path, version: str, published: str, artifacts: list[dict]) ->
     index.write_text(json.dumps(document))
 
 
+@pytest.fixture
+def worker_champion(deployed: dict) -> Iterator[None]:
+    """The retrain below crowns a champion of volume `nightly` on the session's server (a Prefect variable)
+    from the worker's home; it is forgotten afterwards, so no other test meets a champion it cannot find."""
+    from prefect.variables import Variable
+
+    from tasks.champion import champion_variable
+
+    yield
+    Variable.unset(champion_variable("nightly"))
+
+
 def test_a_new_dataset_version_starts_one_nightly_on_its_artifacts_and_an_overlapping_nightly_never_trains(
-        deployed: dict, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+        deployed: dict, synthetic_archive: tuple[Path, str], tmp_path: Path, worker_champion: None) -> None:
     from flows.dataset_watch import dataset_watch
 
     index = Path(deployed["LANEFLOW_DATASET_INDEX"].removeprefix("file://"))
