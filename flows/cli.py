@@ -13,6 +13,7 @@ and ``serve`` (server + deployments + worker).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -205,13 +206,19 @@ def write_local_index(path: Path, env: dict[str, str]) -> Path:
 def deploy(env: dict[str, str]) -> list[str]:
     """Work pool, ``gpu`` limit, prefect.yaml's deployments, then the alert automations, on the server the
     environment points at; the alerts applied (none without an alert block)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from flows.alerts import apply_alerts
 
     os.environ.update(env)
-    ensure_local_setup()
-    apply_deployments(env)
-    print("deployments train, nightly, dataset_watch, sweep, restore, predict applied", flush=True)
-    return apply_alerts()
+    # Prefect read its settings when it was imported: without this, the in-process calls below would go to
+    # a temporary server of their own instead of the one the environment names.
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}) if env.get("PREFECT_API_URL") \
+            else contextlib.nullcontext():
+        ensure_local_setup()
+        apply_deployments(env)
+        print("deployments train, nightly, dataset_watch, sweep, restore, predict applied", flush=True)
+        return apply_alerts()
 
 
 def deploy_command(home: Path, port: int) -> int:
