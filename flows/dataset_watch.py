@@ -21,8 +21,7 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.variables import Variable
 
-from flows.params import DataSource
-from tasks.dataset_index import DatasetRelease, check_index_url, newest, parse_index, read_index, redact
+from tasks.dataset_index import DatasetRelease, newest, parse_index, read_index, redact
 from tasks.retry import RETRY_POLICY
 
 PUBLISHED_EVENT = "laneflow.dataset.published"
@@ -62,14 +61,12 @@ def dataset_watch(index: str) -> dict[str, Any]:
             nightly retrain" shows its format
     """
     logger = get_run_logger()
-    check_index_url(index)
-    releases = read_dataset_versions(index)
+    releases = read_dataset_versions(index)  # checked as a training run's source would be (parse_index)
     latest = newest(releases)
-    for release in releases:  # every announced source must be one a training run accepts
-        DataSource.model_validate(release.source())
     name = watch_variable(index)
     memory = Variable.get(name, default=None)
-    announce = to_announce(releases, memory if isinstance(memory, dict) else None)
+    memory = memory if isinstance(memory, dict) and memory.get("published") else None  # else a first look
+    announce = to_announce(releases, memory)
     if memory is None:
         logger.info("first look at %s: %d version(s), newest %s; versions published after it will start a "
                     "retrain", redact(index), len(releases), latest.version)
@@ -84,10 +81,8 @@ def dataset_watch(index: str) -> dict[str, Any]:
                     len(announce), ", ".join(release.version for release in announce))
     # After the event: a crash in between announces the version again next time, never loses it. The
     # newest ever seen stays the mark (an index that drops its latest entry does not re-announce older ones).
-    if not announce and isinstance(memory, dict) and memory.get("published") and \
-            datetime.fromisoformat(str(memory["published"])) >= latest.published:
-        return {"index": redact(index), "newest": latest.version, "announced": None, "new_versions": []}
-    Variable.set(name, latest.record(index), overwrite=True)
+    if memory is None or announce or datetime.fromisoformat(str(memory["published"])) < latest.published:
+        Variable.set(name, latest.record(index), overwrite=True)
     return {"index": redact(index), "newest": latest.version,
             "announced": newest(announce).version if announce else None,
             "new_versions": [release.version for release in announce]}
