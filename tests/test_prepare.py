@@ -125,3 +125,38 @@ def test_cli_errors_are_one_clear_line(synthetic_archive, tmp_path):
     assert done.returncode == 2
     assert "error: dataset artifact 1: checksum 'nothex' is not a sha256 hex digest" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_prepare_as_a_containers_pid_1_ends_on_sigterm_instead_of_running_out_its_grace(
+        file_server: FileServer, synthetic_archive, tmp_path):
+    """A Job's pod is deleted with SIGTERM to the container's PID 1, which Linux gives no default action:
+    without a handler the download would crawl on, writing to the volume, until the kubelet's SIGKILL."""
+    import os
+    import signal
+    import time
+
+    from tasks.processes import running
+    from tests.cluster.runtime import pod_runtime_missing
+
+    if missing := pod_runtime_missing():
+        pytest.skip(missing)
+    archive, sha = synthetic_archive
+    file_server.files["train_set.zip"] = archive.read_bytes()
+    file_server.faults.append(Fault("slow", delay=60))  # 64 KiB a minute: still downloading when it is told
+    command = ["unshare", "--pid", "--fork", "--kill-child=SIGKILL", sys.executable, "-m", "training.data.prepare",
+               "--source", file_server.url("train_set.zip"), "--sha256", sha, "--volume", str(tmp_path / "volume")]
+    with running(command, stop_signals=(signal.SIGKILL,), cwd=REPO, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE) as unshare:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "volume" / "downloads").is_dir()
+                   and any((tmp_path / "volume" / "downloads").iterdir())):
+            assert unshare.poll() is None and time.monotonic() < deadline, unshare.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        (pid_1,) = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children").read_text().split()
+        (ids,) = [line.split()[1:] for line in Path(f"/proc/{pid_1}/status").read_text().splitlines()
+                  if line.startswith("NSpid:")]
+        assert ids[-1] == "1"  # PID 1 of its own PID namespace, as a container's first process is
+        os.kill(int(pid_1), signal.SIGTERM)
+        # Guard only: without the handler it would still be downloading when this gives up.
+        code = unshare.wait(timeout=120)
+    assert code == 128 + signal.SIGTERM  # it ended itself, as a process killed by SIGTERM reports

@@ -24,6 +24,7 @@ from training.dataset import DataError, read_list
 from training.inference import DeployedSCNN, draw_lanes, lanes_from_probabilities, resize_for_model, slot_lanes
 from training.metric import MAX_RUN_TIME_MS, parse_ground_truth, score_predictions
 from training.model import SCNN, ModelConfig
+from training.signals import exit_on_sigterm
 
 log = logging.getLogger("laneflow.evaluate")
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    exit_on_sigterm()
     model_file = args.run_dir / "model.pt"
     if not model_file.is_file():
         print(f"error: {model_file} does not exist: evaluate a run that finished training", file=sys.stderr)

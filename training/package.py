@@ -44,6 +44,7 @@ from training.data.fetch import sha256_of
 from training.dataset import DataError, read_list
 from training.inference import DeployedSCNN, input_contract, resize_for_model, slot_lanes
 from training.model import SCNN, ModelConfig
+from training.signals import exit_on_sigterm
 
 log = logging.getLogger("laneflow.package")
 
@@ -347,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lineage", default="{}", help="the run's lineage record as JSON, kept in the package")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    exit_on_sigterm()
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # exporters print; stdout carries the one result line
             summary = package_run(args.run_dir, args.data_root, args.split, json.loads(args.lineage))

@@ -32,6 +32,7 @@ import numpy as np
 
 from training.inference import draw_lanes, h_samples_for, resize_for_model, slot_lanes
 from training.package import BACKENDS, Package, PackageError, load_package, open_backend
+from training.signals import exit_on_sigterm
 
 log = logging.getLogger("laneflow.predict")
 
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-overlays", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    exit_on_sigterm()
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

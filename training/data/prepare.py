@@ -35,6 +35,7 @@ from training.data.sources import (
     redact_url,
     validate_artifacts,
 )
+from training.signals import exit_on_sigterm
 
 log = logging.getLogger("laneflow.data.prepare")
 
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=None, help="preprocessing processes (default: all cores)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    exit_on_sigterm()
     try:
         prepared = prepare_dataset(artifacts_from_args(args), args.volume, workers=args.workers)
     except (ValueError, OSError, RuntimeError) as exc:
