@@ -164,7 +164,10 @@ def return_volume_home(platform: Platform, volume: VolumeRef, why: str, logger: 
 @promote_service_level.on_rollback
 def _demote_on_rollback(transaction: Any) -> None:
     """Something after the promotion failed: put the volume back where it was."""
-    return_volume_home(transaction.get("platform"), transaction.get("volume"), "rollback after a failure")
+    platform = transaction.get("platform", None)
+    if platform is None:  # a platform without service levels: the promotion recorded nothing to undo
+        return
+    return_volume_home(platform, transaction.get("volume"), "rollback after a failure")
 
 
 @task(name="demote_service_level", task_run_name="demote-{volume.name}", **_TASK)
