@@ -4,6 +4,7 @@ and ``serve`` (server + deployments + worker).
     laneflow predict <image|folder|glob|video> [--model champion|RUN|SNAPSHOT|PACKAGE] [--volume V] [--out DIR]
     laneflow champion [--volume V] [--platform local]
     laneflow lineage <run-or-snapshot> [--platform local]
+    laneflow compare [PLATFORM:][VOLUME/]RUN-OR-SNAPSHOT ... [--baseline R] [--target 0.9] [--prices F] [--out DIR]
     laneflow snapshots [--platform local]
     laneflow serve [--home .laneflow/serve] [--port 4200]
     laneflow deploy [--home .laneflow/serve] [--port 4200]
@@ -68,6 +69,40 @@ def local_package(model: str, volume: str, platform_name: str) -> Path:
         raise LookupError(f"model '{model}' resolves to {path}, which does not exist (was the run trained with "
                           "package on?)")
     return path
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    """Print the comparison's table (and flags); ``--out`` also writes the charts and the figures."""
+    import json
+
+    from flows.compare import RunRef, charts, read_all
+    from tasks.compare import (
+        CompareError,
+        Prices,
+        accuracy_chart_png,
+        compare,
+        figures_record,
+        render_markdown,
+        throughput_chart_png,
+    )
+
+    try:
+        refs = [RunRef.parse(text, volume=args.volume, platform=args.platform) for text in args.runs]
+        prices = Prices.model_validate_json(args.prices.read_text()) if args.prices else None
+        comparison = compare(read_all(refs), args.target, args.baseline, prices)
+    except (CompareError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render_markdown(comparison), end="")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "throughput.png").write_bytes(throughput_chart_png(comparison))
+        (args.out / "accuracy.png").write_bytes(accuracy_chart_png(comparison))
+        (args.out / "compare.md").write_text(render_markdown(comparison, charts(comparison)))
+        (args.out / "figures.json").write_text(json.dumps({"rows": comparison.rows,
+                                                           "figures": figures_record(comparison)}, indent=1))
+        print(f"\ncharts, report and figures in {args.out}")
+    return 0
 
 
 def predict_command(args: argparse.Namespace) -> int:
@@ -315,6 +350,16 @@ def main(argv: list[str] | None = None) -> int:
                              help="auto: the fastest for the device (onnx on CPUs, torchscript on GPUs)")
     predict_cmd.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     predict_cmd.add_argument("--out", type=Path, default=None, help="output folder (default predictions/<time>)")
+    compare_cmd = commands.add_parser("compare", help="runs and snapshots side by side: figures, scaling, cost")
+    compare_cmd.add_argument("runs", nargs="+", metavar="RUN", help="[PLATFORM:][VOLUME/]NAME: a run or a snapshot")
+    compare_cmd.add_argument("--volume", default="tusimple", help="the volume of runs named without one")
+    compare_cmd.add_argument("--platform", default="local", help="the platform of runs named without one")
+    compare_cmd.add_argument("--baseline", default=None, help="the run scaling is measured against (default: the "
+                                                              "one with the fewest workers)")
+    compare_cmd.add_argument("--target", type=float, default=0.9, help="val accuracy (untimed) to time")
+    compare_cmd.add_argument("--prices", type=Path, default=None, help="JSON: {currency, worker_hour: {platform: "
+                                                                       "price}, tib_hour: {level: price}}")
+    compare_cmd.add_argument("--out", type=Path, default=None, help="folder for the charts, report and figures")
     champion = commands.add_parser("champion", help="the volume's champion: run, metrics, package, lineage")
     champion.add_argument("--volume", default="tusimple")
     champion.add_argument("--platform", default="local")
@@ -324,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         return predict_command(args)
     if args.command == "champion":
         return champion_command(args.volume, args.platform)
+    if args.command == "compare":
+        return compare_command(args)
     if args.command == "serve":
         try:
             return serve(args.home, args.port)

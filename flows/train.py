@@ -34,6 +34,8 @@ from tasks.pipeline import (
     promote_service_level,
     publish_artifacts,
     read_dataset_index,
+    read_service_level,
+    record_lineage,
     return_volume_home,
     submit_training,
     wait_for_training,
@@ -133,18 +135,20 @@ def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: Throu
         evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
 
         snapshot = snapshot_name(volume.name, run) if params.snapshot else None
+        service_level = read_service_level(platform, volume, previous_level)
         lineage = build_lineage(
             run=run, flow_run_id=str(current_run.id), flow_run_name=current_run.name, platform=params.platform,
             volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
             training={"steps": outcome.steps, "resumed_from": outcome.resumed_from,
                       "duration_s": outcome.duration_s, "trainer_eval": outcome.eval},
-            evaluation=evaluation, snapshot=snapshot)
+            evaluation=evaluation, snapshot=snapshot, service_level=service_level)
         package = None
         if params.package:  # inside the run's folder: the snapshot carries it
             package = package_model(platform, volume, spec.run_dir, spec.data_dir, params.eval_split, lineage)
             lineage["package"] = package["package"]
         else:
             logger.info("packaging off for this run")
+        record_lineage(platform, volume, spec.run_dir, lineage)
         if snapshot:
             capture_snapshot(platform, volume, snapshot, spec.data_dir, spec.run_dir, lineage)
         else:

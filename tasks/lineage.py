@@ -33,7 +33,8 @@ def code_version(root: Path = PROJECT_ROOT) -> str:
 
 
 def build_lineage(*, run: str, flow_run_id: str, flow_run_name: str, platform: str, volume: str, dataset: dict,
-                  code: str, parameters: dict, training: dict, evaluation: dict, snapshot: str | None) -> dict:
+                  code: str, parameters: dict, training: dict, evaluation: dict, snapshot: str | None,
+                  service_level: dict | None = None) -> dict:
     """One flat, JSON-safe record: everything needed to say where a model came from and to reproduce it."""
     return {
         "run": run,
@@ -52,6 +53,9 @@ def build_lineage(*, run: str, flow_run_id: str, flow_run_name: str, platform: s
         "training": training,
         "metrics": evaluation,
         "snapshot": snapshot,
+        # The storage level the volume trained on, its home level and quota (None where levels do not
+        # apply): what a comparison bills the volume at.
+        "service_level": service_level,
     }
 
 

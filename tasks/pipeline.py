@@ -186,6 +186,27 @@ def demote_service_level(platform: Platform, volume: VolumeRef, previous: str | 
     return changed
 
 
+@task(name="read_service_level", task_run_name="service-level-{volume.name}", **_TASK)
+def read_service_level(platform: Platform, volume: VolumeRef, home: str | None) -> dict[str, Any] | None:
+    """The level the volume trained on, with its home level and quota, for the run's lineage (what a
+    comparison bills); None where service levels do not apply."""
+    level = platform.current_service_level(volume)
+    if level is None:
+        return None
+    limits = platform.service_level_limits(volume)
+    return {"training": level, "home": home or level, "quota_tib": limits[0] if limits else None}
+
+
+@task(name="record_lineage", task_run_name="lineage-{volume.name}", **_TASK)
+def record_lineage(platform: Platform, volume: VolumeRef, run_dir: str, lineage: dict[str, Any]) -> str:
+    """``<run_dir>/lineage.json`` on the volume: the run's own record, beside its metrics, so a comparison
+    (and anyone with the volume) reads where a run came from without the Prefect server; a snapshot
+    carries it too."""
+    path = f"{run_dir}/lineage.json"
+    platform.write_text(volume, path, json.dumps(lineage, sort_keys=True, indent=1))
+    return path
+
+
 @task(name="ensure_dataset_volume", task_run_name="ensure-volume-{name}", **_TASK)
 def ensure_dataset_volume(platform: Platform, name: str) -> VolumeRef:
     volume = platform.ensure_volume(name)

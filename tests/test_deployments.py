@@ -46,7 +46,9 @@ def test_prefect_yaml_creates_the_deployments(deployed: dict) -> None:
     with get_client(sync_client=True) as client:
         deployments = {d.name: d for d in client.read_deployments()}
         raw = client._client.get(f"/deployments/{deployments['nightly'].id}").raise_for_status().json()
-    assert {"train", "nightly", "dataset_watch", "sweep", "restore", "predict"} <= set(deployments)
+    assert {"train", "nightly", "dataset_watch", "sweep", "restore", "predict", "compare"} <= set(deployments)
+    compare_form = deployments["compare"].parameter_openapi_schema
+    assert compare_form["required"] == ["runs"] and compare_form["properties"]["target_accuracy"]["maximum"] == 1
     # One nightly at a time; the server cancels one that would overlap (collision strategy CANCEL_NEW).
     assert raw["global_concurrency_limit"]["limit"] == 1, raw
     assert raw["concurrency_options"]["collision_strategy"] == "CANCEL_NEW", raw

@@ -8,7 +8,8 @@ directory (``stop-request.json``, written by the orchestrator: a sweep's pruner)
 and end with exit 0 and a ``stopped`` event instead: finished early on purpose, not to be resumed. With
 ``eval_every`` rank 0 scores the val split every that many steps (``val`` events). Rank 0 prints one JSON
 object per line on stdout for the orchestrator (``step``, ``epoch``, ``checkpoint``, ``val``, ``eval``,
-``preempted``, ``stopped``, ``done``); readable logs go to stderr. Rank 0 also writes the run's curves as
+``preempted``, ``stopped``, ``done``), each recorded one with its ``time`` (Unix seconds); readable logs go
+to stderr. Rank 0 also writes the run's curves as
 TensorBoard scalars under ``<run-dir>/tensorboard/`` (``TensorBoardLog``).
 
     python -m training.train --data-root DIR --run-dir DIR --preset cpu-demo --set epochs=3 --set lr=0.05
@@ -449,9 +450,12 @@ def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | 
 
     def record(event: str, **payload: object) -> None:
         if is_main:
-            emit(event, **payload)
+            # When it happened (Unix seconds): wall time, time to an accuracy and the curves over time of
+            # `laneflow compare` come from these, whichever machine or pod the run's attempts ran on.
+            stamped = {**payload, "time": round(time.time(), 3)}
+            emit(event, **stamped)
             with metrics_file.open("a") as handle:
-                handle.write(json.dumps({"event": event, **payload}) + "\n")
+                handle.write(json.dumps({"event": event, **stamped}) + "\n")
             board.write(event, payload, step)
 
     def checkpoint() -> None:

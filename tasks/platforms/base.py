@@ -125,8 +125,8 @@ def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s:
 
 
 def _payload(event: dict[str, Any]) -> dict[str, Any]:
-    """An event's fields without its kind."""
-    return {k: v for k, v in event.items() if k != "event"}
+    """An event's fields without its kind and its time stamp (``metrics.jsonl`` keeps both)."""
+    return {k: v for k, v in event.items() if k not in ("event", "time")}
 
 
 def last_attempt(metrics_jsonl: str) -> list[dict[str, Any]]:
@@ -170,6 +170,11 @@ class Platform(Block):
     @abc.abstractmethod
     def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
         """A file from the volume (metrics, eval results, images for artifacts)."""
+
+    @abc.abstractmethod
+    def write_text(self, volume: VolumeRef, relative_path: str, text: str) -> None:
+        """A small text file on the volume (made with its folders), replaced whole: readers never see half of
+        it (a run's ``lineage.json``)."""
 
     @abc.abstractmethod
     def append_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
@@ -230,6 +235,11 @@ class Platform(Block):
     @abc.abstractmethod
     def find_lineage(self, name: str) -> dict[str, Any]:
         """The lineage record a snapshot carries, by snapshot name; KeyError when there is none."""
+
+    def read_snapshot_file(self, name: str, relative_path: str) -> bytes:
+        """A file as the snapshot holds it (paths as on the volume). Where a snapshot is readable only once
+        restored (a CSI or ANF snapshot), FileNotFoundError: callers read the run's volume instead."""
+        raise FileNotFoundError(f"snapshot '{name}' is read only after a restore (laneflow restore)")
 
     # --- service level -----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -719,13 +719,13 @@ class ClusterPlatform(Platform):
             raise ValueError("snapshotter 'anf' needs the platform's 'anf' volume to be configured")
         return self.anf
 
-    def _write_file(self, volume: VolumeRef, relative_path: str, data: str) -> None:
-        """Write a small text file onto the claim (a Job in the data image)."""
+    def write_text(self, volume: VolumeRef, relative_path: str, text: str) -> None:
+        """A Job in the data image writes it onto the claim (temporary file, then rename)."""
         script = ("import os, sys\n"
                   "os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)\n"
                   "open(sys.argv[1] + '.tmp', 'w').write(sys.argv[2])\n"
                   "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
-        self._file_job("write", volume, relative_path, script, data)
+        self._file_job("write", volume, relative_path, script, text)
 
     def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
                         lineage: dict[str, Any]) -> SnapshotRef:
@@ -735,7 +735,7 @@ class ClusterPlatform(Platform):
             # (that is Azure's to say: list_snapshots and find_lineage read it from the snapshot).
             record = {**lineage, "snapshot": name, "data_dir": data_dir, "run_dir": run_dir, "volume": volume.name,
                       "snapshotter": "anf"}
-            self._write_file(volume, f"{run_dir}/lineage.json", json.dumps(record, sort_keys=True))
+            self.write_text(volume, f"{run_dir}/lineage.json", json.dumps(record, sort_keys=True))
             snapshot_id = self._anf().create_snapshot(name)  # awaits Azure's long-running operation
             return SnapshotRef(name=name, volume=volume.name, ready=True, location=snapshot_id,
                                lineage={**record, "ready": True})

@@ -117,6 +117,13 @@ class LocalPlatform(Platform):
             raise FileNotFoundError(f"{relative_path} does not exist on volume '{volume.name}' ({path})")
         return path.read_bytes()
 
+    def write_text(self, volume: VolumeRef, relative_path: str, text: str) -> None:
+        path = self._inside(volume, relative_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text(text)
+        os.replace(partial, path)
+
     def append_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
         path = self._inside(volume, relative_path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -312,6 +319,13 @@ class LocalPlatform(Platform):
         if not snapshot.is_file():
             raise KeyError(f"no snapshot named '{name}' under {self._snapshots_dir()}")
         return json.loads(snapshot.read_text())
+
+    def read_snapshot_file(self, name: str, relative_path: str) -> bytes:
+        content = self._snapshots_dir() / validate_name(name, "snapshot") / "content"
+        path = (content / relative_path).resolve()
+        if content.resolve() not in path.parents or not path.is_file():
+            raise FileNotFoundError(f"{relative_path} is not in snapshot '{name}' ({content})")
+        return path.read_bytes()
 
     # --- service level -------------------------------------------------------------------------------
     def current_service_level(self, volume: VolumeRef) -> str | None:

@@ -1,0 +1,158 @@
+"""``compare``: runs side by side from their own records, as a table artifact, a report with scaling and
+charts, and for ``laneflow compare`` a printed table.
+
+Each run is named the way ``predict`` names models: a run (``train-1a2b3c4d5e6f``, on a volume) or a
+snapshot, on any platform block, local and cluster in one comparison. What is read (``metrics.jsonl`` and
+``lineage.json`` of the run; a local snapshot's own copy first) and what each figure means is in
+``tasks/compare.py``. Prices come from the ``prices`` parameter or the Prefect variable ``laneflow-prices``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.variables import Variable
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.compare import (
+    CompareError,
+    Comparison,
+    Prices,
+    RunRecords,
+    accuracy_chart_png,
+    compare,
+    parse_events,
+    render_markdown,
+    throughput_chart_png,
+)
+from tasks.names import DNS_LABEL, validate_name
+from tasks.platforms import Platform, VolumeRef, load_platform
+from tasks.report import data_uri
+from tasks.retry import RETRY_POLICY
+
+PRICES_VARIABLE = "laneflow-prices"
+DEFAULT_VOLUME = "tusimple"
+
+
+class RunRef(BaseModel):
+    """One run to compare: a run name on a volume, or a snapshot name, on a platform block."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="a run (train-1a2b3c4d5e6f) or a snapshot")
+    volume: str = Field(DEFAULT_VOLUME, pattern=DNS_LABEL.pattern, description="the run's volume (a snapshot "
+                                                                              "knows its own)")
+    platform: str = Field("local", min_length=1, description="platform block name")
+
+    @classmethod
+    def parse(cls, text: str, volume: str = DEFAULT_VOLUME, platform: str = "local") -> RunRef:
+        """``[PLATFORM:][VOLUME/]NAME`` (the CLI's form), the defaults filling what it leaves out."""
+        if ":" in text:
+            platform, text = text.split(":", 1)
+        if "/" in text:
+            volume, text = text.rsplit("/", 1)
+        return cls(name=text, volume=volume, platform=platform)
+
+    def label(self) -> str:
+        return self.name if self.platform == "local" else f"{self.platform}:{self.name}"
+
+
+def _read(platform: Platform, ref: RunRef, snapshot: str | None, volume: str, path: str) -> bytes:
+    """A run file from the snapshot's own copy when it is one (and readable here), else from the volume."""
+    if snapshot is not None:
+        try:
+            return platform.read_snapshot_file(snapshot, path)
+        except FileNotFoundError:
+            pass
+    return platform.read_file(VolumeRef(name=volume, location=""), path)
+
+
+def read_run_records(ref: RunRef) -> RunRecords:
+    """The run's lineage and events, or a CompareError naming what is missing and what to do."""
+    platform = load_platform(ref.platform)
+    try:
+        lineage: dict[str, Any] | None = platform.find_lineage(ref.name)
+        snapshot, run, volume = ref.name, str(lineage.get("run")), str(lineage.get("volume") or ref.volume)
+    except KeyError:
+        lineage, snapshot, run, volume = None, None, ref.name, validate_name(ref.volume, "volume")
+    try:
+        metrics = _read(platform, ref, snapshot, volume, f"runs/{run}/metrics.jsonl").decode()
+    except FileNotFoundError:
+        raise CompareError(f"{ref.label()}: no snapshot of that name on platform '{ref.platform}' and no run "
+                           f"'{run}' with a metrics.jsonl on volume '{volume}' (runs are named like "
+                           "train-1a2b3c4d5e6f; give the volume as VOLUME/RUN)") from None
+    if lineage is None:
+        try:
+            lineage = json.loads(_read(platform, ref, None, volume, f"runs/{run}/lineage.json"))
+        except FileNotFoundError:
+            raise CompareError(f"{ref.label()}: run '{run}' on volume '{volume}' has no lineage.json: it did not "
+                               "finish (a failed or pruned run), or it ran before laneflow recorded one; "
+                               "compare its snapshot instead") from None
+        except json.JSONDecodeError as exc:
+            raise CompareError(f"{ref.label()}: runs/{run}/lineage.json is not JSON ({exc.msg})") from None
+    return RunRecords(name=ref.label(), lineage=lineage, events=parse_events(metrics, ref.label()))
+
+
+@task(name="read_run_records", task_run_name="records-{ref.name}", cache_policy=NO_CACHE, **RETRY_POLICY)
+def read_run_records_task(ref: RunRef) -> RunRecords:
+    return read_run_records(ref)
+
+
+def read_all(refs: list[RunRef], read: Any = read_run_records) -> list[RunRecords]:
+    """Every run's records; all that are missing named in one error, before anything is published."""
+    found, problems = [], []
+    for ref in refs:
+        try:
+            found.append(read(ref))
+        except CompareError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise CompareError("cannot compare: " + " | ".join(problems))
+    return found
+
+
+def prices_setting() -> Prices | None:
+    """The Prefect variable ``laneflow-prices`` (the same form as the ``prices`` parameter), if set."""
+    value = Variable.get(PRICES_VARIABLE, default=None)
+    if not value:
+        return None
+    try:
+        return Prices.model_validate(json.loads(value) if isinstance(value, str) else value)
+    except ValueError as exc:
+        raise CompareError(f"Prefect variable {PRICES_VARIABLE} is not a price list: {exc}") from None
+
+
+def charts(comparison: Comparison) -> dict[str, str]:
+    return {"Throughput vs workers": data_uri(throughput_chart_png(comparison), "image/png"),
+            "Val accuracy vs wall time": data_uri(accuracy_chart_png(comparison), "image/png")}
+
+
+@flow(name="compare")
+def compare_runs(runs: Annotated[list[RunRef], Field(min_length=1)],
+                 target_accuracy: Annotated[float, Field(gt=0, le=1)] = 0.9,
+                 baseline: str | None = None, prices: Prices | None = None) -> list[dict[str, Any]]:
+    """Compare runs and snapshots side by side: figures, speed-up and efficiency against the baseline
+    (default: the run with the fewest workers), cost, and charts.
+
+    Args:
+        runs: each a run name on its volume, or a snapshot, on a platform block
+        target_accuracy: the val accuracy (without the 200 ms rule) whose time to reach is reported
+        baseline: the run (as named in runs) scaling is measured against
+        prices: worker_hour by platform block, tib_hour by service level (else the variable laneflow-prices)
+    """
+    logger = get_run_logger()
+    records = read_all(runs, read_run_records_task)
+    chosen = prices or prices_setting()
+    comparison = compare(records, target_accuracy, baseline, chosen)
+    create_table_artifact(table=comparison.rows, key="compare",
+                          description=f"{len(records)} run(s) against {comparison.baseline}")
+    create_markdown_artifact(markdown=render_markdown(comparison, charts(comparison)), key="compare-report",
+                             description="scaling, cost, flags and charts of the comparison")
+    for row in comparison.rows:
+        logger.info("%s: %s worker(s), %s img/s, speed-up %s, efficiency %s, cost %s; %s", row["run"],
+                    row["workers"], row["img/s"], row["speed-up"], row["efficiency"], row["cost"], row["comparable"])
+    return comparison.rows

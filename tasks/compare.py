@@ -1,0 +1,377 @@
+"""Compare runs side by side from their own records: the figures, scaling against a baseline, fairness
+flags, cost and two charts (the functional core of ``flows/compare.py`` and ``laneflow compare``).
+
+Every figure comes from what a run left on its volume: ``metrics.jsonl`` (the trainer's events, each with
+its ``time``) and ``lineage.json`` (parameters, dataset version, evaluation, service level). Definitions,
+as README "Compare runs" gives them:
+
+- *images seen*: every image the trainer fed the model, over all attempts (a resumed run repeats the
+  steps after its checkpoint); each ``step`` event covers the steps since the one before it in its attempt,
+  ``batch_size x world_size`` images a step.
+- *training time*: the time inside those windows, ``images / img_per_s`` each (the trainer's own clock:
+  val scoring is outside it, checkpoints inside).
+- *throughput*: images seen / training time, in all and per worker; *input stall*: the share of training
+  time spent waiting for data, weighted by window.
+- *wall time*: first ``start`` to the last recorded event, restarts included: what the run took.
+- *time to target*: from the first ``start`` to the first val score (``eval_every`` or the trainer's final
+  val evaluation) whose accuracy without the 200 ms rule reaches the target. The untimed score, because
+  it measures what the model learned whatever the machine's speed, as model selection does.
+- *worker-hours*: workers x wall time; *speed-up*: throughput / the baseline's; *efficiency*: speed-up /
+  (workers / the baseline's workers), as the seed's 1-GPU vs 3-GPU comparison reads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NO_PRICES = "no prices given"
+
+
+class CompareError(LookupError):
+    """A run or snapshot that cannot be compared: missing, or without the records a comparison needs."""
+
+
+class Prices(BaseModel):
+    """What compute and storage cost, for the cost columns (README "Compare runs" shows the form).
+
+    ``worker_hour`` is keyed by platform block name (``local``, or the name of a cluster block, one per GPU
+    type), ``tib_hour`` by ANF service level; the volume's quota is billed at the level it trained on.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    currency: str = Field("USD", min_length=1, max_length=8)
+    worker_hour: dict[str, float] = Field(default_factory=dict, description="price of one worker for one hour, "
+                                                                            "by platform block name")
+    tib_hour: dict[str, float] = Field(default_factory=dict, description="price of one TiB of volume quota for "
+                                                                         "one hour, by service level")
+
+    def for_workers(self, platform: str) -> float | None:
+        return self.worker_hour.get(platform)
+
+
+@dataclass(frozen=True)
+class RunRecords:
+    """What one named run left: its lineage and every event of ``metrics.jsonl``."""
+
+    name: str
+    lineage: dict[str, Any]
+    events: list[dict[str, Any]]
+
+
+@dataclass
+class RunFigures:
+    """One row of the comparison, before scaling and cost."""
+
+    name: str
+    run: str
+    platform: str
+    volume: str
+    workers: int
+    preset: str
+    precision: str
+    batch_size: int
+    dataset_version: str
+    steps: int
+    images_seen: int
+    wall_s: float | None
+    training_s: float
+    img_per_s: float
+    img_per_s_per_worker: float
+    input_stall: float
+    val_accuracy: float | None
+    val_untimed_accuracy: float | None
+    test_accuracy: float | None
+    test_untimed_accuracy: float | None
+    time_to_target_s: float | None
+    worker_hours: float | None
+    service_level: str | None
+    quota_tib: float | None
+    #: (seconds since the first start, untimed val accuracy) of every val score, for the chart.
+    val_curve: list[tuple[float, float]] = field(default_factory=list)
+
+
+def parse_events(metrics_jsonl: str, name: str) -> list[dict[str, Any]]:
+    """The events of a ``metrics.jsonl``; a line that is not JSON names the run and line."""
+    events = []
+    for number, line in enumerate(metrics_jsonl.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise CompareError(f"{name}: metrics.jsonl line {number} is not JSON ({exc.msg})") from None
+    return events
+
+
+def _attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The events split at each ``start``: one list per attempt."""
+    attempts: list[list[dict[str, Any]]] = []
+    for event in events:
+        if event.get("event") == "start" or not attempts:
+            attempts.append([])
+        attempts[-1].append(event)
+    return attempts
+
+
+def training_windows(events: list[dict[str, Any]], batch_size: int) -> list[tuple[int, float, float]]:
+    """(images, seconds, input stall share) of each ``step`` event's window, over every attempt."""
+    windows = []
+    for attempt in _attempts(events):
+        start = attempt[0]
+        world = int(start.get("world_size") or 1)
+        previous = int(start.get("step") or 0) if start.get("event") == "start" else 0
+        for event in attempt:
+            if event.get("event") != "step" or not event.get("img_per_s"):
+                continue
+            images = (int(event["step"]) - previous) * batch_size * world
+            previous = int(event["step"])
+            windows.append((images, images / float(event["img_per_s"]), float(event.get("input_stall") or 0.0)))
+    return windows
+
+
+def val_points(events: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
+    """(seconds since the first start, untimed accuracy, official accuracy) of every val score: the
+    periodic ``val`` events and the trainer's final evaluation (an ``eval`` event of split val)."""
+    starts = [event for event in events if event.get("event") == "start" and "time" in event]
+    if not starts:
+        return []
+    origin = float(starts[0]["time"])
+    points = []
+    for event in events:
+        is_val = event.get("event") == "val" or (event.get("event") == "eval" and event.get("split") == "val")
+        if is_val and "time" in event and "accuracy" in event:
+            points.append((float(event["time"]) - origin, float(event.get("untimed_accuracy", event["accuracy"])),
+                           float(event["accuracy"])))
+    return points
+
+
+def run_figures(records: RunRecords, target_accuracy: float) -> RunFigures:
+    """The row of one run, from its records alone."""
+    lineage, events = records.lineage, records.events
+    starts = [event for event in events if event.get("event") == "start"]
+    if not starts:
+        raise CompareError(f"{records.name}: its metrics.jsonl has no start event (did training begin?)")
+    params = lineage.get("parameters") or {}
+    batch_size = int(params.get("batch_size") or 0)
+    if batch_size <= 0:
+        raise CompareError(f"{records.name}: its lineage records no batch_size parameter")
+    windows = training_windows(events, batch_size)
+    images = sum(images for images, _, _ in windows)
+    seconds = sum(seconds for _, seconds, _ in windows)
+    workers = int(starts[-1].get("world_size") or params.get("workers") or 1)
+    stamped = [float(event["time"]) for event in events if "time" in event]
+    wall = (max(stamped) - float(starts[0]["time"])) if stamped and "time" in starts[0] else \
+        (lineage.get("training") or {}).get("duration_s")
+    trainer_eval = (lineage.get("training") or {}).get("trainer_eval") or {}
+    metrics = lineage.get("metrics") or {}
+    on_test = metrics.get("split") == "test"
+    points = val_points(events)
+    reached = next((at for at, untimed, _ in points if untimed >= target_accuracy), None)
+    level = lineage.get("service_level") or {}
+    steps = [int(event["step"]) for event in events if event.get("event") in ("step", "eval", "stopped")
+             and "step" in event]
+    return RunFigures(
+        name=records.name, run=str(lineage.get("run")), platform=str(lineage.get("platform")),
+        volume=str(lineage.get("volume")), workers=workers, preset=str(params.get("preset")),
+        precision=str(starts[-1].get("precision") or "fp32"), batch_size=batch_size,
+        dataset_version=str(lineage.get("dataset_version")),
+        steps=max(steps, default=int((lineage.get("training") or {}).get("steps") or 0)),
+        images_seen=images, wall_s=float(wall) if wall is not None else None, training_s=seconds,
+        img_per_s=images / seconds if seconds else 0.0,
+        img_per_s_per_worker=images / seconds / workers if seconds else 0.0,
+        input_stall=sum(stall * seconds for _, seconds, stall in windows) / seconds if seconds else 0.0,
+        val_accuracy=_number(trainer_eval.get("accuracy")),
+        val_untimed_accuracy=_number(trainer_eval.get("untimed_accuracy")),
+        test_accuracy=_number(metrics.get("accuracy")) if on_test else None,
+        test_untimed_accuracy=_number(metrics.get("untimed_accuracy")) if on_test else None,
+        time_to_target_s=reached,
+        worker_hours=workers * float(wall) / 3600 if wall is not None else None,
+        service_level=level.get("training"), quota_tib=_number(level.get("quota_tib")),
+        val_curve=[(at, untimed) for at, untimed, _ in points])
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def choose_baseline(figures: list[RunFigures], baseline: str | None) -> RunFigures:
+    """The named run (by the name it was given or its run name), else the one with the fewest workers
+    (the first of those named)."""
+    if baseline:
+        for row in figures:
+            if baseline in (row.name, row.run):
+                return row
+        raise CompareError(f"baseline {baseline!r} is not among the compared runs "
+                           f"({', '.join(row.name for row in figures)})")
+    return min(figures, key=lambda row: row.workers)
+
+
+def unfair_because(row: RunFigures, baseline: RunFigures) -> list[str]:
+    """What makes ``row`` not like for like with the baseline: it is still compared, and flagged."""
+    reasons = []
+    for label, mine, theirs in (("dataset version", row.dataset_version, baseline.dataset_version),
+                                ("preset", row.preset, baseline.preset),
+                                ("batch size per worker", row.batch_size, baseline.batch_size)):
+        if mine != theirs:
+            reasons.append(f"{label} {mine} (baseline {baseline.name}: {theirs})")
+    return reasons
+
+
+def run_cost(row: RunFigures, prices: Prices | None) -> tuple[float | None, str]:
+    """(cost, how it was made) of one run: worker-hours at its platform's price plus, where the run trained
+    on a service level, the volume's quota at that level's price for the wall time."""
+    if prices is None or not (prices.worker_hour or prices.tib_hour):
+        return None, NO_PRICES
+    if row.worker_hours is None:
+        return None, "no wall time recorded"
+    worker_price = prices.for_workers(row.platform)
+    if worker_price is None:
+        return None, f"no worker_hour price for platform {row.platform!r}"
+    cost, how = row.worker_hours * worker_price, [f"{row.worker_hours:.4f} worker-h x {worker_price:g}"]
+    if row.service_level is not None and row.quota_tib is not None and row.wall_s is not None:
+        level_price = prices.tib_hour.get(row.service_level)
+        if level_price is None:
+            return None, f"no tib_hour price for service level {row.service_level!r}"
+        tib_hours = row.quota_tib * row.wall_s / 3600
+        cost += tib_hours * level_price
+        how.append(f"{tib_hours:.4f} TiB-h {row.service_level} x {level_price:g}")
+    return cost, " + ".join(how)
+
+
+@dataclass
+class Comparison:
+    """Every row with its scaling, cost and flags, and the baseline they are measured against."""
+
+    baseline: str
+    target_accuracy: float
+    currency: str
+    rows: list[dict[str, Any]]
+    figures: list[RunFigures]
+
+
+def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: str | None = None,
+            prices: Prices | None = None) -> Comparison:
+    """The comparison of these runs (at least one)."""
+    if not records:
+        raise CompareError("nothing to compare: name at least one run or snapshot")
+    if not 0 < target_accuracy <= 1:
+        raise CompareError(f"target accuracy {target_accuracy:g} is not a fraction: give one in (0, 1], e.g. 0.9")
+    figures = [run_figures(item, target_accuracy) for item in records]
+    base = choose_baseline(figures, baseline)
+    rows = []
+    for row in figures:
+        speed_up = row.img_per_s / base.img_per_s if base.img_per_s else None
+        efficiency = speed_up / (row.workers / base.workers) if speed_up is not None else None
+        cost, how = run_cost(row, prices)
+        flags = unfair_because(row, base)
+        rows.append({
+            "run": row.name, "platform": row.platform, "workers": row.workers, "preset": row.preset,
+            "precision": row.precision, "steps": row.steps, "images seen": row.images_seen,
+            "wall time (s)": _round(row.wall_s, 1), "training time (s)": _round(row.training_s, 2),
+            "img/s": _round(row.img_per_s, 2), "img/s per worker": _round(row.img_per_s_per_worker, 2),
+            "input stall": _round(row.input_stall, 4),
+            "val accuracy": _round(row.val_accuracy, 4), "val accuracy (untimed)": _round(row.val_untimed_accuracy, 4),
+            "test accuracy": _round(row.test_accuracy, 4),
+            "test accuracy (untimed)": _round(row.test_untimed_accuracy, 4),
+            f"time to {target_accuracy:g} val (s)": _round(row.time_to_target_s, 1) if row.time_to_target_s
+            is not None else "not reached",
+            "worker-hours": _round(row.worker_hours, 5), "speed-up": _round(speed_up, 3),
+            "efficiency": _round(efficiency, 3),
+            "cost": _round(cost, 4) if cost is not None else how, "cost basis": how if cost is not None else "",
+            "dataset version": row.dataset_version,
+            "comparable": "baseline" if row is base else ("yes" if not flags else "NO: " + "; ".join(flags)),
+        })
+    return Comparison(baseline=base.name, target_accuracy=target_accuracy,
+                      currency=prices.currency if prices else "", rows=rows, figures=figures)
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
+
+
+def render_markdown(comparison: Comparison, charts: dict[str, str] | None = None) -> str:
+    """The comparison for people: the table, the scaling summary, the flags and the charts (data URIs)."""
+    columns = list(comparison.rows[0])
+    lines = [f"# Comparison of {len(comparison.rows)} run(s)", "",
+             f"Baseline: `{comparison.baseline}` (speed-up = img/s / the baseline's; efficiency = speed-up / "
+             f"worker ratio). Target val accuracy {comparison.target_accuracy:g} (without the 200 ms rule)."
+             + (f" Costs in {comparison.currency}." if comparison.currency else ""), "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row[column]) for column in columns) + " |" for row in comparison.rows]
+    flagged = [row for row in comparison.rows if str(row["comparable"]).startswith("NO")]
+    if flagged:
+        lines += ["", "## Not like for like", ""]
+        lines += [f"- `{row['run']}`: {row['comparable'].removeprefix('NO: ')}" for row in flagged]
+    for title, uri in (charts or {}).items():
+        lines += ["", f"## {title}", "", f"![{title}]({uri})"]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None else str(value).replace("|", "\\|")
+
+
+def throughput_chart_png(comparison: Comparison) -> bytes:
+    """Throughput against workers, each run a point, with the ideal line through the baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = next(row for row in comparison.figures if row.name == comparison.baseline)
+    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
+    try:
+        most = max(row.workers for row in comparison.figures)
+        ideal = [base.img_per_s_per_worker * workers for workers in range(1, most + 1)]
+        axes.plot(range(1, most + 1), ideal, linestyle="--", color="grey", label=f"ideal (from {base.name})")
+        for row in comparison.figures:
+            axes.scatter([row.workers], [row.img_per_s], label=row.name, zorder=3)
+        axes.set_xlabel("workers")
+        axes.set_ylabel("images / s")
+        axes.set_title("Throughput vs workers")
+        axes.set_xticks(range(1, most + 1))
+        axes.legend(fontsize=7)
+        return _png(figure)
+    finally:
+        plt.close(figure)
+
+
+def accuracy_chart_png(comparison: Comparison) -> bytes:
+    """Val accuracy (without the 200 ms rule) against wall time, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
+    try:
+        for row in comparison.figures:
+            if row.val_curve:
+                times, accuracies = zip(*row.val_curve, strict=True)
+                axes.plot(times, accuracies, marker="o", label=row.name)
+        axes.axhline(comparison.target_accuracy, linestyle=":", color="grey", label="target")
+        axes.set_xlabel("wall time since the first start (s)")
+        axes.set_ylabel("val accuracy (untimed)")
+        axes.set_title("Val accuracy vs wall time")
+        axes.legend(fontsize=7)
+        return _png(figure)
+    finally:
+        plt.close(figure)
+
+
+def _png(figure: Any) -> bytes:
+    buffer = io.BytesIO()
+    figure.tight_layout()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def figures_record(comparison: Comparison) -> list[dict[str, Any]]:
+    """The raw figures, JSON-safe (``laneflow compare --json``)."""
+    return [asdict(row) for row in comparison.figures]
