@@ -93,6 +93,9 @@ def compare_command(args: argparse.Namespace) -> int:
     except (CompareError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a platform's own failure (a cluster unreachable): one line, not a traceback
+        print(f"error: reading the runs failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(render_markdown(comparison), end="")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

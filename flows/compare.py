@@ -29,7 +29,7 @@ from tasks.compare import (
     render_markdown,
     throughput_chart_png,
 )
-from tasks.names import DNS_LABEL, validate_name
+from tasks.names import DNS_LABEL, MAX_NAME, validate_name
 from tasks.platforms import Platform, VolumeRef, load_platform
 from tasks.report import data_uri
 from tasks.retry import RETRY_POLICY
@@ -43,7 +43,8 @@ class RunRef(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, description="a run (train-1a2b3c4d5e6f) or a snapshot")
+    name: str = Field(min_length=1, max_length=MAX_NAME, pattern=DNS_LABEL.pattern,
+                      description="a run (train-1a2b3c4d5e6f) or a snapshot")
     volume: str = Field(DEFAULT_VOLUME, pattern=DNS_LABEL.pattern, description="the run's volume (a snapshot "
                                                                               "knows its own)")
     platform: str = Field("local", min_length=1, description="platform block name")
@@ -82,6 +83,10 @@ def read_run_records(ref: RunRef) -> RunRecords:
     try:
         metrics = _read(platform, ref, snapshot, volume, f"runs/{run}/metrics.jsonl").decode()
     except FileNotFoundError:
+        if snapshot is not None:
+            raise CompareError(f"{ref.label()}: the snapshot's run '{run}' has no metrics.jsonl on volume "
+                               f"'{volume}' (this platform reads a snapshot's files on its volume): restore the "
+                               "snapshot (laneflow restore) and compare NEW-VOLUME/RUN") from None
         raise CompareError(f"{ref.label()}: no snapshot of that name on platform '{ref.platform}' and no run "
                            f"'{run}' with a metrics.jsonl on volume '{volume}' (runs are named like "
                            "train-1a2b3c4d5e6f; give the volume as VOLUME/RUN)") from None
@@ -90,8 +95,8 @@ def read_run_records(ref: RunRef) -> RunRecords:
             lineage = json.loads(_read(platform, ref, None, volume, f"runs/{run}/lineage.json"))
         except FileNotFoundError:
             raise CompareError(f"{ref.label()}: run '{run}' on volume '{volume}' has no lineage.json: it did not "
-                               "finish (a failed or pruned run), or it ran before laneflow recorded one; "
-                               "compare its snapshot instead") from None
+                               "finish (a failed run, or a sweep trial its pruner stopped: those keep none), or "
+                               "it ran before laneflow recorded one") from None
         except json.JSONDecodeError as exc:
             raise CompareError(f"{ref.label()}: runs/{run}/lineage.json is not JSON ({exc.msg})") from None
     return RunRecords(name=ref.label(), lineage=lineage, events=parse_events(metrics, ref.label()))
@@ -105,11 +110,13 @@ def read_run_records_task(ref: RunRef) -> RunRecords:
 def read_all(refs: list[RunRef], read: Any = read_run_records) -> list[RunRecords]:
     """Every run's records; all that are missing named in one error, before anything is published."""
     found, problems = [], []
+    labels = [ref.label() for ref in refs]
+    problems += [f"{label}: named more than once" for label in sorted(set(labels)) if labels.count(label) > 1]
     for ref in refs:
         try:
             found.append(read(ref))
-        except CompareError as exc:
-            problems.append(str(exc))
+        except (CompareError, ValueError) as exc:  # ValueError: a volume or platform name that cannot be one
+            problems.append(str(exc) if isinstance(exc, CompareError) else f"{ref.label()}: {exc}")
     if problems:
         raise CompareError("cannot compare: " + " | ".join(problems))
     return found

@@ -8,16 +8,18 @@ as README "Compare runs" gives them:
 - *images seen*: every image the trainer fed the model, over all attempts (a resumed run repeats the
   steps after its checkpoint); each ``step`` event covers the steps since the one before it in its attempt,
   ``batch_size x world_size`` images a step.
-- *training time*: the time inside those windows, ``images / img_per_s`` each (the trainer's own clock:
-  val scoring is outside it, checkpoints inside).
+- *training time*: the time inside those windows, each event's ``seconds`` (the trainer's own clock: val
+  scoring is outside it, checkpoints and epoch ends inside).
 - *throughput*: images seen / training time, in all and per worker; *input stall*: the share of training
   time spent waiting for data, weighted by window.
-- *wall time*: first ``start`` to the last recorded event, restarts included: what the run took.
+- *wall time*: first ``start`` to the last recorded event, restarts included: what the run took once its
+  processes ran (their start-up, and a pod's scheduling and image pull, are before it).
 - *time to target*: from the first ``start`` to the first val score (``eval_every`` or the trainer's final
   val evaluation) whose accuracy without the 200 ms rule reaches the target. The untimed score, because
   it measures what the model learned whatever the machine's speed, as model selection does.
-- *worker-hours*: workers x wall time; *speed-up*: throughput / the baseline's; *efficiency*: speed-up /
-  (workers / the baseline's workers), as the seed's 1-GPU vs 3-GPU comparison reads.
+- *worker-hours*: workers x wall time; *speed-up*: throughput / the baseline's (for runs that do the same
+  work, the ratio of their training times, as the seed's 1-GPU vs 3-GPU comparison reads); *efficiency*:
+  speed-up / (workers / the baseline's workers).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class RunFigures:
     val_untimed_accuracy: float | None
     test_accuracy: float | None
     test_untimed_accuracy: float | None
-    time_to_target_s: float | None
+    time_to_target_s: float | str | None
     worker_hours: float | None
     service_level: str | None
     quota_tib: float | None
@@ -131,7 +133,9 @@ def training_windows(events: list[dict[str, Any]], batch_size: int) -> list[tupl
                 continue
             images = (int(event["step"]) - previous) * batch_size * world
             previous = int(event["step"])
-            windows.append((images, images / float(event["img_per_s"]), float(event.get("input_stall") or 0.0)))
+            # The trainer's own clock for the window; a run from before it recorded one: its images at its rate.
+            seconds = float(event["seconds"]) if "seconds" in event else images / float(event["img_per_s"])
+            windows.append((images, seconds, float(event.get("input_stall") or 0.0)))
     return windows
 
 
@@ -172,7 +176,9 @@ def run_figures(records: RunRecords, target_accuracy: float) -> RunFigures:
     metrics = lineage.get("metrics") or {}
     on_test = metrics.get("split") == "test"
     points = val_points(events)
-    reached = next((at for at, untimed, _ in points if untimed >= target_accuracy), None)
+    reached: float | str | None = next((at for at, untimed, _ in points if untimed >= target_accuracy), None)
+    if "time" not in starts[0]:
+        reached = "no time stamps"  # a run from before events carried their time
     level = lineage.get("service_level") or {}
     steps = [int(event["step"]) for event in events if event.get("event") in ("step", "eval", "stopped")
              and "step" in event]
@@ -279,8 +285,8 @@ def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: s
             "val accuracy": _round(row.val_accuracy, 4), "val accuracy (untimed)": _round(row.val_untimed_accuracy, 4),
             "test accuracy": _round(row.test_accuracy, 4),
             "test accuracy (untimed)": _round(row.test_untimed_accuracy, 4),
-            f"time to {target_accuracy:g} val (s)": _round(row.time_to_target_s, 1) if row.time_to_target_s
-            is not None else "not reached",
+            f"time to {target_accuracy:g} val (s)": _round(row.time_to_target_s, 1)
+            if isinstance(row.time_to_target_s, float) else (row.time_to_target_s or "not reached"),
             "worker-hours": _round(row.worker_hours, 5), "speed-up": _round(speed_up, 3),
             "efficiency": _round(efficiency, 3),
             "cost": _round(cost, 4) if cost is not None else how, "cost basis": how if cost is not None else "",

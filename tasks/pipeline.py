@@ -190,10 +190,15 @@ def demote_service_level(platform: Platform, volume: VolumeRef, previous: str | 
 def read_service_level(platform: Platform, volume: VolumeRef, home: str | None) -> dict[str, Any] | None:
     """The level the volume trained on, with its home level and quota, for the run's lineage (what a
     comparison bills); None where service levels do not apply."""
-    level = platform.current_service_level(volume)
+    try:
+        level = platform.current_service_level(volume)
+        limits = platform.service_level_limits(volume) if level is not None else None
+    except Exception as exc:  # a record for a report: it never fails a run that trained
+        get_run_logger().warning("could not read the service level of %s for the run's lineage (%s); a "
+                                 "comparison will not bill its storage", volume.name, exc)
+        return None
     if level is None:
         return None
-    limits = platform.service_level_limits(volume)
     return {"training": level, "home": home or level, "quota_tib": limits[0] if limits else None}
 
 

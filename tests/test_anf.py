@@ -195,6 +195,14 @@ def test_promoted_for_training_demoted_after_and_snapshotted_through_anf(
         assert refs[0].lineage["created_at"] and lineage["ready"] is True
         with pytest.raises(ValueError, match="is an ANF snapshot"):
             platform.restore_snapshot(result["snapshot"], "restored")
+        # compare reads the cluster run's own records on its volume and bills its storage at Premium.
+        from flows.compare import RunRef, compare_runs
+        from tasks.compare import Prices
+
+        prices = Prices(worker_hour={"emu-anf-ok": 3.0}, tib_hour={"Premium": 0.4})
+        (row,) = compare_runs(runs=[RunRef(name=result["snapshot"], platform="emu-anf-ok")], prices=prices)
+        assert row["workers"] == 2 and row["steps"] == result["steps"] and "TiB-h Premium x 0.4" in row["cost basis"]
+    assert lineage["service_level"] == {"training": "Premium", "home": "Standard", "quota_tib": 2.0}
     assert pool_changes(state) == 2 and state.volumes["tusimple"]["pool"] == "pool-standard"
     assert list(state.snapshots) == [result["snapshot"]] == listed
     assert lineage["run"] == result["run"] and lineage["dataset_version"] == result["dataset_version"]

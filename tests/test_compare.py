@@ -62,9 +62,11 @@ def recomputed(home: Path, run: str) -> dict:
         elif event["event"] == "step":
             window = (event["step"] - last_step) * batch * world
             last_step = event["step"]
+            # The trainer's rate is over exactly the steps since its last event: its windows cover every step.
+            assert math.isclose(event["img_per_s"] * event["seconds"], window, rel_tol=1e-3), event
             images += window
-            seconds += window / event["img_per_s"]
-            stalled += event["input_stall"] * window / event["img_per_s"]
+            seconds += event["seconds"]
+            stalled += event["input_stall"] * event["seconds"]
     first = next(e for e in events if e["event"] == "start")["time"]
     wall = max(e["time"] for e in events) - first
     scores = [e for e in events if e["event"] == "val" or (e["event"] == "eval" and e.get("split") == "val")]
@@ -93,7 +95,8 @@ def test_the_compare_flow_publishes_figures_recomputed_from_each_runs_records(
         mine = recomputed(home, runs[key]["run"])
         throughput = mine["images"] / mine["seconds"]
         assert row["workers"] == mine["world"] == (1 if key == "one" else 2)
-        assert row["images seen"] == mine["images"] and row["steps"] == runs[key]["steps"]
+        assert row["images seen"] == mine["images"] == runs[key]["steps"] * 2 * mine["world"]  # batch 2, no resume
+        assert row["steps"] == runs[key]["steps"] and row["training time (s)"] <= row["wall time (s)"]
         assert math.isclose(row["training time (s)"], mine["seconds"], abs_tol=0.01)
         assert math.isclose(row["img/s"], throughput, rel_tol=1e-3)
         assert math.isclose(row["img/s per worker"], throughput / mine["world"], rel_tol=1e-3)

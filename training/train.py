@@ -479,10 +479,12 @@ def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | 
     sampler = ResumableDistributedSampler(dataset, dist.size, dist.rank, config.seed, step % per_epoch,
                                           config.batch_size)
     loader = make_loader(dataset, config.batch_size, sampler, config.num_workers, device.type == "cuda")
+    # A step event's window runs from the event before it, across epoch ends (their checkpoint and the
+    # loader's restart are training time too): summed, the windows cover every step of the attempt.
+    window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
     while step < total_steps:
         epoch = step // per_epoch
         sampler.set_epoch(epoch)
-        window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
         fetch_start = time.perf_counter()
         for images, masks, exist in loader:
             waited += time.perf_counter() - fetch_start
@@ -501,7 +503,7 @@ def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | 
                 elapsed = time.perf_counter() - window_start
                 record("step", step=step, epoch=epoch, loss=dist.average(sum(losses) / len(losses), "loss"),
                        lr=optimizer.param_groups[0]["lr"], img_per_s=images_seen * dist.size / elapsed,
-                       input_stall=waited / elapsed, **parts)
+                       input_stall=waited / elapsed, seconds=round(elapsed, 6), **parts)
                 window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
             if config.eval_every and step % config.eval_every == 0 and step < total_steps:
                 scoring_started = time.perf_counter()

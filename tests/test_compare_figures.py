@@ -1,0 +1,97 @@
+"""The comparison's rules on hand-made records: a resumed run, storage billed at its service level, prices
+that are missing, the flags, the baseline and bad input. (tests/test_compare.py: real runs end to end.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.compare import CompareError, Prices, RunRecords, compare, parse_events, run_figures
+
+
+def records(name: str, *, workers: int = 1, batch: int = 2, preset: str = "cpu-demo", version: str = "v1",
+            platform: str = "local", service_level: dict | None = None, resumed: bool = False) -> RunRecords:
+    """A run of 20 steps logged every 10 at 8 img/s, val scored at step 10 (0.4) and at the end (0.8); with
+    ``resumed`` its first attempt died after step 10, 100 s went by, and the second started from step 5."""
+    t0 = 1_000.0
+    events = [{"event": "start", "step": 0, "world_size": workers, "precision": "fp32", "time": t0},
+              {"event": "step", "step": 10, "img_per_s": 8.0, "input_stall": 0.25, "time": t0 + 10},  # no seconds
+              {"event": "val", "step": 10, "accuracy": 0.1, "untimed_accuracy": 0.4, "time": t0 + 11}]
+    if resumed:
+        t0 += 100
+        events.append({"event": "start", "step": 5, "world_size": workers, "precision": "fp32", "time": t0})
+    events += [{"event": "step", "step": 20, "img_per_s": 4.0, "input_stall": 0.5, "seconds": 15.0 if resumed
+                else 2.5 * workers * batch, "time": t0 + 20},
+               {"event": "eval", "split": "val", "accuracy": 0.2, "untimed_accuracy": 0.8, "time": t0 + 22}]
+    lineage = {"run": name, "platform": platform, "volume": "v", "dataset_version": version,
+               "parameters": {"batch_size": batch, "preset": preset, "workers": workers},
+               "training": {"trainer_eval": {"accuracy": 0.2, "untimed_accuracy": 0.8}},
+               "metrics": {"split": "test", "accuracy": 0.15, "untimed_accuracy": 0.7},
+               "service_level": service_level}
+    return RunRecords(name=name, lineage=lineage, events=events)
+
+
+def test_a_resumed_run_counts_every_image_it_fed_and_the_time_it_was_down() -> None:
+    figures = run_figures(records("r", workers=2, resumed=True), target_accuracy=0.5)
+    # Windows: steps 0-10 (10 x 2 x 2 = 40 images at 8/s: 5 s), 5-20 after the restart (60 images at 4/s: 15 s).
+    assert figures.images_seen == 100 and math.isclose(figures.training_s, 20.0)
+    assert math.isclose(figures.img_per_s, 5.0) and math.isclose(figures.img_per_s_per_worker, 2.5)
+    assert math.isclose(figures.input_stall, (0.25 * 5 + 0.5 * 15) / 20)
+    assert math.isclose(figures.wall_s, 122.0)  # first start to the last event, the 100 s down included
+    assert figures.time_to_target_s == pytest.approx(122.0)  # 0.4 at step 10 is short of 0.5; the end reaches it
+    assert figures.val_curve == [(11.0, 0.4), (122.0, 0.8)]
+    assert math.isclose(figures.worker_hours, 2 * 122 / 3600)
+    assert (figures.val_untimed_accuracy, figures.test_untimed_accuracy, figures.steps) == (0.8, 0.7, 20)
+
+
+def test_storage_is_billed_at_the_level_the_volume_trained_on_and_a_missing_price_is_named() -> None:
+    premium = {"training": "Premium", "home": "Standard", "quota_tib": 2.0}
+    prices = Prices(worker_hour={"gpu": 3.0}, tib_hour={"Premium": 0.4})
+    (row,) = compare([records("anf", platform="gpu", service_level=premium)], prices=prices).rows
+    wall_h = 22 / 3600
+    assert math.isclose(row["cost"], round(wall_h * 3.0 + 2.0 * wall_h * 0.4, 4))
+    assert "worker-h x 3" in row["cost basis"] and "TiB-h Premium x 0.4" in row["cost basis"]
+    ultra = {**premium, "training": "Ultra"}
+    (row,) = compare([records("anf", platform="gpu", service_level=ultra)], prices=prices).rows
+    assert row["cost"] == "no tib_hour price for service level 'Ultra'"
+    (row,) = compare([records("elsewhere", platform="other")], prices=prices).rows
+    assert row["cost"] == "no worker_hour price for platform 'other'"
+    (row,) = compare([records("free")]).rows
+    assert row["cost"] == "no prices given" and row["cost basis"] == ""
+
+
+def test_runs_that_differ_from_the_baseline_are_compared_and_flagged_naming_each_difference() -> None:
+    runs = [records("big", workers=2, preset="tusimple", batch=4, version="v2"), records("small")]
+    comparison = compare(runs)
+    assert comparison.baseline == "small"  # the fewest workers, wherever it is listed
+    big, small = comparison.rows
+    assert small["comparable"] == "baseline"
+    assert big["comparable"] == ("NO: dataset version v2 (baseline small: v1); preset tusimple (baseline small: "
+                                 "cpu-demo); batch size per worker 4 (baseline small: 2)")
+    assert big["speed-up"] is not None  # still compared
+    assert compare(runs, baseline="big").baseline == "big"
+    with pytest.raises(CompareError, match=r"baseline 'gone' is not among the compared runs \(big, small\)"):
+        compare(runs, baseline="gone")
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(CompareError, match=r"r: metrics\.jsonl line 2 is not JSON"):
+        parse_events('{"event": "start"}\n{"event": \n', "r")
+    with pytest.raises(CompareError, match="no start event"):
+        run_figures(RunRecords("r", {"parameters": {"batch_size": 2}}, [{"event": "step", "step": 1}]), 0.5)
+    with pytest.raises(CompareError, match="target accuracy 90 is not a fraction"):
+        compare([records("r")], target_accuracy=90)
+    with pytest.raises(CompareError, match="nothing to compare"):
+        compare([])
+    with pytest.raises(ValidationError, match="gpu_hour"):
+        Prices.model_validate({"gpu_hour": {"local": 1.0}})
+
+
+def test_a_run_from_before_events_had_times_takes_its_launchers_duration_and_says_it_has_no_stamps() -> None:
+    old = records("old")
+    events = [{key: value for key, value in event.items() if key != "time"} for event in old.events]
+    lineage = {**old.lineage, "training": {**old.lineage["training"], "duration_s": 30.0}}
+    (row,) = compare([RunRecords("old", lineage, events)], target_accuracy=0.5).rows
+    assert row["wall time (s)"] == 30.0 and row["time to 0.5 val (s)"] == "no time stamps"
