@@ -95,3 +95,19 @@ def test_a_run_from_before_events_had_times_takes_its_launchers_duration_and_say
     lineage = {**old.lineage, "training": {**old.lineage["training"], "duration_s": 30.0}}
     (row,) = compare([RunRecords("old", lineage, events)], target_accuracy=0.5).rows
     assert row["wall time (s)"] == 30.0 and row["time to 0.5 val (s)"] == "no time stamps"
+
+
+def test_prices_come_from_the_prefect_variable_when_the_flow_is_given_none(prefect_server: dict) -> None:
+    from prefect.variables import Variable
+
+    from flows.compare import PRICES_VARIABLE, prices_setting
+
+    try:
+        assert prices_setting() is None
+        Variable.set(PRICES_VARIABLE, {"currency": "EUR", "worker_hour": {"local": 1.5}}, overwrite=True)
+        assert prices_setting() == Prices(currency="EUR", worker_hour={"local": 1.5})
+        Variable.set(PRICES_VARIABLE, {"worker_hours": {"local": 1.5}}, overwrite=True)
+        with pytest.raises(CompareError, match=r"variable laneflow-prices is not a price list: (.|\n)*worker_hours"):
+            prices_setting()
+    finally:
+        Variable.unset(PRICES_VARIABLE)

@@ -148,6 +148,9 @@ class ClusterPlatform(Platform):
     prepare_deadline_s: float = Field(12 * 3600, gt=0, description="the dataset stage's deadline: past it the "
                                                                    "prepare Job is deleted and the stage fails")
     api_attempts: int = Field(6, ge=1, description="tries per API call on 429/5xx/connection errors")
+    api_retry_delay_s: float = Field(0.5, gt=0, le=30, description="first wait before trying a failed API call "
+                                                                  "again; it doubles each time, up to 30 s (a "
+                                                                  "429's Retry-After wins)")
     api_timeout_s: float = Field(120.0, gt=0, description="an API call unanswered this long fails and is tried "
                                                           "again (connecting: at most 30 s)")
     snapshotter: Literal["csi", "anf"] = Field(
@@ -217,7 +220,7 @@ class ClusterPlatform(Platform):
 
     def _call(self, verb: str, resource: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """One API call with retries on 429 (Retry-After), 5xx and connection errors; 403 names the permission."""
-        delay = 0.5
+        delay = self.api_retry_delay_s
         for attempt in range(1, self.api_attempts + 1):
             try:
                 return fn(*args, **kwargs)
