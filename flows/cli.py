@@ -75,16 +75,8 @@ def compare_command(args: argparse.Namespace) -> int:
     """Print the comparison's table (and flags); ``--out`` also writes the charts and the figures."""
     import json
 
-    from flows.compare import RunRef, charts, read_all
-    from tasks.compare import (
-        CompareError,
-        Prices,
-        accuracy_chart_png,
-        compare,
-        figures_record,
-        render_markdown,
-        throughput_chart_png,
-    )
+    from flows.compare import RunRef, chart_pngs, charts, read_all
+    from tasks.compare import CompareError, Prices, compare, figures_record, render_markdown
 
     try:
         refs = [RunRef.parse(text, volume=args.volume, platform=args.platform) for text in args.runs]
@@ -99,9 +91,10 @@ def compare_command(args: argparse.Namespace) -> int:
     print(render_markdown(comparison), end="")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "throughput.png").write_bytes(throughput_chart_png(comparison))
-        (args.out / "accuracy.png").write_bytes(accuracy_chart_png(comparison))
-        (args.out / "compare.md").write_text(render_markdown(comparison, charts(comparison)))
+        pngs = chart_pngs(comparison)  # drawn once: the files and the report's data URIs
+        for name, png in zip(("throughput.png", "accuracy.png"), pngs.values(), strict=True):
+            (args.out / name).write_bytes(png)
+        (args.out / "compare.md").write_text(render_markdown(comparison, charts(pngs)))
         (args.out / "figures.json").write_text(json.dumps({"rows": comparison.rows,
                                                            "figures": figures_record(comparison)}, indent=1))
         print(f"\ncharts, report and figures in {args.out}")

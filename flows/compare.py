@@ -62,7 +62,7 @@ class RunRef(BaseModel):
         return self.name if self.platform == "local" else f"{self.platform}:{self.name}"
 
 
-def _read(platform: Platform, ref: RunRef, snapshot: str | None, volume: str, path: str) -> bytes:
+def _read(platform: Platform, snapshot: str | None, volume: str, path: str) -> bytes:
     """A run file from the snapshot's own copy when it is one (and readable here), else from the volume."""
     if snapshot is not None:
         try:
@@ -81,7 +81,7 @@ def read_run_records(ref: RunRef) -> RunRecords:
     except KeyError:
         lineage, snapshot, run, volume = None, None, ref.name, validate_name(ref.volume, "volume")
     try:
-        metrics = _read(platform, ref, snapshot, volume, f"runs/{run}/metrics.jsonl").decode()
+        metrics = _read(platform, snapshot, volume, f"runs/{run}/metrics.jsonl").decode()
     except FileNotFoundError:
         if snapshot is not None:
             raise CompareError(f"{ref.label()}: the snapshot's run '{run}' has no metrics.jsonl on volume "
@@ -92,7 +92,7 @@ def read_run_records(ref: RunRef) -> RunRecords:
                            "train-1a2b3c4d5e6f; give the volume as VOLUME/RUN)") from None
     if lineage is None:
         try:
-            lineage = json.loads(_read(platform, ref, None, volume, f"runs/{run}/lineage.json"))
+            lineage = json.loads(_read(platform, None, volume, f"runs/{run}/lineage.json"))
         except FileNotFoundError:
             raise CompareError(f"{ref.label()}: run '{run}' on volume '{volume}' has no lineage.json: it did not "
                                "finish (a failed run, or a sweep trial its pruner stopped: those keep none), or "
@@ -133,9 +133,15 @@ def prices_setting() -> Prices | None:
         raise CompareError(f"Prefect variable {PRICES_VARIABLE} is not a price list: {exc}") from None
 
 
-def charts(comparison: Comparison) -> dict[str, str]:
-    return {"Throughput vs workers": data_uri(throughput_chart_png(comparison), "image/png"),
-            "Val accuracy vs wall time": data_uri(accuracy_chart_png(comparison), "image/png")}
+def chart_pngs(comparison: Comparison) -> dict[str, bytes]:
+    """The report's charts by title, as PNG."""
+    return {"Throughput vs workers": throughput_chart_png(comparison),
+            "Val accuracy vs wall time": accuracy_chart_png(comparison)}
+
+
+def charts(pngs: dict[str, bytes]) -> dict[str, str]:
+    """The charts as data URIs, for the markdown report."""
+    return {title: data_uri(png, "image/png") for title, png in pngs.items()}
 
 
 @flow(name="compare")
@@ -157,7 +163,7 @@ def compare_runs(runs: Annotated[list[RunRef], Field(min_length=1)],
     comparison = compare(records, target_accuracy, baseline, chosen)
     create_table_artifact(table=comparison.rows, key="compare",
                           description=f"{len(records)} run(s) against {comparison.baseline}")
-    create_markdown_artifact(markdown=render_markdown(comparison, charts(comparison)), key="compare-report",
+    create_markdown_artifact(markdown=render_markdown(comparison, charts(chart_pngs(comparison))), key="compare-report",
                              description="scaling, cost, flags and charts of the comparison")
     for row in comparison.rows:
         logger.info("%s: %s worker(s), %s img/s, speed-up %s, efficiency %s, cost %s; %s", row["run"],

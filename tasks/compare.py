@@ -53,9 +53,6 @@ class Prices(BaseModel):
     tib_hour: dict[str, float] = Field(default_factory=dict, description="price of one TiB of volume quota for "
                                                                          "one hour, by service level")
 
-    def for_workers(self, platform: str) -> float | None:
-        return self.worker_hour.get(platform)
-
 
 @dataclass(frozen=True)
 class RunRecords:
@@ -236,7 +233,7 @@ def run_cost(row: RunFigures, prices: Prices | None) -> tuple[float | None, str]
         return None, NO_PRICES
     if row.worker_hours is None:
         return None, "no wall time recorded"
-    worker_price = prices.for_workers(row.platform)
+    worker_price = prices.worker_hour.get(row.platform)
     if worker_price is None:
         return None, f"no worker_hour price for platform {row.platform!r}"
     cost, how = row.worker_hours * worker_price, [f"{row.worker_hours:.4f} worker-h x {worker_price:g}"]

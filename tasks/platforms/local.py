@@ -86,11 +86,7 @@ class LocalPlatform(Platform):
         return self.home_dir() / "volumes" / validate_name(name, "volume")
 
     def _inside(self, volume: VolumeRef, relative: str) -> Path:
-        base = self.volume_path(volume)
-        path = (base / relative).resolve()
-        if path != base and base not in path.parents:
-            raise ValueError(f"path '{relative}' leaves volume '{volume.name}'")
-        return path
+        return _within(self.volume_path(volume), relative, f"volume '{volume.name}'")
 
     def _python(self) -> str:
         return self.python or sys.executable
@@ -322,8 +318,8 @@ class LocalPlatform(Platform):
 
     def read_snapshot_file(self, name: str, relative_path: str) -> bytes:
         content = self._snapshots_dir() / validate_name(name, "snapshot") / "content"
-        path = (content / relative_path).resolve()
-        if content.resolve() not in path.parents or not path.is_file():
+        path = _within(content.resolve(), relative_path, f"snapshot '{name}'")
+        if not path.is_file():
             raise FileNotFoundError(f"{relative_path} is not in snapshot '{name}' ({content})")
         return path.read_bytes()
 
@@ -336,6 +332,14 @@ class LocalPlatform(Platform):
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+
+def _within(base: Path, relative: str, what: str) -> Path:
+    """``base / relative`` resolved, refused when it leaves ``base`` (``..``, an absolute path, a link)."""
+    path = (base / relative).resolve()
+    if path != base and base not in path.parents:
+        raise ValueError(f"path '{relative}' leaves {what}")
+    return path
+
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
