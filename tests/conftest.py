@@ -161,7 +161,7 @@ def emulator(tmp_path: Path) -> Iterator[tuple]:
     """An emulated Kubernetes cluster whose pods really run (tests/cluster), or a skip saying why not here:
     (the emulator, its Cluster state)."""
     from tests.cluster.runtime import pod_runtime_missing
-    from tests.k8s_emulator import KubernetesEmulator
+    from tests.cluster import KubernetesEmulator
 
     if missing := pod_runtime_missing():
         pytest.skip(missing)

@@ -25,7 +25,7 @@ from tasks.processes import running
 from tests.arm_emulator import TOKEN, Arm, ArmEmulator
 from tests.cluster.runtime import pod_runtime_missing
 from tests.conftest import PROJECT_ROOT
-from tests.k8s_emulator import KubernetesEmulator
+from tests.cluster import KubernetesEmulator
 from tests.test_cluster_platform import cluster_platform
 from tests.test_pipeline import params_for
 

@@ -23,7 +23,7 @@ from tests.cluster.network import node_address
 from tests.cluster.runtime import memory_limits_missing
 from tests.conftest import PROJECT_ROOT
 from tests.http_server import Fault, RunningServer
-from tests.k8s_emulator import KubernetesEmulator
+from tests.cluster import KubernetesEmulator
 from tests.test_cluster_platform import DATA_IMAGE, TRAIN_IMAGE, client_apis, cluster_platform, spec_for
 from training.data.sources import Artifact
 

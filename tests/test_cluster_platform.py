@@ -27,7 +27,7 @@ from flows.train import train_pipeline
 from tasks.names import InvalidName
 from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
 from tests.conftest import PROJECT_ROOT
-from tests.k8s_emulator import Cluster, Fault, KubernetesEmulator
+from tests.cluster import Cluster, Fault, KubernetesEmulator
 from tests.test_pipeline import params_for
 from training.data.sources import Artifact
 

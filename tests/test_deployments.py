@@ -218,7 +218,7 @@ def test_cancelling_a_cluster_run_that_promoted_its_volume_stops_the_mpijob_and_
     from prefect.states import Cancelling
 
     from tests.cluster.runtime import pod_runtime_missing
-    from tests.k8s_emulator import KubernetesEmulator
+    from tests.cluster import KubernetesEmulator
     from tests.test_cluster_platform import cluster_platform
     from tests.test_pipeline import params_for
 

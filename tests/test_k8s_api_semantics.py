@@ -15,7 +15,7 @@ import kubernetes
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from tests.k8s_emulator import JOB_DELETE_WARNING
+from tests.cluster import JOB_DELETE_WARNING
 from tests.test_cluster_platform import DATA_IMAGE, client_apis, cluster_platform
 
 #: A container that takes 10 s to stop on SIGTERM, so a deletion's grace period is observable on any load.

@@ -1,2 +1,5 @@
-"""The emulated cluster's node side: images read from the project's Dockerfiles and a pod runtime that runs
-each container's real command in namespaces of its own (``images``, ``runtime``, ``podinit``)."""
+"""The emulated Kubernetes cluster: tests import it from here (``from tests.cluster import KubernetesEmulator``)."""
+
+from tests.k8s_emulator import JOB_DELETE_WARNING, Cluster, Fault, KubernetesEmulator
+
+__all__ = ["JOB_DELETE_WARNING", "Cluster", "Fault", "KubernetesEmulator"]
