@@ -1,7 +1,7 @@
 """An in-process Kubernetes API server on 127.0.0.1 that also plays the controllers, for contract tests.
 
 It speaks the REST paths the real ``kubernetes`` client uses and is as strict as the real server
-(``tests/k8s_schemas.py``): every object is checked against the published schemas and refused the way
+(``tests/cluster/admission.py``): every object is checked against the published schemas and refused the way
 the API server refuses it, unknown fields are dropped with a warning (or refused under
 ``fieldValidation=Strict``), MPIJob CRD defaults are stored, and — when RBAC is loaded — every request
 is authorized against the Roles and ClusterRoles bound to the caller's service account.
@@ -32,7 +32,7 @@ The controllers behave as their upstream source says (each model cites the file 
   gone), Background, Orphan; a batch/v1 Job's default is Orphan, with the API server's warning; a pod
   whose container runs stays, ``deletionTimestamp`` set, until the kubelet stopped it. The
   TTL-after-finished controller deletes finished Jobs (``Cluster.advance`` moves its clock).
-- Updates (``tests/k8s_updates.py``): PATCH by media type (JSON, merge, strategic merge; apply needs a
+- Updates (``tests/cluster/updates.py``): PATCH by media type (JSON, merge, strategic merge; apply needs a
   field manager; 415 for the rest and for strategic merge of custom resources), PUT with optimistic
   concurrency, immutable fields refused, PVC resize only where the class allows it.
 - The kubelet: volumes before the image (``FailedMount`` for a missing Secret/ConfigMap or a refused NFS
@@ -74,6 +74,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests.cluster.admission import (
+    Rejection,
+    apply_crd_defaults,
+    check,
+    invalid,
+    invalid_status,
+    not_supported,
+    required,
+)
 from tests.cluster.network import PodNetwork
 from tests.cluster.runtime import (
     ContainerProcess,
@@ -89,8 +98,7 @@ from tests.cluster.runtime import (
     stage_files,
 )
 from tests.cluster.runtime import start as start_container
-from tests.k8s_schemas import Rejection, apply_crd_defaults, check, invalid, invalid_status, not_supported, required
-from tests.k8s_updates import apply_patch, check_update
+from tests.cluster.updates import apply_patch, check_update
 from tests.leaks import MARKER as SESSION_MARKER
 
 #: The emulated cluster's one node.
@@ -433,7 +441,7 @@ class _Handler(BaseHTTPRequestHandler):
         if denied:
             self._send(403, denied)
             return
-        try:  # a PATCH body is read by its media type (k8s_updates.apply_patch), after that is checked
+        try:  # a PATCH body is read by its media type (updates.apply_patch), after that is checked
             body = json.loads(raw) if raw and method != "PATCH" else None
         except json.JSONDecodeError:
             self._send(400, _status_body(400, "BadRequest", "the request body is not valid JSON"))

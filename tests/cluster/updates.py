@@ -1,4 +1,4 @@
-"""How the Kubernetes API server changes an existing object, for the emulator in ``tests/k8s_emulator.py``:
+"""How the Kubernetes API server changes an existing object, for the emulated API server (``tests/cluster``):
 PATCH by media type, and the fields an update may not change.
 
 PATCH (apiserver ``pkg/endpoints/handlers/patch.go`` ``PatchResource``, ``installer.go``; apimachinery
@@ -32,7 +32,7 @@ from functools import cache
 from importlib.resources import files
 from typing import Any
 
-from tests.k8s_schemas import K8S_VERSION, Cause, Rejection, bad_request, invalid, invalid_status, quantity_value
+from tests.cluster.admission import K8S_VERSION, Cause, Rejection, bad_request, invalid, invalid_status, quantity_value
 
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -227,7 +227,7 @@ def strategic_merge(target: Any, patch: Any, schema: dict) -> Any:
             continue
         if key.startswith("$"):
             raise bad_request(f"strategic merge directive {key} is not modelled by the emulator "
-                              "(tests/k8s_updates.py); the real API server applies it")
+                              "(tests/cluster/updates.py); the real API server applies it")
         field_schema = properties.get(key) or {}
         if value is None:
             result.pop(key, None)
@@ -260,7 +260,7 @@ def _merge_list(current: list, patch: list, schema: dict) -> list:
             continue
         if "$patch" in item:
             raise bad_request(f"strategic merge directive $patch: {item['$patch']} in a list item is not modelled "
-                              "by the emulator (tests/k8s_updates.py)")
+                              "by the emulator (tests/cluster/updates.py)")
         if position is None:
             merged.append(copy.deepcopy(item))
         else:
