@@ -160,8 +160,8 @@ def laneflow_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def emulator(tmp_path: Path) -> Iterator[tuple]:
     """An emulated Kubernetes cluster whose pods really run (tests/cluster), or a skip saying why not here:
     (the emulator, its Cluster state)."""
-    from tests.cluster.runtime import pod_runtime_missing
     from tests.cluster import KubernetesEmulator
+    from tests.cluster.runtime import pod_runtime_missing
 
     if missing := pod_runtime_missing():
         pytest.skip(missing)
@@ -174,7 +174,7 @@ def emulator(tmp_path: Path) -> Iterator[tuple]:
 def arm(tmp_path: Path) -> Iterator[tuple]:
     """The ARM emulator with a NetApp account of three pools and a 2 TiB volume ``tusimple`` on Standard:
     (the emulator, its state)."""
-    from tests.arm_emulator import ArmEmulator
+    from tests.azure import ArmEmulator
 
     emulator = ArmEmulator(tmp_path / "arm")
     with emulator as state:

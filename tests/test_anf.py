@@ -22,10 +22,10 @@ from tasks.anf import AnfError, AnfVolume
 from tasks.pipeline import home_level_key
 from tasks.platforms import VolumeRef
 from tasks.processes import running
-from tests.arm_emulator import TOKEN, Arm, ArmEmulator
+from tests.azure import TOKEN, Arm, ArmEmulator
+from tests.cluster import KubernetesEmulator
 from tests.cluster.runtime import pod_runtime_missing
 from tests.conftest import PROJECT_ROOT
-from tests.cluster import KubernetesEmulator
 from tests.test_cluster_platform import cluster_platform
 from tests.test_pipeline import params_for
 
