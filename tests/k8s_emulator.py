@@ -74,16 +74,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.admission import (
-    Rejection,
-    apply_crd_defaults,
-    check,
-    invalid,
-    invalid_status,
-    not_supported,
-    required,
-)
+from tests.cluster.admission import apply_crd_defaults, check
+from tests.cluster.apierrors import Rejection, invalid, invalid_status, not_supported, required
 from tests.cluster.network import PodNetwork
+from tests.cluster.quantities import quantity_bytes
 from tests.cluster.runtime import (
     ContainerProcess,
     ImageRegistry,
@@ -93,7 +87,6 @@ from tests.cluster.runtime import (
     container_spec,
     hosts_file,
     memory_limits_missing,
-    quantity_bytes,
     secret_bytes,
     stage_files,
 )

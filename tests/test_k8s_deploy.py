@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.admission import Rejection, check
+from tests.cluster.admission import check
+from tests.cluster.apierrors import Rejection
 from tests.conftest import PROJECT_ROOT
 
 KUBECTL = Path(sys.executable).parent / "kubectl"

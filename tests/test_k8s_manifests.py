@@ -23,7 +23,8 @@ from tasks.k8s.manifests import (
     render_snapshot,
 )
 from tasks.names import InvalidName, validate_mpijob_name
-from tests.cluster.admission import Rejection, check
+from tests.cluster.admission import check
+from tests.cluster.apierrors import Rejection
 from training.data.sources import Artifact
 
 GOLDEN = Path(__file__).parent / "golden"

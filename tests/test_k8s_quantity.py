@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from tasks.k8s.quantity import InvalidQuantity, parse_quantity, validate_size
 from tasks.platforms import ClusterPlatform
-from tests.cluster.admission import quantity_value
+from tests.cluster.quantities import quantity_value
 
 
 def api_server_value(text: str) -> Decimal | None:

@@ -13,7 +13,8 @@ import pytest
 
 from tests.cluster import Cluster, KubernetesEmulator
 from tests.cluster.images import container_argv, read_image
-from tests.cluster.runtime import expand_references, quantity_bytes
+from tests.cluster.quantities import quantity_bytes
+from tests.cluster.runtime import expand_references
 from tests.conftest import PROJECT_ROOT
 from tests.test_cluster_platform import TRAIN_IMAGE, client_apis, create_rwo_claim
 

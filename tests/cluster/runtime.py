@@ -44,7 +44,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.cluster.admission import quantity_value
 from tests.cluster.images import ImageConfig, container_argv, read_image
 
 PODINIT = Path(__file__).with_name("podinit.py")
@@ -72,15 +71,6 @@ def pod_runtime_missing() -> str | None:
     if "[X] MPI" not in check.stdout:
         return "Horovod was built without MPI (install libopenmpi-dev, then scripts/install_horovod.sh rebuilds it)"
     return None
-
-
-def quantity_bytes(quantity: str) -> int:
-    """A Kubernetes quantity (``8Gi``, ``500M``) in bytes, read as the API server reads it
-    (``admission.quantity_value``, apimachinery's ParseQuantity)."""
-    value, error = quantity_value(str(quantity))
-    if error is not None:
-        raise ValueError(f"{error}: {quantity!r}")
-    return int(value)
 
 
 def expand_references(value: str, env: dict[str, str]) -> str:

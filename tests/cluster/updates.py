@@ -32,7 +32,9 @@ from functools import cache
 from importlib.resources import files
 from typing import Any
 
-from tests.cluster.admission import K8S_VERSION, Cause, Rejection, bad_request, invalid, invalid_status, quantity_value
+from tests.cluster.apierrors import Cause, Rejection, bad_request, invalid, invalid_status
+from tests.cluster.quantities import quantity_value
+from tests.cluster.schemas import K8S_VERSION
 
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
