@@ -4,8 +4,9 @@ so that running the sweep again with the same ``study`` carries on where it stop
 The journal is Optuna's own log format (``optuna.storages.JournalStorage``), one JSON line per storage
 operation, on the volume through the platform (a file on the local platform, a short Job on a cluster's
 claim), so it travels with the dataset and its snapshots. It is read once when the sweep starts and held
-in memory; new lines go to the volume when the sweep asks for trials and when it tells a result
-(``flush``). Only the sweep flow touches the study, one sweep per study at a time.
+in memory; new lines go to the volume when the sweep asks for trials and when it tells a result. Only the
+sweep flow touches the study, one sweep per study at a time, and only through ``SweepStudy`` (open,
+recover, ask, tell, rows): the journal's I/O stays behind it.
 
 A trial still ``RUNNING`` in the journal was left by a sweep that crashed or was cancelled: it is marked
 failed (``interrupted``) and its parameters are asked for again first, under the same run key, so the
@@ -15,11 +16,19 @@ retry's ``train_pipeline`` finds the interrupted run's folder and resumes from i
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import optuna
+from optuna.distributions import BaseDistribution, distribution_to_json
 from optuna.storages.journal import BaseJournalBackend
+from optuna.trial import TrialState
 
+from flows.params import TrainParams
 from tasks.platforms import Platform, VolumeRef
 
 STUDIES_DIR = "studies"
@@ -84,55 +93,183 @@ class VolumeJournal(BaseJournalBackend):
             self._prefix, self._unwritten = "", []
 
 
-def recover_interrupted(study: Any) -> list[int]:
-    """Trials an earlier sweep did not finish — left RUNNING by a killed sweep, or whose run was cancelled or
-    crashed (marked ``interrupted``) — asked for again first, once each, with their run key. Returns their
-    numbers."""
-    from optuna.trial import TrialState
-
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
-        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-    trials = study.get_trials(deepcopy=False)
-    already = {trial.user_attrs.get("retry_of") for trial in trials}  # a finished trial cannot be marked
-    retried = []
-    for trial in trials:
-        if trial.state == TrialState.FAIL and trial.user_attrs.get("interrupted") and trial.number not in already:
-            study.enqueue_trial(trial.params, user_attrs={"run_key": trial.user_attrs.get("run_key"),
-                                                          "retry_of": trial.number}, skip_if_exists=False)
-            retried.append(trial.number)
-    return retried
+#: The state a pruned trial's flow run ends in (a Completed state of that name).
+PRUNED = "Pruned"
+#: Child run states of a trial stopped from outside: its next sweep runs it again from its checkpoint.
+INTERRUPTED_STATES = ("Cancelled", "Crashed")
+#: What a trial's row keeps in the study (enough to rank it and to score the best on test later).
+RECORDED = ("state", "run", "flow_run_id", "metrics", "steps", "resumed_from", "run_dir", "data_dir", "platform",
+            "volume", "error", "stopped", "val")
 
 
-def counted(study: Any) -> int:
-    """Trials that count towards ``trials``: every finished one (complete, pruned or failed) but those stopped
-    by an interruption, whose retry counts instead."""
-    from optuna.trial import TrialState
+@dataclass(frozen=True)
+class AskedTrial:
+    """A trial Optuna asked for: its child run's parameters and the run key that run trains under."""
 
-    finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-    return sum(1 for trial in study.get_trials(deepcopy=False, states=finished)
-               if not trial.user_attrs.get("interrupted"))
+    optuna_trial: optuna.trial.Trial
+    params: TrainParams
+    run_key: str
 
-
-def trial_rows(study: Any) -> list[dict[str, Any]]:
-    """A leaderboard row for every trial of the study that was not interrupted, from what the sweep recorded
-    on it (``result``), earlier sweeps' included."""
-    rows = []
-    for trial in study.get_trials(deepcopy=False):
-        if trial.user_attrs.get("interrupted") or "result" not in trial.user_attrs:
-            continue
-        rows.append({**trial.user_attrs["result"], "index": trial.number, "params": dict(trial.params)})
-    return rows
+    @property
+    def number(self) -> int:
+        return self.optuna_trial.number
 
 
-def run_key_for(study: Any, number: int) -> str:
-    """``<study>-<nonce>-<trial>``: the nonce is the study's own (made when it was created), so a study
-    started afresh under an old name (its journal moved away) never finds an old study's runs."""
-    nonce = study.user_attrs.get("nonce")
-    if nonce is None:
-        nonce = uuid.uuid4().hex[:4]
-        study.set_user_attr("nonce", nonce)
-    return f"{study.study_name}-{nonce}-{number}"
+class SweepStudy:
+    """A searching sweep's Optuna study, with its journal on the volume (when it is kept) behind it: the sweep
+    opens it, asks, tells and ranks, and never sees a journal line. Every use of the Optuna study holds
+    ``lock`` (the trials' judges report to it from other threads); ask, tell and recover write what they
+    changed to the volume before they return."""
+
+    def __init__(self, study: optuna.Study, space: dict[str, BaseDistribution], base: TrainParams,
+                 journal: VolumeJournal | None = None) -> None:
+        self.optuna_study, self.space, self.base, self._journal = study, space, base, journal
+        self.lock = threading.Lock()
+        self._told: list[dict[str, Any]] = []
+
+    @classmethod
+    def open(cls, name: str, space: dict[str, BaseDistribution], base: TrainParams, platform: Platform,
+             volume: VolumeRef) -> SweepStudy:
+        """The study kept as ``studies/<name>.journal`` on ``volume``: continued if it is there (over the same
+        space and base run only, see ``_check_same_study``), else started."""
+        optuna.logging.set_verbosity(logging.WARNING)
+        journal = VolumeJournal(platform, volume, journal_path(name))
+        study = optuna.create_study(study_name=name, storage=optuna.storages.JournalStorage(journal),
+                                    direction="maximize", load_if_exists=True)
+        _check_same_study(study, name, space, base)
+        return cls(study, space, base, journal)
+
+    @classmethod
+    def of_sweep(cls, sweep_id: str, space: dict[str, BaseDistribution], base: TrainParams) -> SweepStudy:
+        """A study of one sweep only, in memory, named after the sweep: its trials' run keys are its own."""
+        optuna.logging.set_verbosity(logging.WARNING)
+        study = optuna.create_study(study_name=f"s{uuid.UUID(sweep_id).hex[:10]}", direction="maximize")
+        return cls(study, space, base)
+
+    @property
+    def name(self) -> str:
+        return self.optuna_study.study_name
+
+    @property
+    def kept(self) -> bool:
+        """Whether the study outlives the sweep (a journal on the volume)."""
+        return self._journal is not None
+
+    def recover(self) -> list[int]:
+        """Trials an earlier sweep did not finish — left RUNNING by a killed sweep, or whose run was cancelled
+        or crashed (marked ``interrupted``) — asked for again first, once each, with their run key. Returns
+        their numbers."""
+        study = self.optuna_study
+        with self.lock:
+            for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
+                study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            trials = study.get_trials(deepcopy=False)
+            already = {trial.user_attrs.get("retry_of") for trial in trials}  # a finished trial cannot be marked
+            retried = []
+            for trial in trials:
+                interrupted = trial.state == TrialState.FAIL and trial.user_attrs.get("interrupted")
+                if interrupted and trial.number not in already:
+                    study.enqueue_trial(trial.params, user_attrs={"run_key": trial.user_attrs.get("run_key"),
+                                                                  "retry_of": trial.number}, skip_if_exists=False)
+                    retried.append(trial.number)
+            self._write()
+        return retried
+
+    def search_with(self, strategy: str, seed: int | None, trials: int, max_concurrent: int,
+                    pruner: optuna.pruners.BasePruner) -> None:
+        """Optuna's sampler for ``strategy`` (random or tpe), and ``pruner``. A seeded sampler of a continued
+        study starts past the trials it has (or it would ask those again)."""
+        offset = None if seed is None else seed + len(self.optuna_study.trials)
+        self.optuna_study.sampler = optuna.samplers.RandomSampler(seed=offset) if strategy == "random" else \
+            optuna.samplers.TPESampler(seed=offset, n_startup_trials=min(10, max(2, trials // 3)),
+                                       constant_liar=max_concurrent > 1)  # in-flight trials count as bad guesses
+        self.optuna_study.pruner = pruner
+
+    def counted(self) -> int:
+        """Trials that count towards ``trials``: every finished one (complete, pruned or failed) but those
+        stopped by an interruption, whose retry counts instead."""
+        finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        return sum(1 for trial in self.optuna_study.get_trials(deepcopy=False, states=finished)
+                   if not trial.user_attrs.get("interrupted"))
+
+    def ask(self) -> AskedTrial:
+        """The next trial, scored on val (hyperparameters are never chosen on test), on the volume before its
+        run starts: a sweep stopped from then on leaves it RUNNING, to be resumed by the next."""
+        with self.lock:
+            trial = self.optuna_study.ask(self.space)
+            child = TrainParams.model_validate({**self.base.model_dump(), **trial.params, "eval_split": "val"})
+            key = trial.user_attrs.get("run_key") or self._run_key(trial.number)
+            trial.set_user_attr("run_key", key)
+            self._write()
+        return AskedTrial(trial, child, key)
+
+    def tell(self, asked: AskedTrial, row: dict[str, Any], accuracy: float | None) -> None:
+        """Optuna learns how the trial ended: its val ``accuracy``, pruned (at its last report), or failed — a
+        run stopped from outside (cancelled, crashed) is marked to be resumed by the next sweep of the study.
+        The row is kept for ``rows``."""
+        trial = asked.optuna_trial
+        with self.lock:
+            trial.set_user_attr("result", {key: row[key] for key in RECORDED if key in row})
+            if row["state"] in INTERRUPTED_STATES:
+                trial.set_user_attr("interrupted", True)
+                self.optuna_study.tell(trial, state=TrialState.FAIL)
+            elif row["state"] == PRUNED:
+                self.optuna_study.tell(trial, state=TrialState.PRUNED)
+            elif accuracy is None:
+                self.optuna_study.tell(trial, state=TrialState.FAIL)
+            else:
+                self.optuna_study.tell(trial, accuracy)
+            self._write()
+            self._told.append(row)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows to rank, by trial: a kept study's every trial that was not interrupted (earlier sweeps'
+        included, from what each recorded), else the rows this sweep told."""
+        if not self.kept:
+            return sorted(self._told, key=lambda row: row["index"])
+        rows = []
+        for trial in self.optuna_study.get_trials(deepcopy=False):
+            if trial.user_attrs.get("interrupted") or "result" not in trial.user_attrs:
+                continue
+            rows.append({**trial.user_attrs["result"], "index": trial.number, "params": dict(trial.params)})
+        return sorted(rows, key=lambda row: row["index"])
+
+    def test_metrics(self, number: int, score: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Trial ``number``'s test metrics: ``score()``d once and kept, so a later sweep of a kept study whose
+        best is the same trial shows them without looking at the test set again."""
+        key = f"test-{number}"
+        with self.lock:
+            metrics = self.optuna_study.user_attrs.get(key) if self.kept else None
+        if metrics is None:
+            metrics = score()
+            if self.kept:
+                with self.lock:
+                    self.optuna_study.set_user_attr(key, metrics)
+                    self._write()
+        return metrics
+
+    def run_key(self, number: int) -> str:
+        """``<study>-<nonce>-<trial>``: the nonce is the study's own (made when it was created), so a study
+        started afresh under an old name (its journal moved away) never finds an old study's runs."""
+        with self.lock:
+            return self._run_key(number)
+
+    def flush(self) -> None:
+        """What changed outside ask, tell and recover (by hand), written to the volume."""
+        with self.lock:
+            self._write()
+
+    def _run_key(self, number: int) -> str:
+        nonce = self.optuna_study.user_attrs.get("nonce")
+        if nonce is None:
+            nonce = uuid.uuid4().hex[:4]
+            self.optuna_study.set_user_attr("nonce", nonce)
+        return f"{self.name}-{nonce}-{number}"
+
+    def _write(self) -> None:
+        if self._journal is not None:
+            self._journal.flush()
 
 
 #: Base settings a continued study may change: how often val is scored changes no trial's training (a
@@ -140,12 +277,11 @@ def run_key_for(study: Any, number: int) -> str:
 NOT_COMPARED = {"eval_every"}
 
 
-def check_same_study(study: Any, name: str, space: dict[str, Any], params: Any) -> None:
+def _check_same_study(study: optuna.Study, name: str, space: dict[str, BaseDistribution],
+                      params: TrainParams) -> None:
     """A continued study must search the same space over the same base run (same data, preset, budget):
     otherwise its trials do not compare and an interrupted one would resume a checkpoint of another
     setting. The first sweep records both on the study."""
-    from optuna.distributions import distribution_to_json
-
     wanted_space = {key: distribution_to_json(value) for key, value in sorted(space.items())}
     wanted_base = {key: value for key, value in params.for_record().items()
                    if key not in space and key not in NOT_COMPARED}

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
-import logging
 import threading
-import uuid
 from contextlib import ExitStack
 from typing import Annotated, Any, Literal
 
@@ -44,15 +42,7 @@ from flows.search import (
     check_space,
     distributions,
 )
-from flows.study import (
-    VolumeJournal,
-    check_same_study,
-    counted,
-    journal_path,
-    recover_interrupted,
-    run_key_for,
-    trial_rows,
-)
+from flows.study import PRUNED, AskedTrial, SweepStudy, journal_path
 from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
 from tasks.names import DNS_LABEL, run_name
@@ -63,8 +53,6 @@ from tasks.report import data_uri
 
 MAX_CHILDREN_IN_FLIGHT = 16
 PrunerName = Literal["none", "median", "successive_halving", "hyperband"]
-#: The state a pruned trial's flow run ends in (a Completed state of that name).
-PRUNED = "Pruned"
 #: A study's name: its trials' run keys (<study>-<trial>) must fit a run name.
 StudyName = Annotated[str | None, Field(None, max_length=12, pattern=DNS_LABEL.pattern)]
 
@@ -166,27 +154,25 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
     for platform_name, volume_name, artifacts in sorted(datasets, key=repr):
         platform = load_platform(platform_name)
         prepare_dataset(platform, ensure_dataset_volume(platform, volume_name), list(artifacts))
-    searched = journal = None
+    searched: SweepStudy | None = None
     if search == "grid":
         futures = [run_child.submit(child, index, f"{current_run.name}-{index}")
                    for index, child in enumerate(param_sets)]
         rows = [{**future.result(), "params": {key: getattr(child, key) for key in varied}}
                 for future, child in zip(futures, param_sets, strict=True)]
     else:
-        rows, searched, journal = _search(params, dimensions, search, trials, max_concurrent, seed,
-                                          current_run.name, study_name_of(study, deployment.name), pruner,
-                                          str(current_run.id))
-        create_markdown_artifact(markdown=study_plots_markdown(searched, f"{search} sweep {current_run.name}"),
+        searched = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name,
+                           study_name_of(study, deployment.name), pruner, str(current_run.id))
+        rows = searched.rows()  # a kept study's earlier sweeps' trials too
+        create_markdown_artifact(markdown=study_plots_markdown(searched.optuna_study,
+                                                               f"{search} sweep {current_run.name}"),
                                  key="sweep-study", description=f"Optuna's view of {search} sweep {current_run.name}")
     table = leaderboard(rows, varied)
     # Only a trial trained to its end has a model to test (a pruned one's score is from part of its run).
     best = next((entry for entry in table if entry["state"] == "Completed" and entry["val accuracy"] is not None),
                 None)
     if best is not None:
-        _score_best_on_test(best, next(row for row in rows if row["index"] == best["trial"]),
-                            searched if journal is not None else None)
-        if journal is not None:
-            journal.flush()
+        _score_best_on_test(best, next(row for row in rows if row["index"] == best["trial"]), searched)
         emit_event("laneflow.sweep.best", resource={"prefect.resource.id": f"laneflow.sweep.{current_run.name}",
                                                    "prefect.resource.name": str(current_run.name)},
                    payload={"best": best, "search": search})
@@ -271,92 +257,48 @@ def make_pruner(name: str, trials: int, min_resource: int) -> Any:
 
 def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
             max_concurrent: int, seed: int | None, sweep_name: str, study_name: str | None,
-            pruner: str = "none", sweep_id: str = "") -> tuple[list[dict[str, Any]], Any, VolumeJournal | None]:
+            pruner: str = "none", sweep_id: str = "") -> SweepStudy:
     """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
-    ``max_concurrent`` in flight. Only this flow's threads touch the study (the trials' judges report to it
-    under the same lock); with a ``study_name`` it is the journal on the volume (flows/study.py), continued
-    where an earlier sweep left it."""
-    import optuna
-
+    ``max_concurrent`` in flight. With a ``study_name`` the study is kept on the volume (flows/study.py),
+    continued where an earlier sweep left it; without, it is this sweep's own, in memory."""
     logger = get_run_logger()
-    optuna.logging.set_verbosity(logging.WARNING)
     space = distributions(dimensions)
-    journal = None
-    lock = threading.Lock()
-    if study_name is None:  # in memory, named after this sweep: its trials' run keys are its own
-        study = optuna.create_study(study_name=f"s{uuid.UUID(sweep_id).hex[:10]}", direction="maximize")
+    if study_name is None:
+        study = SweepStudy.of_sweep(sweep_id, space, params)
     else:
         platform = load_platform(params.platform)
-        journal = VolumeJournal(platform, ensure_dataset_volume(platform, params.volume), journal_path(study_name))
-        study = optuna.create_study(study_name=study_name, storage=optuna.storages.JournalStorage(journal),
-                                    direction="maximize", load_if_exists=True)
-        check_same_study(study, study_name, space, params)
-        if retried := recover_interrupted(study):
-            logger.info("study %s: trials %s were interrupted by an earlier sweep; they run again first, resuming "
-                        "their checkpoints", study_name, retried)
-        journal.flush()
+        study = SweepStudy.open(study_name, space, params, platform, ensure_dataset_volume(platform, params.volume))
+    if retried := study.recover():
+        logger.info("study %s: trials %s were interrupted by an earlier sweep; they run again first, resuming "
+                    "their checkpoints", study_name, retried)
+    if study.kept:
         logger.info("study %s (%s on volume %s): %d of %d trials done", study_name, journal_path(study_name),
-                    params.volume, counted(study), trials)
-    # A seeded sampler of a continued study starts past the trials it has (or it would ask those again).
-    offset = None if seed is None else seed + len(study.trials)
-    study.sampler = optuna.samplers.RandomSampler(seed=offset) if strategy == "random" else \
-        optuna.samplers.TPESampler(seed=offset, n_startup_trials=min(10, max(2, trials // 3)),
-                                   constant_liar=max_concurrent > 1)  # in-flight trials count as bad guesses
-    study.pruner = make_pruner(pruner, trials, params.eval_every * smallest_images_per_step(params, dimensions))
-    in_flight: dict[concurrent.futures.Future, tuple[Any, Any]] = {}
-    rows: list[dict[str, Any]] = []
-    asked = counted(study)
+                    params.volume, study.counted(), trials)
+    study.search_with(strategy, seed, trials, max_concurrent,
+                      make_pruner(pruner, trials, params.eval_every * smallest_images_per_step(params, dimensions)))
+    in_flight: dict[concurrent.futures.Future, tuple[Any, AskedTrial]] = {}
+    asked = study.counted()
     with ExitStack() as judges:  # every trial's judge is let go when the sweep ends, however it ends
         while asked < trials or in_flight:
             while asked < trials and len(in_flight) < max_concurrent:
-                with lock:
-                    trial = study.ask(space)
-                    child = TrainParams.model_validate({**params.model_dump(), **trial.params, "eval_split": "val"})
-                    key = trial.user_attrs.get("run_key") or run_key_for(study, trial.number)
-                    trial.set_user_attr("run_key", key)
-                    if journal is not None:
-                        journal.flush()  # a sweep stopped from here on leaves this trial RUNNING, to be resumed
+                trial = study.ask()
                 if pruner != "none":
-                    judges.enter_context(judged_by(run_name("", key=key),
-                                                   TrialJudge(trial, pruner, lock, images_per_step(child))))
+                    judges.enter_context(judged_by(run_name("", key=trial.run_key), TrialJudge(
+                        trial.optuna_trial, pruner, study.lock, images_per_step(trial.params))))
                 name = f"{study_name}-trial-{trial.number}" if study_name else f"{sweep_name}-{trial.number}"
-                future = run_child.submit(child, trial.number, name, key)
+                future = run_child.submit(trial.params, trial.number, name, trial.run_key)
                 in_flight[future.wrapped_future] = (future, trial)
                 asked += 1
             done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
             for wrapped in done:
                 future, trial = in_flight.pop(wrapped)
+                chosen = dict(trial.optuna_trial.params)
                 try:
-                    row = {**future.result(), "params": dict(trial.params)}
+                    row = {**future.result(), "params": chosen}
                 except Exception as exc:  # the child could not even be run: a failed trial, the sweep goes on
-                    row = {"index": trial.number, "state": "Failed", "error": str(exc)[:500],
-                           "params": dict(trial.params)}
-                with lock:
-                    _tell(study, trial, row)
-                    if journal is not None:
-                        journal.flush()
-                rows.append(row)
-    if journal is not None:
-        rows = trial_rows(study)  # earlier sweeps' trials of the study too
-    return sorted(rows, key=lambda row: row["index"]), study, journal
-
-
-def _tell(study: Any, trial: Any, row: dict[str, Any]) -> None:
-    """Optuna learns how the trial ended: its val accuracy, pruned (at its last report), or failed — a run
-    stopped from outside (cancelled, crashed) is marked to be resumed by the next sweep of the study."""
-    from optuna.trial import TrialState
-
-    trial.set_user_attr("result", {key: row[key] for key in _RECORDED if key in row})
-    accuracy = val_accuracy(row)
-    if row["state"] in ("Cancelled", "Crashed"):
-        trial.set_user_attr("interrupted", True)
-        study.tell(trial, state=TrialState.FAIL)
-    elif row["state"] == PRUNED:
-        study.tell(trial, state=TrialState.PRUNED)
-    elif accuracy is None:
-        study.tell(trial, state=TrialState.FAIL)
-    else:
-        study.tell(trial, accuracy)
+                    row = {"index": trial.number, "state": "Failed", "error": str(exc)[:500], "params": chosen}
+                study.tell(trial, row, val_accuracy(row))
+    return study
 
 
 def study_name_of(given: str | None, deployment_name: str | None) -> str | None:
@@ -370,11 +312,6 @@ def study_name_of(given: str | None, deployment_name: str | None) -> str | None:
     except ValidationError:
         raise SweepError(f"study {name!r} (the {'given name' if given is not None else 'deployment name'}) cannot "
                          f"name a study: at most 12 lowercase letters, digits or '-'; pass study=...") from None
-
-
-#: What a trial's row keeps in the study (enough to rank it and to score the best on test later).
-_RECORDED = ("state", "run", "flow_run_id", "metrics", "steps", "resumed_from", "run_dir", "data_dir", "platform",
-             "volume", "error", "stopped", "val")
 
 
 def study_plots_markdown(study: Any, title: str) -> str:
@@ -407,16 +344,14 @@ def study_plots_markdown(study: Any, title: str) -> str:
     return "\n\n".join(sections) + "\n"
 
 
-def _score_best_on_test(best: dict[str, Any], row: dict[str, Any], study: Any = None) -> None:
-    """The best run's test score, the one time the test set is looked at (kept in the study, so a later sweep
-    whose best is the same trial shows it without scoring it again)."""
-    key = f"test-{row['index']}"
-    metrics = study.user_attrs.get(key) if study is not None else None
-    if metrics is None:
+def _score_best_on_test(best: dict[str, Any], row: dict[str, Any], study: SweepStudy | None = None) -> None:
+    """The best run's test score, the one time the test set is looked at (kept in a kept study, so a later
+    sweep whose best is the same trial shows it without scoring it again)."""
+    def score() -> dict[str, Any]:
         platform = load_platform(row["platform"])
-        volume = ensure_dataset_volume(platform, row["volume"])
-        metrics = evaluate(platform, volume, row["run_dir"], row["data_dir"], "test")
-        if study is not None:
-            study.set_user_attr(key, metrics)
+        return evaluate(platform, ensure_dataset_volume(platform, row["volume"]), row["run_dir"], row["data_dir"],
+                        "test")
+
+    metrics = study.test_metrics(row["index"], score) if study is not None else score()
     best["test accuracy"] = round(selection_accuracy(metrics), 4)
     best["test official accuracy"] = round(metrics["accuracy"], 4)
