@@ -1,0 +1,218 @@
+"""The local platform's processes: ``horovodrun`` for training, ``python -m`` for the other stages.
+
+Separate because supervising them is its own craft: each runs in a process group of its own (so a
+cancel, a deadline or an interrupted task stops all of it), its stdout and stderr are read as they come,
+and a training run leaves a record (``launcher.json`` in its run folder) by which a later process of the
+same flow run adopts it, resumes it, or stops what an earlier one left running (checking that the group
+is still ours: pids get reused).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tasks.launch import STOPPED_ON_REQUEST, JobOutput, horovodrun_command, read_exit
+from tasks.platforms.base import (
+    EventSink,
+    LogSink,
+    TrainingFailed,
+    TrainingHandle,
+    TrainingInterrupted,
+    TrainingOutcome,
+    TrainingSpec,
+    VolumeRef,
+    last_attempt,
+    outcome_from_events,
+)
+from tasks.platforms.local.files import now, read_json, write_json
+from tasks.processes import stop_group, stop_process
+
+if TYPE_CHECKING:
+    from tasks.platforms.local import LocalPlatform
+
+LAUNCHER_RECORD = "launcher.json"
+
+_jobs: dict[str, subprocess.Popen] = {}
+_jobs_lock = threading.Lock()
+
+
+# --- training ---------------------------------------------------------------------------------------
+def submit(platform: LocalPlatform, spec: TrainingSpec) -> TrainingHandle:
+    run_dir = platform.inside(spec.volume, spec.run_dir)
+    record_file = run_dir / LAUNCHER_RECORD
+    with _jobs_lock:
+        running = _jobs.get(spec.job_name)
+        if running is not None and running.poll() is None:
+            return TrainingHandle(job_name=spec.job_name, spec=spec, state="running", adopted=True,
+                                  details={"pid": running.pid})
+        record = read_json(record_file)
+        # Finished: trained to its end, or stopped for good on request (a pruned trial is not resumed).
+        if record.get("exit_code") == 0 and ((run_dir / "model.pt").is_file() or
+                                             record.get("reason") == STOPPED_ON_REQUEST):
+            return TrainingHandle(job_name=spec.job_name, spec=spec, state="succeeded", adopted=True,
+                                  details=record)
+        if record.get("exit_code") is None and record.get("pgid"):
+            # Started by an earlier process of this flow run that is gone: stop it before resuming.
+            _stop_group(int(record["pgid"]), str(run_dir))
+        python = platform.interpreter()
+        cmd = horovodrun_command(str(Path(python).parent / "horovodrun"), python, spec,
+                                 str(platform.inside(spec.volume, spec.data_dir)), str(run_dir))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(platform.threads_per_worker), "PYTHONUNBUFFERED": "1",
+               "PATH": f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                                   env=env, start_new_session=True)  # own process group: cancel kills it all
+        _jobs[spec.job_name] = process
+        attempts = int(record.get("attempts", 0)) + 1
+        details = {"job_name": spec.job_name, "pid": process.pid, "pgid": process.pid, "command": cmd,
+                   "started_at": now(), "attempts": attempts, "exit_code": None}
+        write_json(record_file, details)
+    return TrainingHandle(job_name=spec.job_name, spec=spec, state="running", details=details)
+
+
+def wait(platform: LocalPlatform, handle: TrainingHandle, on_event: EventSink, on_log: LogSink,
+         timeout_s: float) -> TrainingOutcome:
+    run_dir = platform.inside(handle.spec.volume, handle.spec.run_dir)
+    if handle.state == "succeeded":
+        return _outcome_from_metrics(handle.job_name, run_dir, 0.0)
+    with _jobs_lock:
+        process = _jobs.get(handle.job_name)
+    if process is None:
+        raise TrainingInterrupted(f"job {handle.job_name} is not running in this process any more; "
+                                  "submitting it again resumes it from its newest checkpoint")
+    started = time.monotonic()
+    output = JobOutput(on_event, on_log)
+    try:
+        for stream, raw in _merged_lines(process, deadline=started + timeout_s):
+            output.feed(raw, may_be_event=stream == "stdout")
+        code = process.wait()
+    except BaseException as exc:  # timeout, task cancellation, flow-run termination: leave nothing behind
+        _stop_group(process.pid, str(run_dir))
+        _finish_record(run_dir, None, "timed out" if isinstance(exc, _Deadline) else "stopped")
+        with _jobs_lock:
+            _jobs.pop(handle.job_name, None)
+        if isinstance(exc, _Deadline):  # running it again would take as long: not transient
+            raise TrainingFailed(f"training job {handle.job_name} did not finish within {timeout_s:.0f} s; it was "
+                                 "stopped (raise the timeout to let it run longer)", list(output.tail)) from None
+        raise
+    with _jobs_lock:
+        _jobs.pop(handle.job_name, None)
+    reading = read_exit(code, output.exit_lines, output.events)
+    _finish_record(run_dir, code if reading.succeeded or not reading.resumable else None, reading.reason)
+    if reading.succeeded:
+        return outcome_from_events(handle.job_name, output.events, time.monotonic() - started, list(output.tail))
+    if reading.resumable:
+        raise TrainingInterrupted(f"training job {handle.job_name} stopped: {reading.reason}")
+    raise TrainingFailed(f"training job {handle.job_name} failed: {reading.reason}", list(output.tail))
+
+
+def cancel(platform: LocalPlatform, job_name: str, volume: VolumeRef) -> bool:
+    with _jobs_lock:
+        process = _jobs.pop(job_name, None)
+    run_dir = platform.volume_path(volume) / "runs" / job_name
+    pgid = process.pid if process else read_json(run_dir / LAUNCHER_RECORD).get("pgid")
+    if not pgid:
+        return False
+    stopped = _stop_group(int(pgid), str(run_dir))
+    if stopped:
+        _finish_record(run_dir, None, "cancelled")
+    return stopped
+
+
+# --- the other stages -------------------------------------------------------------------------------
+def run_module(platform: LocalPlatform, args: list[str], log: LogSink, what: str, timeout_s: float) -> dict[str, Any]:
+    """``python <args>`` (``-m module ...``) on all cores in its own process group: what it prints goes
+    to ``log`` as it comes, its last JSON event on stdout is the result.
+
+    The deadline is enforced here, from whichever thread calls: past ``timeout_s``, or when the task is
+    interrupted, the whole group is stopped. Exit code 2 (the module refused its input) raises
+    ValueError, not retried; anything else RuntimeError.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() or 1)), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([platform.interpreter(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, bufsize=1, env=env, start_new_session=True)
+    output = JobOutput(on_event=lambda _: None, on_log=log)  # events are kept; the last is the result
+    try:
+        for stream, raw in _merged_lines(process, deadline=time.monotonic() + timeout_s):
+            output.feed(raw, may_be_event=stream == "stdout")
+        code = process.wait()
+    except BaseException as exc:
+        stop_process(process)
+        if isinstance(exc, _Deadline):  # it would take as long again: not retried
+            raise RuntimeError(f"{what} did not finish within {timeout_s:.0f} s; it was stopped") from None
+        raise
+    if code != 0 or not output.events:
+        kind = ValueError if code == 2 else RuntimeError
+        reasons = [line.removeprefix("error: ") for line in output.tail if line.startswith("error: ")]
+        reason = f": {reasons[-1]}" if reasons else ""
+        raise kind(f"{what} failed (exit code {code}){reason}\n--- log tail ---\n" + "\n".join(output.tail))
+    result = dict(output.events[-1])
+    result.pop("event")
+    return result
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+def _finish_record(run_dir: Path, exit_code: int | None, reason: str) -> None:
+    record = read_json(run_dir / LAUNCHER_RECORD)
+    if record:
+        write_json(run_dir / LAUNCHER_RECORD, {**record, "exit_code": exit_code, "reason": reason,
+                                               "finished_at": now()})
+
+
+def _is_our_group(pgid: int, run_dir: str) -> bool:
+    """The group leader is the horovodrun we started for this run (pids get reused)."""
+    try:
+        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(part.endswith(b"horovodrun") for part in cmdline) and run_dir.encode() in cmdline
+
+
+def _stop_group(pgid: int, run_dir: str, grace_s: float = 15.0) -> bool:
+    """SIGTERM the job's process group (the trainer checkpoints and exits), SIGKILL what is left after ``grace_s``."""
+    if not _is_our_group(pgid, run_dir):
+        return False
+    stop_group(pgid, (signal.SIGTERM,), grace_s)
+    return True
+
+
+class _Deadline(Exception):
+    """The launcher's own timeout passed."""
+
+
+def _merged_lines(process: subprocess.Popen, deadline: float) -> Iterator[tuple[str, str]]:
+    """Lines from stdout and stderr as they come; TimeoutError past ``deadline``."""
+    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+
+    def pump(stream_name: str, stream: Any) -> None:
+        for line in stream:
+            lines.put((stream_name, line))
+        lines.put((stream_name, None))
+
+    for name, stream in (("stdout", process.stdout), ("stderr", process.stderr)):
+        threading.Thread(target=pump, args=(name, stream), daemon=True, name=f"launcher-{name}").start()
+    open_streams = 2
+    while open_streams:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _Deadline
+        try:
+            name, line = lines.get(timeout=min(remaining, 5.0))
+        except queue.Empty:
+            continue
+        if line is None:
+            open_streams -= 1
+        else:
+            yield name, line
+
+
+def _outcome_from_metrics(job_name: str, run_dir: Path, duration_s: float) -> TrainingOutcome:
+    return outcome_from_events(job_name, last_attempt((run_dir / "metrics.jsonl").read_text()), duration_s, [])
