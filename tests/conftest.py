@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,9 @@ from pathlib import Path
 # Before anything imports the task modules: retry delays of 1 s, not 10 s, keep retry tests short.
 os.environ.setdefault("LANEFLOW_RETRY_DELAY_S", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# A Prefect home of this session's own (profiles, local result storage, an ephemeral server's SQLite file):
+# the suite's xdist workers run side by side, and neither should read a developer's ~/.prefect.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="laneflow-test-prefect-")
 
 import pytest
 
@@ -18,35 +22,65 @@ from tests.http_server import FileServer, RunningServer
 from training.data.synthetic import generate, pack_archive, pack_artifacts
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PREFECT_HOME = Path(os.environ["PREFECT_HOME"])
 #: Kept after the run (screenshots); CI can collect it.
 TEST_OUTPUT = Path(os.environ.get("LANEFLOW_TEST_OUTPUT", PROJECT_ROOT / "test-output"))
 
 SMALL_SIZE = (320, 180)
 
-#: Every process this session starts inherits it; the session-finish check finds what is still alive.
+#: Every process this session starts inherits it; the session-finish check finds what is still alive. Under
+#: pytest-xdist each worker is a session of its own with its own marker (the controller starts only workers).
 SESSION_MARKER = leaks.mark_session()
 #: pid -> the test after which it was first seen alive (who started what is left).
 _first_seen: dict[int, str] = {}
-_left_running: list[tuple[leaks.Survivor, str]] = []
+#: (the process, the test after which it was first seen alive): found here, or reported by an xdist worker.
+_left_running: list[tuple[str, str]] = []
 #: Processes get this long to be reaped after the last teardown before they count as left running.
 LEAK_GRACE_S = 15.0
+#: The key under which an xdist worker hands its leftovers to the controller (``config.workeroutput``).
+_WORKER_LEFTOVERS = "laneflow_left_running"
+
+
+#: Set at configure time: an xdist controller runs no test and starts no process but its workers.
+_controller = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _controller
+    # xdist gives each worker ``workerinput``; the controller is the process that distributes (``--dist``).
+    _controller = not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    if _controller:
+        return
     for process in leaks.marked_processes(SESSION_MARKER):
         _first_seen.setdefault(process.pid, nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run, loudly, if any process the suite started outlived it (then kill it)."""
+    shutil.rmtree(PREFECT_HOME, ignore_errors=True)
+    if _controller:
+        # Its workers checked their own processes and reported them (pytest_testnodedown).
+        if _left_running:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return
     deadline = time.monotonic() + LEAK_GRACE_S
     while (survivors := leaks.outliving(leaks.marked_processes(SESSION_MARKER))) and time.monotonic() < deadline:
         time.sleep(0.5)
     if not survivors:
         return
-    _left_running.extend((s, _first_seen.get(s.pid, "the session's end")) for s in survivors)
+    _left_running.extend((str(s), _first_seen.get(s.pid, "the session's end")) for s in survivors)
     leaks.kill_all(survivors)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its terminal is not shown, the controller's is
+        session.config.workeroutput[_WORKER_LEFTOVERS] = list(_left_running)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # xdist's hook, on the controller: a worker has finished
+    _left_running.extend(tuple(item) for item in getattr(node, "workeroutput", {}).get(_WORKER_LEFTOVERS, []))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

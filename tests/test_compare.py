@@ -22,7 +22,7 @@ from tests.conftest import SMALL_SIZE
 from tests.test_pipeline import params_for
 from training.data.synthetic import generate, pack_archive
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compare")]
 
 PRICES = Prices(currency="EUR", worker_hour={"local": 2.5}, tib_hour={"Premium": 0.4})
 TARGET = 0.25

@@ -25,7 +25,7 @@ from tests.browser import Browser, find_chromium
 from tests.conftest import PROJECT_ROOT, SESSION_MARKER, TEST_OUTPUT
 from tests.test_anf import anf_volume
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deployments")]
 
 
 @pytest.fixture(scope="module")

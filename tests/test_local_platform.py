@@ -57,6 +57,8 @@ def test_training_timeout_fails_for_good_and_leaves_nothing_running(prepared: tu
     platform, volume, data_dir = prepared
     spec = long_spec(volume, data_dir, "train-timeout")
     handle = platform.submit_training(spec)
+    # Started before the 20 s begin: on a loaded machine starting Horovod and torch alone can take that long.
+    wait_for_start(Path(volume.location) / spec.run_dir)
     events: list[dict] = []
     with pytest.raises(TrainingFailed, match="did not finish within 20 s"):
         platform.wait_for_training(handle, events.append, lambda _: None, timeout_s=20)

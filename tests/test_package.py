@@ -36,7 +36,7 @@ from training.package import (
 )
 from training.predict import predict
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("package")]
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,9 @@ from tasks.tracking import (
 from tests.mlflow_server import MlflowServer, mlflow_server, server_missing
 from tests.test_pipeline import params_for, task_runs
 
+#: One worker runs this module: its tests share the MLflow server that mlflow_booting starts.
+pytestmark = pytest.mark.xdist_group("mlflow")
+
 # --- pure helpers ----------------------------------------------------------------------------------------
 
 
