@@ -18,6 +18,11 @@ Beyond the OpenAPI schemas, the checks the API server's Go validation adds that 
 can trip are modelled: object names, label keys and values, annotation size, container and volume
 names, a Job's pod restart policy and name length, a PVC's access modes, storage request and data
 source, and the VolumeSnapshot CRD's CEL rules.
+
+And the admission plugins that read what the cluster holds: LimitRanger (a namespace's LimitRange
+defaults for a pod's containers) and PersistentVolumeClaimResize (a larger claim needs a class that
+allows expansion). (NamespaceLifecycle is in ``apiserver.py``; the ServiceAccount plugin in
+``pod_control.py``.)
 """
 
 from __future__ import annotations
@@ -25,13 +30,26 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 
-from tests.cluster.apierrors import Cause, bad_request, invalid, invalid_status, not_supported, quote, required
-from tests.cluster.quantities import check_quantities
+from tests.cluster.apierrors import (
+    Cause,
+    Rejection,
+    bad_request,
+    invalid,
+    invalid_status,
+    not_supported,
+    quote,
+    required,
+    status_body,
+)
+from tests.cluster.quantities import check_quantities, quantity_bytes
 from tests.cluster.schemas import MPIJOB_DEFAULTS, schema_validator
+
+if TYPE_CHECKING:
+    from tests.cluster.state import Cluster
 
 
 @dataclass
@@ -257,3 +275,38 @@ def apply_crd_defaults(obj: dict) -> None:
         spec.setdefault(key, value)
     if "runPolicy" in spec:
         spec["runPolicy"].setdefault("suspend", False)
+
+
+# --- admission plugins that read the cluster ------------------------------------------------------------
+
+def limit_range_defaults(cluster: Cluster, namespace: str, spec: dict) -> None:
+    """The LimitRanger admission plugin (plugin/pkg/admission/limitranger/admission.go
+    ``defaultContainerResourceRequirements``/``mergeContainerResources``): each ``type: Container`` limit of
+    the namespace's LimitRanges gives a container its ``default`` limits and ``defaultRequest`` requests for
+    the resources it does not set itself."""
+    for (ns, _), limit_range in cluster.objects["limitranges"].items():
+        if ns != namespace:
+            continue
+        for item in (limit_range.get("spec") or {}).get("limits") or []:
+            if item.get("type") != "Container":
+                continue
+            for container in spec.get("containers") or []:
+                resources = container.setdefault("resources", {})
+                for field_name, defaults in (("limits", item.get("default")), ("requests", item.get("defaultRequest"))):
+                    for resource, quantity in (defaults or {}).items():
+                        resources.setdefault(field_name, {}).setdefault(resource, quantity)
+
+
+def check_resize(cluster: Cluster, current: dict, changed: dict) -> None:
+    """The PersistentVolumeClaimResize admission plugin (plugin/pkg/admission/storage/persistentvolume/resize):
+    a larger request needs a bound, dynamically provisioned claim whose class allows expansion."""
+    def size(claim: dict) -> int:
+        return quantity_bytes(str(claim["spec"]["resources"]["requests"]["storage"]))
+    if size(changed) <= size(current):
+        return
+    storage_class = cluster.objects["storageclasses"].get(("", current["spec"].get("storageClassName") or ""))
+    if (current.get("status") or {}).get("phase") != "Bound" or not storage_class or \
+            not storage_class.get("allowVolumeExpansion"):
+        raise Rejection(403, status_body(403, "Forbidden", f'persistentvolumeclaims "{current["metadata"]["name"]}" '
+                                         "is forbidden: only dynamically provisioned pvc can be resized and the "
+                                         "storageclass that provisions the pvc must support resize"))

@@ -73,3 +73,8 @@ def invalid_status(kind: str, group: str, name: str, causes: list[Cause]) -> Rej
 def bad_request(message: str) -> Rejection:
     return Rejection(400, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                            "message": message, "reason": "BadRequest", "code": 400})
+
+
+def status_body(code: int, reason: str, message: str, **extra: Any) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code, **extra}

@@ -1,6 +1,7 @@
-"""The kubelet and container runtime of the emulated cluster: each pod's container runs its real command,
-with its image's configuration, its env, its working directory, its host name and every volume at its
-``mountPath``, in namespaces of its own (``podinit.py`` builds the file system and execs the command).
+"""The container runtime of the emulated cluster, which the kubelet (``kubelet.py``) starts containers
+through: each pod's container runs its real command, with its image's configuration, its env, its working
+directory, its host name and every volume at its ``mountPath`` (laid out by ``kubelet_volumes.py``), in
+namespaces of its own (``podinit.py`` builds the file system and execs the command).
 
 What runs for real and what is modelled:
 
@@ -21,14 +22,13 @@ Kubernetes behaviour followed: command replaces ENTRYPOINT and args replace CMD
 (``images.container_argv``); ``$(VAR)`` references in command, args and env values are expanded from the
 container's env, ``$$`` escapes (pkg/kubelet/kuberuntime ``kubecontainer.ExpandContainerCommandAndArgs``,
 third_party/forked/golang/expansion); the kubelet adds ``HOSTNAME``; Secret and ConfigMap files default to
-mode 0644 (``defaultMode``), ``items`` map keys to paths with their own ``mode``; a container is stopped
-with SIGTERM to its PID 1, then SIGKILL after the pod's ``terminationGracePeriodSeconds`` (default 30); an
-exit by signal reports code 128 + signal.
+mode 0644 (``defaultMode``), ``items`` map keys to paths with their own ``mode`` (``kubelet_volumes.py``);
+a container is stopped with SIGTERM to its PID 1, then SIGKILL after the pod's
+``terminationGracePeriodSeconds`` (default 30); an exit by signal reports code 128 + signal.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import json
@@ -113,39 +113,6 @@ class Mount:
     readonly: bool = False
     tmpfs_bytes: int | None = None
     tmpfs: bool = False
-
-
-def stage_files(folder: Path, data: dict[str, bytes], items: list[dict] | None, default_mode: int) -> Path:
-    """A Secret or ConfigMap volume's files as the kubelet's atomic writer lays them out
-    (pkg/volume/util/atomic_writer.go): the payload in a timestamped ``..<time>`` directory, ``..data`` a
-    symlink to it, and each top-level name a symlink into ``..data``. Every key (or the ``items`` chosen, at
-    their ``path``) with ``defaultMode`` or the item's ``mode`` (volume/secret, volume/configmap)."""
-    if folder.exists():
-        shutil.rmtree(folder)
-    stamp = time.strftime("..%Y_%m_%d_%H_%M_%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}"
-    payload = folder / stamp
-    payload.mkdir(parents=True)
-    chosen = items if items else [{"key": key, "path": key} for key in data]
-    for item in chosen:
-        if item["key"] not in data:
-            raise KeyError(f"couldn't find key {item['key']} in the volume's source")
-        target = payload / item["path"]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data[item["key"]])
-        os.chmod(target, item.get("mode", default_mode))
-    (folder / "..data").symlink_to(stamp)
-    for top in sorted({Path(item["path"]).parts[0] for item in chosen}):
-        (folder / top).symlink_to(f"..data/{top}")
-    return folder
-
-
-def secret_bytes(secret: dict) -> dict[str, bytes]:
-    return {key: base64.b64decode(value) for key, value in (secret.get("data") or {}).items()} | \
-        {key: value.encode() for key, value in (secret.get("stringData") or {}).items()}
-
-
-def configmap_bytes(configmap: dict) -> dict[str, bytes]:
-    return {key: value.encode() for key, value in (configmap.get("data") or {}).items()}
 
 
 def hosts_file(ip: str, hostname: str, fqdn: str | None, others: list[tuple[str, str]]) -> str:

@@ -1,0 +1,127 @@
+"""The Job controller (kubernetes ``pkg/controller/job``): ``restartPolicy: Never`` keeps a failed pod and
+counts it; ``OnFailure`` restarts the container in place (a new, empty log) and counts restarts; past
+``backoffLimit`` the Job fails ``BackoffLimitExceeded`` and, for ``OnFailure``, its pods are deleted;
+``activeDeadlineSeconds`` fails it ``DeadlineExceeded``. Pods need their service account.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from typing import TYPE_CHECKING
+
+from tests.cluster.garbage_collector import delete
+from tests.cluster.kubelet import crash_loop, set_container_state, start_container
+from tests.cluster.objects import later, now
+from tests.cluster.pod_control import make_pod
+
+if TYPE_CHECKING:
+    from tests.cluster.state import Cluster
+
+
+def _suffix() -> str:
+    return "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+
+
+def start_job(cluster: Cluster, job: dict) -> None:
+    job["status"] = {"active": 0, "failed": 0, "succeeded": 0, "startTime": now()}
+    spec = job["spec"]
+    spec.setdefault("backoffLimit", 6)
+    spec.setdefault("completions", 1)
+    spec.setdefault("parallelism", 1)
+    deadline = spec.get("activeDeadlineSeconds")
+    if deadline:
+        later(cluster, float(deadline), lambda: _job_deadline(cluster, job))
+    _new_job_pod(cluster, job)
+
+
+def _job_pod_labels(job: dict) -> dict:
+    name, uid = job["metadata"]["name"], job["metadata"]["uid"]
+    return {"job-name": name, "batch.kubernetes.io/job-name": name, "controller-uid": uid,
+            "batch.kubernetes.io/controller-uid": uid}
+
+
+def _new_job_pod(cluster: Cluster, job: dict) -> None:
+    template = job["spec"]["template"]
+    pod = make_pod(cluster, job, f"{job['metadata']['name']}-{_suffix()}", template, _job_pod_labels(job))
+    if pod is None:
+        return
+    job["status"]["active"] = 1
+    namespace = job["metadata"]["namespace"]
+    later(cluster, cluster.image_pull_s, lambda: _run_job_container(cluster, job, pod, namespace))
+
+
+def _run_job_container(cluster: Cluster, job: dict, pod: dict, namespace: str) -> None:
+    if (namespace, pod["metadata"]["name"]) not in cluster.objects["pods"]:
+        return
+    start_container(cluster, pod, lambda state: _job_container_exited(cluster, job, pod, state))
+
+
+def _job_container_exited(cluster: Cluster, job: dict, pod: dict, terminated: dict) -> None:
+    namespace = pod["metadata"]["namespace"]
+    if (namespace, pod["metadata"]["name"]) not in cluster.objects["pods"]:
+        return
+    code = terminated["exitCode"]
+    restart_policy = pod["spec"].get("restartPolicy", "Always")
+    if code != 0 and restart_policy == "OnFailure":
+        # pkg/controller/job: with OnFailure the pod's restarts count against backoffLimit.
+        restarts = crash_loop(cluster, pod, terminated, lambda again: _job_container_exited(cluster, job, pod, again))
+        limit = job["spec"]["backoffLimit"]  # pastBackoffLimitOnFailure: restarts >= limit (> 0 for a limit of 0)
+        if restarts >= limit if limit else restarts > 0:
+            _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+        return
+    pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+    set_container_state(pod, {"terminated": terminated}, ready=False)
+    job["status"]["active"] = 0
+    if code == 0:
+        job["status"].update({"succeeded": 1, "completionTime": now()})
+        job["status"]["conditions"] = [{"type": "Complete", "status": "True", "lastTransitionTime": now()}]
+        _sync_owner(cluster, job)
+        return
+    job["status"]["failed"] = job["status"].get("failed", 0) + 1
+    if job["status"]["failed"] > job["spec"]["backoffLimit"]:
+        _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    else:
+        _new_job_pod(cluster, job)
+
+
+def sync_job(cluster: Cluster, job: dict) -> None:
+    """A pod of the Job failed without its container exiting (evicted): count it, replace it or give up."""
+    uid = job["metadata"]["uid"]
+    pods = [p for p in cluster.objects["pods"].values()
+            if any(ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or [])]
+    if job["status"].get("conditions") or any(p["status"].get("phase") in ("Pending", "Running") for p in pods):
+        return
+    job["status"]["failed"] = sum(1 for p in pods if p["status"].get("phase") == "Failed")
+    job["status"]["active"] = 0
+    if job["status"]["failed"] > job["spec"]["backoffLimit"]:
+        _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    else:
+        _new_job_pod(cluster, job)
+
+
+def _fail_job(cluster: Cluster, job: dict, reason: str, message: str) -> None:
+    """The Job fails; its active pods are terminated and deleted (pkg/controller/job: deleteActivePods)."""
+    job["status"]["conditions"] = [{"type": "Failed", "status": "True", "reason": reason, "message": message,
+                                    "lastTransitionTime": now()}]
+    job["status"]["active"] = 0
+    uid = job["metadata"]["uid"]
+    for pod in list(cluster.objects["pods"].values()):
+        owned = any(ref.get("uid") == uid for ref in pod["metadata"].get("ownerReferences") or [])
+        if owned and pod["status"].get("phase") in ("Pending", "Running"):
+            delete(cluster, "pods", pod)
+    _sync_owner(cluster, job)
+
+
+def _job_deadline(cluster: Cluster, job: dict) -> None:
+    if (job["metadata"]["namespace"], job["metadata"]["name"]) in cluster.objects["jobs"] and \
+            not job["status"].get("conditions"):
+        _fail_job(cluster, job, "DeadlineExceeded", "Job was active longer than specified deadline")
+
+
+def _sync_owner(cluster: Cluster, obj: dict) -> None:
+    """The controller of ``obj``'s owner syncs the owner, as its informer on ``obj``'s kind would make it."""
+    # Imported here: the controller manager imports this module to run it.
+    from tests.cluster.controller_manager import sync_owner
+
+    sync_owner(cluster, obj)

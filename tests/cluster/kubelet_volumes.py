@@ -1,0 +1,118 @@
+"""The kubelet's volumes (kubernetes ``pkg/kubelet/volumemanager`` and the volume plugins of
+``pkg/volume``): a container's ``volumeMounts`` made concrete before it starts, as host folders the
+container runtime binds (``runtime.Mount``). PVCs are their PV's folder (``readOnly`` honoured); Secret
+and ConfigMap volumes are files laid out as the kubelet's atomic writer lays them out, with their modes,
+mounted read-only; ``emptyDir`` is a folder of the pod, or a tmpfs of ``sizeLimit`` for ``medium: Memory``.
+A Secret or ConfigMap that does not exist, or an NFS export that refuses the node, fails the mount
+(``MountFailure``: the pod stays ContainerCreating with a ``FailedMount`` event, retried).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tests.cluster.quantities import quantity_bytes
+from tests.cluster.runtime import Mount
+
+if TYPE_CHECKING:
+    from tests.cluster.state import Cluster
+
+
+class MountFailure(Exception):
+    """A volume the kubelet cannot set up: the pod stays ContainerCreating, a FailedMount Warning says why."""
+
+    def __init__(self, volume: str, detail: str) -> None:
+        super().__init__(f'MountVolume.SetUp failed for volume "{volume}" : {detail}')
+
+
+def container_mounts(cluster: Cluster, pod: dict, container: dict, folder: Path) -> list[Mount]:
+    """The container's volumeMounts made concrete, as the kubelet's volume manager would. A Secret or
+    ConfigMap that does not exist, or an NFS export that refuses the node, is a ``MountFailure``
+    (pkg/volume/secret ``SetUpAt``: ``secret "<name>" not found``; the CSI driver's NodePublishVolume error
+    for NFS) — not a CreateContainerConfigError, which is for env references."""
+    namespace = pod["metadata"]["namespace"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    mounts = []
+    for mount in container.get("volumeMounts") or []:
+        volume = volumes.get(mount["name"])
+        if volume is None:
+            raise LookupError(f'volumeMount "{mount["name"]}" names no volume of the pod')
+        if mount.get("subPath"):
+            raise LookupError(f'volumeMount "{mount["name"]}": subPath is not emulated')
+        target, readonly = mount["mountPath"], bool(mount.get("readOnly"))
+        if "persistentVolumeClaim" in volume:
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            pvc = cluster.objects["persistentvolumeclaims"].get((namespace, claim))
+            if pvc is None or (pvc.get("status") or {}).get("phase") != "Bound":
+                raise LookupError(f'persistentvolumeclaim "{claim}" not found or not bound')
+            readonly = readonly or bool(volume["persistentVolumeClaim"].get("readOnly"))
+            if (namespace, claim) in cluster.nfs_refused:
+                pv = pvc["spec"]["volumeName"]
+                raise MountFailure(pv, f"rpc error: code = Internal desc = error mounting NFS volume "
+                                       f"10.0.0.4:/{pv} on mountpoint /var/lib/kubelet/pods/{pod['metadata']['uid']}"
+                                       f"/volumes/kubernetes.io~csi/{pv}/mount: exit status 32: mount.nfs: access "
+                                       f"denied by server while mounting 10.0.0.4:/{pv}")
+            mounts.append(Mount(target, cluster.claim_dir(namespace, claim), readonly))
+        elif "secret" in volume or "configMap" in volume:
+            kind, source = ("secrets", volume["secret"]) if "secret" in volume else ("configmaps", volume["configMap"])
+            name = source.get("secretName") or source.get("name")
+            obj = cluster.objects[kind].get((namespace, name))
+            if obj is None:
+                raise MountFailure(mount["name"], f'{kind[:-1]} "{name}" not found')
+            data = secret_bytes(obj) if kind == "secrets" else configmap_bytes(obj)
+            try:
+                staged = stage_files(folder / "volumes" / mount["name"], data, source.get("items"),
+                                     source.get("defaultMode", 0o644))
+            except KeyError as exc:
+                raise MountFailure(mount["name"], str(exc.args[0])) from None
+            mounts.append(Mount(target, staged, readonly=True))  # the kubelet mounts these read-only
+        elif "emptyDir" in volume:
+            empty = volume["emptyDir"] or {}
+            if empty.get("medium") == "Memory":
+                limit = empty.get("sizeLimit")
+                mounts.append(Mount(target, tmpfs=True, tmpfs_bytes=quantity_bytes(limit) if limit else None))
+            else:
+                directory = folder / "empty-dirs" / mount["name"]
+                directory.mkdir(parents=True, exist_ok=True)
+                mounts.append(Mount(target, directory, readonly))
+        else:
+            raise LookupError(f'volume "{mount["name"]}": {sorted(volume)} is not emulated')
+    return mounts
+
+
+def stage_files(folder: Path, data: dict[str, bytes], items: list[dict] | None, default_mode: int) -> Path:
+    """A Secret or ConfigMap volume's files as the kubelet's atomic writer lays them out
+    (pkg/volume/util/atomic_writer.go): the payload in a timestamped ``..<time>`` directory, ``..data`` a
+    symlink to it, and each top-level name a symlink into ``..data``. Every key (or the ``items`` chosen, at
+    their ``path``) with ``defaultMode`` or the item's ``mode`` (volume/secret, volume/configmap)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    stamp = time.strftime("..%Y_%m_%d_%H_%M_%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}"
+    payload = folder / stamp
+    payload.mkdir(parents=True)
+    chosen = items if items else [{"key": key, "path": key} for key in data]
+    for item in chosen:
+        if item["key"] not in data:
+            raise KeyError(f"couldn't find key {item['key']} in the volume's source")
+        target = payload / item["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data[item["key"]])
+        os.chmod(target, item.get("mode", default_mode))
+    (folder / "..data").symlink_to(stamp)
+    for top in sorted({Path(item["path"]).parts[0] for item in chosen}):
+        (folder / top).symlink_to(f"..data/{top}")
+    return folder
+
+
+def secret_bytes(secret: dict) -> dict[str, bytes]:
+    return {key: base64.b64decode(value) for key, value in (secret.get("data") or {}).items()} | \
+        {key: value.encode() for key, value in (secret.get("stringData") or {}).items()}
+
+
+def configmap_bytes(configmap: dict) -> dict[str, bytes]:
+    return {key: value.encode() for key, value in (configmap.get("data") or {}).items()}

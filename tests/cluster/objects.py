@@ -1,0 +1,97 @@
+"""What every component of the emulated cluster does to API objects: the API's resources (group, version,
+kind, scope), time stamps, the system metadata the API server stamps on a new object (uid,
+resourceVersion, creationTimestamp), owner references as controllers set them (apimachinery
+``metav1.NewControllerRef``), events as client-go's recorder makes them, and actions a controller
+schedules for later.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.cluster.state import Cluster
+
+
+# resource -> (group, version, kind, namespaced)
+RESOURCES: dict[str, tuple[str, str, str, bool]] = {
+    "persistentvolumes": ("", "v1", "PersistentVolume", False),
+    "persistentvolumeclaims": ("", "v1", "PersistentVolumeClaim", True),
+    "pods": ("", "v1", "Pod", True),
+    "pods/log": ("", "v1", "Pod", True),
+    "events": ("", "v1", "Event", True),
+    "serviceaccounts": ("", "v1", "ServiceAccount", True),
+    "secrets": ("", "v1", "Secret", True),
+    "configmaps": ("", "v1", "ConfigMap", True),
+    "limitranges": ("", "v1", "LimitRange", True),
+    "jobs": ("batch", "v1", "Job", True),
+    "mpijobs": ("kubeflow.org", "v2beta1", "MPIJob", True),
+    "volumesnapshots": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshot", True),
+    "volumesnapshotclasses": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshotClass", False),
+    "storageclasses": ("storage.k8s.io", "v1", "StorageClass", False),
+}
+
+
+def resource_of(kind: str) -> str:
+    for resource, (_, _, known, _) in RESOURCES.items():
+        if known == kind and resource != "pods/log":
+            return resource
+    return kind.lower() + "s"
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def stamp_metadata(cluster: Cluster, obj: dict, namespace: str | None) -> None:
+    cluster.version += 1
+    metadata = obj["metadata"]
+    metadata.update({"uid": f"uid-{cluster.version:06d}", "resourceVersion": str(cluster.version),
+                     "creationTimestamp": now()})
+    if namespace:
+        metadata["namespace"] = namespace
+    else:
+        metadata.pop("namespace", None)
+
+
+def record_event(cluster: Cluster, obj: dict, kind: str, reason: str, message: str, component: str) -> None:
+    """A core/v1 Event as client-go's recorder makes it (tools/record/event.go makeEvent); the same event of
+    the same object again bumps ``count`` and ``lastTimestamp`` (tools/record/events_cache.go
+    ``EventCorrelator``: identical events are aggregated, not repeated)."""
+    metadata = obj["metadata"]
+    namespace = metadata.get("namespace", "default")
+    for event in cluster.objects["events"].values():
+        if event["involvedObject"].get("uid") == metadata.get("uid") and event["reason"] == reason and \
+                event["message"] == message[:1024] and event["type"] == kind:
+            event["count"] += 1
+            event["lastTimestamp"] = now()
+            return
+    name = f"{metadata['name']}.{time.time_ns():x}"
+    event = {"apiVersion": "v1", "kind": "Event",
+             "metadata": {"name": name, "namespace": namespace, "uid": f"event-{time.time_ns()}",
+                          "creationTimestamp": now()},
+             "involvedObject": {"kind": obj["kind"], "apiVersion": obj["apiVersion"], "name": metadata["name"],
+                                "namespace": namespace, "uid": metadata.get("uid")},
+             "reason": reason, "message": message[:1024], "type": kind, "source": {"component": component},
+             "reportingComponent": component, "firstTimestamp": now(), "lastTimestamp": now(), "count": 1}
+    cluster.objects["events"][(namespace, name)] = event
+
+
+def later(cluster: Cluster, delay_s: float, action: Callable[[], None]) -> None:
+    def run() -> None:
+        time.sleep(delay_s)
+        with cluster.lock:
+            if cluster.closed:
+                return
+            action()
+            cluster.changed.notify_all()
+    threading.Thread(target=run, daemon=True).start()
+
+
+def controller_ref(owner: dict) -> dict:
+    """apimachinery ``metav1.NewControllerRef``: what every controller here sets on what it creates."""
+    return {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+            "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}

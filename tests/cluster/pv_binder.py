@@ -1,0 +1,72 @@
+"""PVC binding: kube-controller-manager's PV controller (``pkg/controller/volume/persistentvolume``) with
+the CSI driver's external-provisioner (kubernetes-csi/external-provisioner ``pkg/controller/controller.go``).
+A PVC binds to a new PV (a folder here) of its class; a PVC restored from a VolumeSnapshot is provisioned
+only from a ready snapshot (a copy of its folder); a class that does not exist, or a snapshot that is
+not ready, is a ``ProvisioningFailed`` Warning.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import TYPE_CHECKING
+
+from tests.cluster.objects import record_event, stamp_metadata
+from tests.cluster.quantities import quantity_bytes
+from tests.cluster.state import STORAGE_CLASS
+
+if TYPE_CHECKING:
+    from tests.cluster.state import Cluster
+
+
+def bind_pvc(cluster: Cluster, pvc: dict) -> None:
+    namespace, name = pvc["metadata"]["namespace"], pvc["metadata"]["name"]
+    pvc["status"] = {"phase": "Pending"}
+    storage_class = pvc["spec"].get("storageClassName")
+    if storage_class and ("", storage_class) not in cluster.objects["storageclasses"]:
+        # kube-controller-manager's PV controller (pkg/controller/volume/persistentvolume/pv_controller.go
+        # provisionClaimOperation -> findProvisionablePlugin): the class lister's NotFound, as a Warning.
+        record_event(cluster, pvc, "Warning", "ProvisioningFailed",
+                     f'storageclass.storage.k8s.io "{storage_class}" not found', "persistentvolume-controller")
+        return
+    source = pvc["spec"].get("dataSource")
+    if source and source.get("kind") == "VolumeSnapshot":
+        # external-provisioner getSnapshotSource: same namespace, bound and readyToUse, big enough.
+        snapshot = cluster.objects["volumesnapshots"].get((namespace, source["name"]))
+        problem = None
+        if snapshot is None or not (snapshot.get("status") or {}).get("boundVolumeSnapshotContentName"):
+            problem = f"snapshot {source['name']} not bound"
+        elif not snapshot["status"].get("readyToUse"):
+            problem = f"snapshot {source['name']} is not Ready"
+        else:
+            requested = quantity_bytes(str(pvc["spec"]["resources"]["requests"]["storage"]))
+            restore_size = quantity_bytes(str(snapshot["status"]["restoreSize"]))
+            if requested < restore_size:
+                problem = (f"requested volume size {requested} is less than the size {restore_size} for the source "
+                           f"snapshot {source['name']}")
+        if problem:
+            record_event(cluster, pvc, "Warning", "ProvisioningFailed", f"failed to provision volume with "
+                         f"StorageClass \"{pvc['spec'].get('storageClassName')}\": error getting handle for "
+                         f"DataSource Type VolumeSnapshot by Name {source['name']}: {problem}",
+                         "csi.trident.netapp.io")
+            return
+    pv_name = f"pvc-{pvc['metadata']['uid']}"
+    folder = cluster.root / "pv" / pv_name
+    if source and source.get("kind") == "VolumeSnapshot":
+        shutil.copytree(cluster.root / "snapshots" / namespace / source["name"], folder, symlinks=True)
+    else:
+        folder.mkdir(parents=True)
+    modes = list(pvc["spec"].get("accessModes") or cluster.initial_pv_modes)
+    if pvc["spec"].get("storageClassName") is None:
+        modes = list(cluster.initial_pv_modes)
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume",
+          "metadata": {"name": pv_name},
+          "spec": {"accessModes": modes, "capacity": pvc["spec"]["resources"]["requests"],
+                   "claimRef": {"namespace": namespace, "name": name, "uid": pvc["metadata"]["uid"]},
+                   "persistentVolumeReclaimPolicy": "Retain",
+                   "storageClassName": pvc["spec"].get("storageClassName") or STORAGE_CLASS,
+                   "csi": {"driver": "csi.trident.netapp.io", "volumeHandle": pv_name}},
+          "status": {"phase": "Bound"}}
+    stamp_metadata(cluster, pv, None)
+    cluster.objects["persistentvolumes"][("", pv_name)] = pv
+    pvc["spec"]["volumeName"] = pv_name
+    pvc["status"] = {"phase": "Bound", "accessModes": modes, "capacity": pvc["spec"]["resources"]["requests"]}

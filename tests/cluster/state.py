@@ -1,0 +1,214 @@
+"""The emulated cluster's state, shared by its components: every stored object, the pods' containers, logs
+and networks, the images that exist, the faults queued for the API server and the requests it served, and
+the knobs tests turn (back-off times, the node's capacity, refused NFS exports, snapshot failures).
+``Cluster`` is also what a test holds: it loads manifests as an administrator would, evicts pods, moves the
+TTL controller's clock and waits for objects to go.
+"""
+
+from __future__ import annotations
+
+import calendar
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.cluster.admission import check
+from tests.cluster.objects import resource_of
+from tests.cluster.runtime import ContainerProcess, ImageRegistry
+
+#: The emulated cluster's one node.
+NODE_NAME = "emulated-node"
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+#: What an administrator installed before laneflow ran (deployments/base): the ANF storage and snapshot
+#: classes, and the MPI operator (its controller's name, the component of its events).
+STORAGE_CLASS = "azure-netapp-files"
+SNAPSHOT_CLASS = "csi-anf-snapclass"
+OPERATOR = "mpi-job-controller"
+
+
+@dataclass
+class Fault:
+    status: int = 500  # 0: reset the connection
+    retry_after: int | None = None
+    after_effect: bool = False  # reset after the call took effect (the client never hears the answer)
+    # Never answer until this is set, then drop the connection. Not an apiserver behaviour (its own
+    # --request-timeout ends a slow call with 504 after 60 s): a network path or proxy that swallows the
+    # request, which only a client-side timeout ends.
+    hang: threading.Event | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    resource: str
+    namespace: str | None
+    name: str | None
+    verb: str
+
+
+@dataclass
+class ContainerLog:
+    """One container instance's log as the kubelet keeps it: files rotated at a size, newest current."""
+
+    lines: list[tuple[str, str]] = field(default_factory=list)  # (RFC3339NanoFixed stamp, text)
+    current_from: int = 0  # index of the first line of the current file
+    current_bytes: int = 0
+    rotations: int = 0
+    running: bool = True
+
+
+@dataclass
+class Cluster:
+    root: Path
+    objects: dict[str, dict[tuple[str, str], dict]] = field(default_factory=lambda: defaultdict(dict))
+    faults: dict[tuple[str, str], list[Fault]] = field(default_factory=lambda: defaultdict(list))
+    requests: list[Request] = field(default_factory=list)
+    logs: dict[tuple[str, str], ContainerLog] = field(default_factory=dict)
+    #: The running container of each pod, by (namespace, pod).
+    containers: dict[tuple[str, str], ContainerProcess] = field(default_factory=dict)
+    #: Containers being stopped (in their grace period), so the node's shutdown can finish them.
+    terminating: list[ContainerProcess] = field(default_factory=list)
+    #: Images that exist (by reference); any other cannot be pulled.
+    images: ImageRegistry = field(default_factory=lambda: ImageRegistry(PROJECT_ROOT))
+    #: Each pod's network namespace and IP (from its first container start to its deletion), by (namespace, pod).
+    pod_networks: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    changed: threading.Condition = field(init=False)
+    initial_pv_modes: list[str] = field(default_factory=lambda: ["ReadWriteOnce"])
+    #: How long a pod's image takes to pull before its container starts.
+    image_pull_s: float = 0.2
+    #: After a failed pull, when the kubelet reports ImagePullBackOff (10 s upstream).
+    image_pull_backoff_s: float = 1.0
+    #: The kubelet's first wait before restarting a crashed container, doubled per restart up to 30 times it
+    #: (pkg/kubelet: 10 s, capped at MaxContainerBackOff 300 s upstream; shortened here).
+    crash_backoff_s: float = 1.0
+    #: Between tries of a volume that failed to mount (the volume manager's exponential back-off from 500 ms
+    #: to 2 min 2 s upstream, pkg/util/goroutinemap/exponentialbackoff; fixed here).
+    mount_retry_s: float = 1.0
+    #: Claims (namespace, name) whose NFS export refuses this node (an ANF export policy without the node
+    #: subnet): mounting them fails as mount.nfs fails, which no process here can reproduce.
+    nfs_refused: set[tuple[str, str]] = field(default_factory=set)
+    #: The one node's allocatable resources (bytes, milli-CPU, counts), what the scheduler fits pods into.
+    node_capacity: dict[str, int] = field(default_factory=lambda: {
+        "cpu": 64_000, "memory": 256 * 2**30, "ephemeral-storage": 2**40, "nvidia.com/gpu": 8})
+    #: The kubelet's containerLogMaxSize (10 MiB by default upstream).
+    log_max_bytes: int = 10 * 1024 * 1024
+    #: Cut every follow stream after this many lines (a dropped connection), when set.
+    cut_streams_after_lines: int | None = None
+    #: The snapshot controller's first N attempts per snapshot fail with an update conflict.
+    snapshot_conflicts: int = 0
+    #: Snapshots never become ready: every attempt fails with this error.
+    snapshot_error: str | None = None
+    #: Called with (cluster, namespace, pod, line) for each log line; tests use it to evict, say.
+    on_log_line: Callable[[Cluster, str, str, str], None] | None = None
+    #: The caller, as an RBAC subject; requests are authorized once `load` brought RBAC objects.
+    user: tuple[str, str] = ("laneflow", "laneflow-flows")
+    rbac_enforced: bool = False
+    #: The MPI operator's in-memory view of each MPIJob (defaulted spec), by (namespace, name).
+    operator_specs: dict[tuple[str, str], dict] = field(default_factory=dict)
+    #: Set when the emulator stops: nothing scheduled for later (retries, restarts) runs after that.
+    closed: bool = False
+    #: Exceptions of the time-driven controllers, raised when the emulator stops.
+    controller_errors: list[BaseException] = field(default_factory=list)
+    version: int = 0
+    url: str = ""
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)
+        for namespace in ("default", "kube-system", "kube-public"):  # what every cluster has
+            self.add_namespace(namespace)
+        # What an administrator applied before laneflow ran (deployments/base): the ANF classes.
+        self.objects["storageclasses"][("", STORAGE_CLASS)] = {
+            "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": STORAGE_CLASS},
+            "provisioner": "csi.trident.netapp.io"}
+        self.objects["volumesnapshotclasses"][("", SNAPSHOT_CLASS)] = {
+            "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+            "metadata": {"name": SNAPSHOT_CLASS}, "driver": "csi.trident.netapp.io", "deletionPolicy": "Retain"}
+
+    # --- for tests ----------------------------------------------------------------------------------
+    def add_namespace(self, name: str) -> None:
+        """A namespace an administrator created (``kubectl create namespace``)."""
+        self.objects["namespaces"][("", name)] = {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}, "status": {"phase": "Active"}}
+
+    def claim_dir(self, namespace: str, claim: str) -> Path:
+        pvc = self.objects["persistentvolumeclaims"][(namespace, claim)]
+        return self.root / "pv" / pvc["spec"]["volumeName"]
+
+    def inject(self, method: str, kind: str, *faults: Fault) -> None:
+        self.faults[(method, kind)].extend(faults)
+
+    def count(self, kind: str) -> int:
+        return len(self.objects[kind])
+
+    def wait_empty(self, *resources: str, timeout_s: float = 60) -> None:
+        """Until none of ``resources`` is left: a deleted pod goes once its container stopped (its grace
+        period), an owner deleted Foreground once its pods did. Fails naming what is left."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while any(self.objects[resource] for resource in resources):
+                left = {resource: sorted(name for _, name in self.objects[resource]) for resource in resources}
+                assert time.monotonic() < deadline, f"still there after {timeout_s:.0f} s: {left}"
+                self.changed.wait(0.2)
+
+    def load(self, documents: list[dict]) -> None:
+        """Apply manifests as an administrator would (``kubectl apply``): validated, stored; RBAC from now on
+        once they bring any RBAC object."""
+        with self.lock:
+            for document in documents:
+                stored = check(document, "Strict").obj
+                resource = resource_of(stored["kind"])
+                namespaced = stored["kind"] not in ("ClusterRole", "ClusterRoleBinding", "Namespace",
+                                                    "StorageClass", "VolumeSnapshotClass", "PersistentVolume")
+                key = (stored["metadata"].get("namespace", "default") if namespaced else "",
+                       stored["metadata"]["name"])
+                self.objects[resource][key] = stored
+                if resource in ("roles", "rolebindings", "clusterroles", "clusterrolebindings"):
+                    self.rbac_enforced = True
+
+    def advance(self, seconds: float) -> None:
+        """``seconds`` pass for what has finished so far: the finish times of the Jobs that finished move back
+        by that much, so the TTL-after-finished controller counts a day in a test (and a Job that finishes
+        later starts its own day then)."""
+        # Imported here: the controllers import this module (the state they act on).
+        from tests.cluster.ttl_controller import ttl_sweep
+
+        with self.lock:
+            for job in self.objects["jobs"].values():
+                for condition in (job.get("status") or {}).get("conditions") or []:
+                    if condition.get("type") in ("Complete", "Failed") and condition.get("lastTransitionTime"):
+                        stamp = calendar.timegm(time.strptime(condition["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ"))
+                        condition["lastTransitionTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                        time.gmtime(stamp - seconds))
+            ttl_sweep(self)
+            self.changed.notify_all()
+
+    def events_for(self, name: str) -> list[dict]:
+        return [e for e in self.objects["events"].values() if e["involvedObject"]["name"] == name]
+
+    def evict(self, namespace: str, pod: str, message: str = "The node was low on resource: memory.") -> None:
+        """The kubelet evicts a pod: its processes die, it ends Failed with reason Evicted."""
+        # Imported here: the kubelet and the controllers import this module (the state they act on).
+        from tests.cluster.controller_manager import sync_owner
+        from tests.cluster.kubelet import kill
+
+        with self.lock:
+            obj = self.objects["pods"].get((namespace, pod))
+            if obj is None:
+                return
+            obj["status"].update({"phase": "Failed", "reason": "Evicted", "message": message})
+            kill(self, namespace, pod, grace_s=0)
+            sync_owner(self, obj)
+
+    def container_pids(self, namespace: str, pod: str) -> list[int]:
+        """The processes of a pod's container (its PID namespace), for tests that kill one of them."""
+        container = self.containers.get((namespace, pod))
+        return container.pids() if container else []
+
+    def permissions_used(self, namespace: str | None = None) -> set[tuple[str, str]]:
+        """(verb, resource) of every request (in ``namespace``, or cluster-scoped with None and all)."""
+        return {(r.verb, r.resource) for r in self.requests if namespace is None or r.namespace == namespace}
