@@ -1,5 +1,6 @@
-"""An Azure Resource Manager + Entra ID token endpoint emulator over TLS on 127.0.0.1 (a throwaway CA from
-``trustme``), for contract tests of laneflow's ANF access with the real azure-mgmt-netapp client.
+"""An Azure Resource Manager emulator over TLS on 127.0.0.1 (a throwaway CA from ``trustme``), with the Entra ID
+token endpoint its clients ask first (``entra.py``), for contract tests of laneflow's ANF access with the
+real azure-mgmt-netapp client.
 
 It follows the Microsoft.NetApp REST spec (Azure/azure-rest-api-specs
 ``specification/netapp/resource-manager/Microsoft.NetApp/NetApp/stable/2026-08-01/netapp.json``, the
@@ -42,7 +43,8 @@ from typing import Any
 
 import trustme
 
-TOKEN = "emulated-bearer-token-5f1c2d"
+from tests.azure.entra import TOKEN, entra_answer
+
 API_VERSION = "2026-08-01"
 PROVIDER = "Microsoft.NetApp"
 VOLUME = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft.NetApp/"
@@ -128,19 +130,9 @@ class _Handler(BaseHTTPRequestHandler):
         arm = self.arm
         arm.requests.append((method, path, dict(self.headers)))
         arm.advance()
-        if path.endswith("/.well-known/openid-configuration"):
-            tenant = path.split("/")[1]
-            base = f"{arm.base}/{tenant}"
-            self._send(200, {"token_endpoint": f"{base}/oauth2/v2.0/token",
-                             "authorization_endpoint": f"{base}/oauth2/v2.0/authorize",
-                             "issuer": f"{base}/v2.0", "device_authorization_endpoint": f"{base}/oauth2/v2.0/device",
-                             "token_endpoint_auth_methods_supported": ["client_secret_post"]})
-            return
-        if path.endswith("/oauth2/v2.0/token"):
-            form = urllib.parse.parse_qs(raw.decode())
-            arm.secrets_seen.append(form.get("client_secret", [""])[0])
-            self._send(200, {"token_type": "Bearer", "expires_in": 3600, "ext_expires_in": 3600,
-                             "access_token": TOKEN})
+        answer = entra_answer(arm.base, path, raw, arm.secrets_seen)
+        if answer is not None:
+            self._send(200, answer)
             return
         if self.headers.get("Authorization") != f"Bearer {TOKEN}":
             self._error(401, "AuthenticationFailed", "missing or wrong bearer token")
