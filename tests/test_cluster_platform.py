@@ -26,6 +26,7 @@ from flows.restore import restore
 from flows.train import train_pipeline
 from tasks.names import InvalidName
 from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
+from tasks.platforms.cluster.training import mpijob_body
 from tests.conftest import PROJECT_ROOT
 from tests.cluster import Cluster, Fault, KubernetesEmulator
 from tests.test_pipeline import params_for
@@ -366,7 +367,7 @@ def test_operator_refusal_fails_the_wait_fast_with_its_message(emulator: tuple) 
     platform = cluster_platform(emu)
     platform.ensure_volume("data")
     spec = spec_for("data")
-    body = platform._mpijob_body(spec)  # our job as an earlier version of laneflow might have sent it
+    body = mpijob_body(platform, spec)  # our job as an earlier version of laneflow might have sent it
     body["spec"]["mpiReplicaSpecs"]["Launcher"]["replicas"] = 2
     _, custom = client_apis(emu)
     custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", body)
@@ -595,7 +596,7 @@ def test_the_workers_see_the_claim_only_where_their_mount_path_says(
     emu, _ = emulator
     platform, volume, data_dir = prepared
     spec = spec_for(volume.name, data_dir=data_dir, workers=2)
-    body = platform._mpijob_body(spec)
+    body = mpijob_body(platform, spec)
     for mount in body["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["volumeMounts"]:
         if mount["mountPath"] == "/data":
             mount["mountPath"] = "/mnt/data"

@@ -1,0 +1,231 @@
+"""Batch Jobs on the claim: dataset preparation, file reads and writes, and the GPU stages (evaluate,
+package, predict).
+
+Separate because every stage that is not training runs the same way: a Job mounting the claim at /data,
+run to completion while its pod's log is followed, adopted when a retry finds it running or finished,
+replaced when it failed, deleted past its deadline; its result is the last JSON event it printed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from tasks.k8s.diagnose import terminated_problems
+from tasks.k8s.logs import LogCursor
+from tasks.k8s.manifests import MOUNT_PATH, render_data_job
+from tasks.launch import LOG_TAIL, parse_output_line
+from tasks.names import validate_name
+from tasks.platforms.base import LogSink, StageBlocked, StageDeadlineExceeded, VolumeRef, paths_in
+from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt, wait_deleted
+from tasks.platforms.cluster.pod_logs import follow_log
+from tasks.platforms.cluster.problems import check_pods, problem_clock
+from training.data.sources import Artifact, dataset_key, validate_artifacts
+
+if TYPE_CHECKING:
+    from tasks.platforms.cluster import ClusterPlatform
+
+#: Bytes per appending Job: the data travels base64-encoded as one argument (Linux caps one at 128 KiB).
+APPEND_CHUNK = 64 * 1024
+
+
+# --- running a Job ----------------------------------------------------------------------------------
+def run_job(platform: ClusterPlatform, body: dict, log: LogSink, timeout_s: float,
+            delete_after: bool = False) -> list[str]:
+    """Run a batch Job to completion, streaming its pod's log. A Job of ours of the same name is adopted
+    while it runs or once it succeeded, and replaced when it failed: Jobs live a day after finishing
+    (``ttlSecondsAfterFinished``), and the reason to run a stage again is that its cause was fixed."""
+    core, batch, _ = apis(platform)
+    namespace = platform.effective_namespace()
+    name = body["metadata"]["name"]
+    job, created = create_or_adopt(
+        platform, "jobs", lambda: batch.create_namespaced_job(namespace, body, field_validation=STRICT),
+        lambda: batch.read_namespaced_job(name, namespace),
+        lambda job: (job.metadata.labels or {}).get("app.kubernetes.io/managed-by") == "laneflow", name)
+    if not created and job.status and job.status.failed and not job.status.succeeded:
+        log(f"laneflow: job {namespace}/{name} failed in an earlier attempt; replacing it")
+        delete_job(platform, batch, name, wait=True)
+        call(platform, "create", "jobs", batch.create_namespaced_job, namespace, body, field_validation=STRICT)
+    seen: list[str] = []
+    cursor = LogCursor()
+
+    def collect(line: str) -> None:
+        seen.append(line)
+        log(line)
+
+    deadline = time.monotonic() + timeout_s
+    clock = problem_clock(platform)
+    try:
+        while True:
+            job = call(platform, "get", "jobs", batch.read_namespaced_job, name, namespace)
+            status = job.status
+            finished = bool(status and (status.succeeded or status.failed))
+            if not finished:
+                try:
+                    check_pods(platform, core, f"job-name={name}", clock, log, "its Job was deleted")
+                except StageBlocked:
+                    delete_after = True  # nothing it started will run: leave nothing waiting
+                    raise
+            streamed = follow_log(platform, core, f"job-name={name}", cursor, collect, deadline)
+            if finished:
+                if status.succeeded:
+                    return seen
+                tail = "\n".join(seen[-LOG_TAIL:])
+                pods = call(platform, "list", "pods", core.list_namespaced_pod, namespace,
+                            label_selector=f"job-name={name}").items
+                killed = terminated_problems([core.api_client.sanitize_for_serialization(p) for p in pods])
+                if killed:  # the same limit kills it again: not worth a retry
+                    raise StageBlocked(f"job {namespace}/{name} failed: "
+                                       + "; ".join(p.describe() for p in killed) + f". Its log ends:\n{tail}")
+                raise RuntimeError(f"job {namespace}/{name} failed; its log ends:\n{tail}")
+            if time.monotonic() > deadline:
+                delete_after = True  # stop what the stage started: a deadline is not retried
+                raise StageDeadlineExceeded(
+                    f"job {namespace}/{name} did not finish within {timeout_s:.0f} s (the stage's deadline); "
+                    "it was deleted with its pod. Its log ends:\n" + "\n".join(seen[-LOG_TAIL:]))
+            if not streamed:
+                time.sleep(platform.poll_interval_s)
+    finally:
+        if delete_after:
+            delete_job(platform, batch, name)
+
+
+def delete_job(platform: ClusterPlatform, batch: kubernetes.client.BatchV1Api, name: str, wait: bool = False) -> None:
+    """Delete a Job and its pods (``Foreground`` when waiting: the Job goes only once its pods have)."""
+    namespace = platform.effective_namespace()
+    try:
+        call(platform, "delete", "jobs", batch.delete_namespaced_job, name, namespace,
+             propagation_policy="Foreground" if wait else "Background")
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+    if wait:
+        wait_deleted(platform, "jobs", lambda: batch.read_namespaced_job(name, namespace), f"job {namespace}/{name}")
+
+
+def last_event(lines: list[str], kind: str, what: str) -> dict[str, Any]:
+    """The last event of ``kind`` a Job printed: its result."""
+    for line in reversed(lines):
+        event = parse_output_line(line).event
+        if event and event.get("event") == kind:
+            return dict(event)
+    tail = "\n".join(lines[-LOG_TAIL:])
+    raise RuntimeError(f"{what} finished without reporting '{kind}'; its log ends:\n{tail}")
+
+
+def stays_on(volume: VolumeRef, relative_path: str) -> None:
+    if relative_path.startswith("/") or ".." in relative_path.split("/"):
+        raise ValueError(f"path '{relative_path}' leaves volume '{volume.name}'")
+
+
+# --- the dataset ------------------------------------------------------------------------------------
+def prepare_dataset(platform: ClusterPlatform, volume: VolumeRef, artifacts: list[Artifact],
+                    log: LogSink) -> dict[str, Any]:
+    # One Job per volume and dataset: a retry adopts it; another volume (a restore) gets its own.
+    key = dataset_key(validate_artifacts(artifacts))
+    name = validate_name(f"prepare-{volume.name[:36].rstrip('-')}-{key}", "job")
+    body = render_data_job(name, platform.layout(), volume.name, artifacts,
+                           platform.job_labels(name, {"volume": volume.name}))
+    lines = run_job(platform, body, log, timeout_s=platform.prepare_deadline_s)
+    return last_event(lines, "prepared", f"dataset job {name}")
+
+
+# --- files on the claim -----------------------------------------------------------------------------
+def file_job(platform: ClusterPlatform, kind: str, volume: VolumeRef, relative_path: str, script: str,
+             *args: str) -> list[str]:
+    """Run ``python -c script /data/<relative_path> *args`` in a throwaway Job on the claim; its log lines."""
+    stays_on(volume, relative_path)
+    name = f"{kind}-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
+    body = render_data_job(name, platform.layout(), volume.name, [], platform.job_labels(name))
+    body["spec"]["template"]["spec"]["containers"][0]["command"] = [
+        "python", "-c", script, f"{MOUNT_PATH}/{relative_path}", *args]
+    return run_job(platform, body, lambda _: None, timeout_s=1800, delete_after=True)
+
+
+def read_file(platform: ClusterPlatform, volume: VolumeRef, relative_path: str) -> bytes:
+    script = ("import base64, json, sys\n"
+              "data = open(sys.argv[1], 'rb').read()\n"
+              "print(json.dumps({'event': 'file', 'base64': base64.b64encode(data).decode()}))\n")
+    try:
+        lines = file_job(platform, "read", volume, relative_path, script)
+    except RuntimeError as exc:
+        raise FileNotFoundError(f"{relative_path} could not be read from volume '{volume.name}': {exc}") from None
+    return base64.b64decode(last_event(lines, "file", f"reader job for {relative_path}")["base64"])
+
+
+def append_file(platform: ClusterPlatform, volume: VolumeRef, relative_path: str, data: bytes) -> None:
+    script = ("import base64, json, os, sys\n"
+              "os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)\n"
+              "with open(sys.argv[1], 'ab') as sink:\n"
+              "    sink.write(base64.b64decode(sys.argv[2]))\n"
+              "    sink.flush()\n"
+              "    os.fsync(sink.fileno())\n"
+              "print(json.dumps({'event': 'appended', 'bytes': os.path.getsize(sys.argv[1])}))\n")
+    for start in range(0, len(data), APPEND_CHUNK):
+        chunk = base64.b64encode(data[start:start + APPEND_CHUNK]).decode()
+        last_event(file_job(platform, "append", volume, relative_path, script, chunk), "appended",
+                   f"appending job for {relative_path}")
+
+
+def write_text(platform: ClusterPlatform, volume: VolumeRef, relative_path: str, text: str) -> None:
+    """A Job in the data image writes it onto the claim (temporary file, then rename)."""
+    script = ("import os, sys\n"
+              "os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)\n"
+              "open(sys.argv[1] + '.tmp', 'w').write(sys.argv[2])\n"
+              "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
+    file_job(platform, "write", volume, relative_path, script, text)
+
+
+# --- stages on one GPU ------------------------------------------------------------------------------
+def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, labels: dict[str, str],
+             args: list[str], event: str, log: LogSink, timeout_s: float = 6 * 3600) -> dict[str, Any]:
+    """``python -m <args>`` as a Job in the training image on one GPU, the claim at /data; its event."""
+    name = validate_name(name[:63].rstrip("-"), "job")
+    body = render_data_job(name, platform.layout(), volume.name, [], platform.job_labels(run, labels))
+    container = body["spec"]["template"]["spec"]["containers"][0]
+    container["image"] = platform.image
+    container["command"] = ["python", "-m", *args]
+    container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    lines = run_job(platform, body, log, timeout_s=timeout_s, delete_after=True)
+    result = last_event(lines, event, f"job {name}")
+    result.pop("event", None)
+    return result
+
+
+def evaluate(platform: ClusterPlatform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
+             log: LogSink) -> dict[str, Any]:
+    run = run_dir.rstrip("/").rsplit("/", 1)[-1]
+    return _gpu_job(platform, f"eval-{run}-{split}", volume, run, {"split": split},
+                    ["training.evaluate", "--run-dir", f"{MOUNT_PATH}/{run_dir}",
+                     "--data-root", f"{MOUNT_PATH}/{data_dir}", "--split", split], "eval", log)
+
+
+def package_model(platform: ClusterPlatform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
+                  lineage: dict[str, Any], log: LogSink) -> dict[str, Any]:
+    run = run_dir.rstrip("/").rsplit("/", 1)[-1]
+    summary = _gpu_job(platform, f"package-{run}", volume, run, {"step": "package"},
+                       ["training.package", "--run-dir", f"{MOUNT_PATH}/{run_dir}", "--data-root",
+                        f"{MOUNT_PATH}/{data_dir}", "--split", split, "--lineage", json.dumps(lineage)],
+                       "packaged", log)
+    return paths_in(run_dir, summary, ("package", "archive"))
+
+
+def predict(platform: ClusterPlatform, volume: VolumeRef, package: str, inputs: str, out_dir: str, backend: str,
+            log: LogSink) -> dict[str, Any]:
+    for path in (package, inputs, out_dir):
+        stays_on(volume, path)
+    digest = hashlib.sha256(f"{package}|{inputs}|{out_dir}".encode()).hexdigest()[:8]
+    summary = _gpu_job(platform, f"predict-{digest}-{uuid.uuid4().hex[:8]}", volume, f"predict-{digest}",
+                       {"step": "predict"},
+                       ["training.predict", "--package", f"{MOUNT_PATH}/{package}", "--input",
+                        f"{MOUNT_PATH}/{inputs}", "--out", f"{MOUNT_PATH}/{out_dir}", "--backend", backend],
+                       "predicted", log)
+    return paths_in(out_dir, summary, ("predictions", "overlay"))
+

@@ -1,0 +1,77 @@
+"""The volume: a PVC created ReadWriteMany or adopted, and its bound PV made ReadWriteMany for the workers.
+
+Separate because it is the one stage that waits on a claim rather than on pods: until the claim is bound
+(failing early when the provisioner refuses it), then patching and verifying the PV a claim made by hand
+(ReadWriteOnce, as the seed had it) is bound to.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kubernetes.client.exceptions import ApiException
+
+from tasks.k8s.diagnose import claim_problems
+from tasks.k8s.manifests import MANAGED_BY, render_pvc
+from tasks.names import validate_name
+from tasks.platforms.base import StageDeadlineExceeded, VolumeRef
+from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt
+from tasks.platforms.cluster.problems import act_on, problem_clock
+
+if TYPE_CHECKING:
+    from tasks.platforms.cluster import ClusterPlatform
+
+_LOG = logging.getLogger("laneflow.cluster")
+
+
+def ensure_volume(platform: ClusterPlatform, name: str) -> VolumeRef:
+    validate_name(name, "volume")
+    core, _, _ = apis(platform)
+    namespace = platform.effective_namespace()
+    try:
+        call(platform, "get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim, name, namespace)
+        return VolumeRef(name=name, location=f"{namespace}/{name}", created=False)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+    body = render_pvc(name, platform.layout(), {**MANAGED_BY})
+    _, created = create_or_adopt(
+        platform, "persistentvolumeclaims",
+        lambda: core.create_namespaced_persistent_volume_claim(namespace, body, field_validation=STRICT),
+        lambda: core.read_namespaced_persistent_volume_claim(name, namespace), lambda _: True, name)
+    return VolumeRef(name=name, location=f"{namespace}/{name}", created=created)
+
+
+def ensure_shared_access(platform: ClusterPlatform, volume: VolumeRef) -> str:
+    core, _, _ = apis(platform)
+    namespace = platform.effective_namespace()
+    deadline = time.monotonic() + 600
+    clock = problem_clock(platform)
+    while True:
+        claim = call(platform, "get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim,
+                     volume.name, namespace)
+        if claim.spec.volume_name and (claim.status and claim.status.phase == "Bound"):
+            break
+        # Pending: is the provisioner refusing it (no such storage class, a restore too small, quota)?
+        events = call(platform, "list", "events", core.list_namespaced_event, namespace,
+                      field_selector=f"involvedObject.kind=PersistentVolumeClaim,"
+                                     f"involvedObject.name={volume.name}").items
+        problems = claim_problems(volume.name, [core.api_client.sanitize_for_serialization(e) for e in events])
+        act_on(platform, problems, clock, _LOG.warning, stopping=None)
+        if time.monotonic() > deadline:
+            raise StageDeadlineExceeded(f"PVC {volume.location} is not bound after 10 minutes and no event says "
+                                        "why; check its storage class and provisioner")
+        time.sleep(platform.poll_interval_s)
+    pv_name = claim.spec.volume_name
+    pv = call(platform, "get", "persistentvolumes", core.read_persistent_volume, pv_name)
+    if "ReadWriteMany" in (pv.spec.access_modes or []):
+        return f"PV {pv_name} of {volume.location} is already ReadWriteMany"
+    call(platform, "patch", "persistentvolumes", core.patch_persistent_volume, pv_name,
+         {"spec": {"accessModes": ["ReadWriteMany"]}}, field_validation=STRICT)
+    pv = call(platform, "get", "persistentvolumes", core.read_persistent_volume, pv_name)
+    if "ReadWriteMany" not in (pv.spec.access_modes or []):
+        raise RuntimeError(f"patched PV {pv_name} to ReadWriteMany but it reports {pv.spec.access_modes}; "
+                           "does its storage backend support RWX (ANF does)?")
+    return f"PV {pv_name} of {volume.location} patched to ReadWriteMany and verified"
