@@ -25,8 +25,8 @@ from tasks.processes import running
 from tests.azure import TOKEN, Arm, ArmEmulator
 from tests.cluster import KubernetesEmulator
 from tests.cluster.runtime import pod_runtime_missing
+from tests.cluster_platform_helpers import cluster_platform
 from tests.conftest import PROJECT_ROOT
-from tests.test_cluster_platform import cluster_platform
 from tests.test_pipeline import params_for
 
 SECRET = "s3cret-client-value-9d1e"

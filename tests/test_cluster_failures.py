@@ -19,12 +19,12 @@ from tasks.k8s.manifests import ClusterLayout, render_mpijob
 from tasks.platforms import StageBlocked, StageDeadlineExceeded, TrainingFailed
 from tasks.platforms.cluster import NamespaceNotFound
 from tasks.retry import is_transient
+from tests.cluster import KubernetesEmulator
 from tests.cluster.network import node_address
 from tests.cluster.runtime import memory_limits_missing
+from tests.cluster_platform_helpers import DATA_IMAGE, TRAIN_IMAGE, client_apis, cluster_platform, spec_for
 from tests.conftest import PROJECT_ROOT
 from tests.http_server import Fault, RunningServer
-from tests.cluster import KubernetesEmulator
-from tests.test_cluster_platform import DATA_IMAGE, TRAIN_IMAGE, client_apis, cluster_platform, spec_for
 from training.data.sources import Artifact
 
 

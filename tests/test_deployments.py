@@ -217,9 +217,9 @@ def test_cancelling_a_cluster_run_that_promoted_its_volume_stops_the_mpijob_and_
     its hook deletes the MPIJob (and with it the launcher and workers) and moves the volume back."""
     from prefect.states import Cancelling
 
-    from tests.cluster.runtime import pod_runtime_missing
     from tests.cluster import KubernetesEmulator
-    from tests.test_cluster_platform import cluster_platform
+    from tests.cluster.runtime import pod_runtime_missing
+    from tests.cluster_platform_helpers import cluster_platform
     from tests.test_pipeline import params_for
 
     if missing := pod_runtime_missing():

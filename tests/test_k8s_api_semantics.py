@@ -16,7 +16,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from tests.cluster import JOB_DELETE_WARNING
-from tests.test_cluster_platform import DATA_IMAGE, client_apis, cluster_platform
+from tests.cluster_platform_helpers import DATA_IMAGE, client_apis, cluster_platform
 
 #: A container that takes 10 s to stop on SIGTERM, so a deletion's grace period is observable on any load.
 SLOW_TO_STOP = ["python", "-c", "import signal, sys, time\n"

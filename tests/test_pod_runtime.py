@@ -15,8 +15,8 @@ from tests.cluster import Cluster, KubernetesEmulator
 from tests.cluster.images import container_argv, read_image
 from tests.cluster.quantities import quantity_bytes
 from tests.cluster.runtime import expand_references
+from tests.cluster_platform_helpers import TRAIN_IMAGE, client_apis, create_rwo_claim
 from tests.conftest import PROJECT_ROOT
-from tests.test_cluster_platform import TRAIN_IMAGE, client_apis, create_rwo_claim
 
 pytestmark = pytest.mark.slow
 TRAIN_DOCKERFILE = PROJECT_ROOT / "deployments" / "Dockerfile.train"

