@@ -14,6 +14,7 @@ Needs root and iproute2 (``ip``); util-linux ``nsenter`` enters the namespace to
 from __future__ import annotations
 
 import atexit
+import fcntl
 import ipaddress
 import itertools
 import os
@@ -28,6 +29,27 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
+#: Held while a process picks its subnet and puts it on its bridge.
+_CLAIM_LOCK = "/run/laneflow-pod-network.lock"
+#: RFC 2544's benchmarking range, which no real network routes: this machine's own routes are untouched.
+_RANGE = ipaddress.ip_network("198.18.0.0/15")
+
+
+def _free_subnet(seed: int) -> ipaddress.IPv4Network:
+    """A /24 of ``_RANGE`` that no interface of this machine is on, trying from ``seed`` on."""
+    taken = set()
+    for line in _ip("-o", "-4", "addr", "show").stdout.splitlines():
+        address = ipaddress.ip_interface(line.split()[3])
+        if address.ip in _RANGE:
+            taken.add(ipaddress.ip_network(f"{address.ip}/24", strict=False))
+    blocks = list(_RANGE.subnets(new_prefix=24))
+    for step in range(len(blocks)):
+        block = blocks[(seed + step) % len(blocks)]
+        if block not in taken:
+            return block
+    raise RuntimeError(f"every /24 of {_RANGE} is on an interface already: no subnet left for a pod network")
+
+
 class PodNetwork:
     """One bridge for this test process, and a namespace per pod on it."""
 
@@ -36,19 +58,20 @@ class PodNetwork:
 
     def __init__(self) -> None:
         tag = os.getpid() % 100_000
-        # A /24 of 198.18.0.0/15 (RFC 2544's benchmarking range, which no real network routes) per process,
-        # so two sessions on one machine do not share a subnet and this machine's own routes are untouched.
-        block = os.getpid() % 512
-        self.subnet = ipaddress.ip_network(f"198.{18 + block // 256}.{block % 256}.0/24")
-        self.gateway = str(self.subnet.network_address + 1)
         self.bridge = f"lfbr{tag}"
         self.prefix = f"lf{tag}"
         self._hosts = itertools.count(2)
         self._names = itertools.count(1)
-        # A bridge of this name belongs to a dead process that had our PID (a session killed before exit).
-        _ip("link", "del", self.bridge, check=False)
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
+        # Choosing a subnet and claiming it on the bridge is one step for every process on this machine (the
+        # suite's xdist workers start side by side), so no two bridges ever get the same subnet.
+        with open(_CLAIM_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            # A bridge of this name belongs to a dead process that had our PID (a session killed before exit).
+            _ip("link", "del", self.bridge, check=False)
+            self.subnet = _free_subnet(os.getpid())
+            self.gateway = str(self.subnet.network_address + 1)
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         atexit.register(self.close)
 
