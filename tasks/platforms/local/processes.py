@@ -189,7 +189,7 @@ class _Deadline(Exception):
 
 
 def _merged_lines(process: subprocess.Popen, deadline: float) -> Iterator[tuple[str, str]]:
-    """Lines from stdout and stderr as they come; TimeoutError past ``deadline``."""
+    """Lines from stdout and stderr as they come; ``_Deadline`` past ``deadline``."""
     lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
 
     def pump(stream_name: str, stream: Any) -> None:
