@@ -14,10 +14,11 @@ import torch
 
 from tasks.processes import run_to_end
 from tests.test_train import events, prepared, run, train_cmd  # noqa: F401  (prepared is a fixture)
+from training.checkpoints import load_latest_checkpoint
+from training.config import TRAIN_PRESETS, parse_overrides
 from training.evaluate import predict
 from training.model import SCNN, SCNNLoss, model_config
 from training.precision import Device, MixedPrecision, resolve_memory_format, resolve_precision
-from training.train import TRAIN_PRESETS, load_latest_checkpoint, parse_overrides
 
 H200 = Device("cuda", bf16=True)
 T4 = Device("cuda", bf16=False)

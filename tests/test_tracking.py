@@ -76,7 +76,7 @@ def test_step_metrics_follow_the_events_at_their_steps_and_a_resumed_step_counts
 
 
 def test_metric_names_are_tensorboards() -> None:
-    from training.train import SCORE_SCALARS, TRAIN_SCALARS
+    from training.tensorboard_log import SCORE_SCALARS, TRAIN_SCALARS
 
     assert TRAIN_SCALARS.items() <= tracking.STEP_METRICS.items()
     assert tracking.SCORE_METRICS == SCORE_SCALARS

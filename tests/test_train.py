@@ -18,11 +18,14 @@ import pytest
 import torch
 
 from tasks.processes import run_to_end, running
+from training.config import parse_overrides
 from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.dataset import DataError, LaneDataset, poly_lr, read_list
 from training.evaluate import lanes_from_probabilities
-from training.train import EXIT_PREEMPTED, STOP_REQUEST, TensorBoardLog, parse_overrides, read_stop_request
+from training.stop_request import STOP_REQUEST, read_stop_request
+from training.tensorboard_log import TensorBoardLog
+from training.train import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

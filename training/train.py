@@ -24,16 +24,17 @@ import json
 import logging
 import os
 import random
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import cv2
 import torch
 
 from training import precision
+from training.checkpoints import check_compatible, load_latest_checkpoint, save_checkpoint
+from training.config import TRAIN_PRESETS, TrainConfig, parse_overrides
 from training.dataset import (
     DataError,
     LaneDataset,
@@ -44,112 +45,15 @@ from training.dataset import (
     steps_per_epoch,
 )
 from training.evaluate import evaluate_run, score_split
-from training.model import SCNN, ModelConfig, SCNNLoss, TrainingDiverged, load_backbone_weights, model_config
+from training.model import SCNN, SCNNLoss, TrainingDiverged, load_backbone_weights, model_config
 from training.precision import MixedPrecision
+from training.stop_request import STOP_CHECK_EVERY, STOP_REQUEST, StopRequest, read_stop_request
+from training.tensorboard_log import TENSORBOARD_DIR, TensorBoardLog
 
 log = logging.getLogger("laneflow.train")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request, resumable
 EXIT_CONFIG_ERROR = 2
-KEEP_CHECKPOINTS = 3
-#: Ranks agree on a stop request (one tiny allreduce) every this many steps, not every step.
-STOP_CHECK_EVERY = 5
-#: In the run directory: asks the run to checkpoint and stop for good (JSON: reason, and the state the
-#: orchestrator shows, e.g. "Pruned"). Removed by the run that honours it.
-STOP_REQUEST = "stop-request.json"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that shapes a run; presets give defaults, ``--set key=value`` overrides them."""
-
-    preset: str = "cpu-demo"
-    epochs: int = 3
-    batch_size: int = 4
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    warmup_steps: int = 20
-    checkpoint_every: int = 50
-    num_workers: int = 2
-    seed: int = 0
-    eval_split: str = "val"
-    max_steps: int = 0  # 0 = no limit beyond epochs
-    #: Score the val split every this many steps (0: only at the end): the curve a sweep's pruner reads.
-    eval_every: int = 0
-    log_every: int = 10
-    cache: int = 1  # 1: decode each image once into a cache on the data volume; 0: decode every epoch
-    #: Gradient allreduce grouping: 0 = one allreduce per tensor as its gradient is ready (overlaps
-    #: backward; best for big models on GPUs), N = N grouped allreduces (fewer negotiations; best on CPUs).
-    allreduce_groups: int = 1
-    #: Horovod coordination cycle in ms (0: Horovod's default). Longer cycles leave CPU cores to the
-    #: training step when there is one grouped allreduce per step.
-    cycle_time_ms: float = 25.0
-    #: fp32 | bf16 | fp16 | auto (training.precision): mixed precision for the forward pass.
-    precision: str = "fp32"
-    #: contiguous | channels_last | auto (channels-last on GPUs).
-    memory_format: str = "auto"
-    #: none | fp16: Horovod gradient compression. Off by default: slower on CPUs here, not yet measured
-    #: on several GPUs (README "Performance").
-    compression: str = "none"
-    model_overrides: dict = field(default_factory=dict)
-
-
-TRAIN_PRESETS: dict[str, TrainConfig] = {
-    # The seed's recipe: SGD (nesterov) lr 0.15 scaled by workers, poly decay with warm-up, 512x288.
-    "tusimple": TrainConfig(preset="tusimple", epochs=30, batch_size=8, lr=0.15, warmup_steps=200,
-                            checkpoint_every=500, num_workers=4, allreduce_groups=0, cycle_time_ms=0.0,
-                            precision="auto"),
-    "cpu-demo": TrainConfig(),
-}
-
-
-def parse_overrides(preset: str, pairs: list[str]) -> TrainConfig:
-    """Apply ``key=value`` overrides to a preset, converting each value to the field's type."""
-    if preset not in TRAIN_PRESETS:
-        raise ValueError(f"unknown preset '{preset}'; choose one of {', '.join(TRAIN_PRESETS)}")
-    config = TRAIN_PRESETS[preset]
-    types = {f.name: f.type for f in fields(TrainConfig)}
-    model_fields = {f.name: f.type for f in fields(ModelConfig)}
-    changes: dict = {}
-    model_changes: dict = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"override '{pair}' must look like key=value")
-        if key.startswith("model."):
-            name = key[len("model."):]
-            if name not in model_fields or model_fields[name] not in ("int", "float"):
-                raise ValueError(f"unknown or non-numeric model setting '{name}'")
-            model_changes[name] = _convert(key, value, model_fields[name])
-        elif key in types and key not in ("preset", "model_overrides"):
-            changes[key] = _convert(key, value, types[key])
-        else:
-            raise ValueError(f"unknown setting '{key}'; known: {', '.join(sorted(set(types) - {'model_overrides'}))}")
-    config = replace(config, **changes, model_overrides={**config.model_overrides, **model_changes})
-    validate(config)
-    return config
-
-
-def _convert(key: str, value: str, kind: str) -> object:
-    try:
-        return int(value) if kind == "int" else float(value) if kind == "float" else value
-    except ValueError:
-        raise ValueError(f"setting '{key}' needs a {kind}, got '{value}'") from None
-
-
-def validate(config: TrainConfig) -> None:
-    for name in ("epochs", "batch_size", "checkpoint_every", "log_every"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"setting '{name}' must be >= 1, got {getattr(config, name)}")
-    if config.lr <= 0:
-        raise ValueError(f"setting 'lr' must be > 0, got {config.lr}")
-    if min(config.num_workers, config.max_steps, config.warmup_steps, config.allreduce_groups,
-           config.cycle_time_ms, config.eval_every) < 0:
-        raise ValueError("num_workers, max_steps, warmup_steps, allreduce_groups, cycle_time_ms and eval_every "
-                         "must be >= 0")
-    precision.validate(config.precision, config.memory_format, config.compression)
-    model_config(config.preset, **config.model_overrides)
 
 
 # --- distributed helpers -------------------------------------------------------------------------
@@ -208,163 +112,8 @@ def emit(event: str, **payload: object) -> None:
     print(json.dumps({"event": event, **payload}), flush=True)
 
 
-# --- TensorBoard ---------------------------------------------------------------------------------
-
-#: Where in the run directory rank 0 writes TensorBoard event files.
-TENSORBOARD_DIR = "tensorboard"
-#: TensorBoard tag -> the field of a ``step`` event it plots.
-TRAIN_SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/images_per_second": "img_per_s"}
-#: ``<split>/`` + suffix -> the field of a ``val`` or ``eval`` event it plots.
-SCORE_SCALARS = {"accuracy": "accuracy", "untimed_accuracy": "untimed_accuracy", "fp": "fp", "fn": "fn"}
-
-
-def tensorboard_scalars(event: str, payload: dict, step: int) -> list[tuple[str, float, int]]:
-    """The TensorBoard scalars ``(tag, value, global step)`` of one metrics.jsonl record: the same numbers.
-
-    ``step`` events give ``train/loss``, ``train/lr`` and ``train/images_per_second`` (``img_per_s``);
-    ``val`` events (every ``eval_every`` steps) give ``val/accuracy``, ``val/untimed_accuracy``, ``val/fp`` and
-    ``val/fn``; the final ``eval`` event gives the same four under its split's name (``val/...`` by default,
-    ``eval_split``), at the run's last step (``step``: the record carries none). Other events give none.
-    """
-    if event == "step":
-        wanted = TRAIN_SCALARS
-    elif event in ("val", "eval"):
-        wanted = {f"{payload.get('split', 'val')}/{suffix}": key for suffix, key in SCORE_SCALARS.items()}
-    else:
-        return []
-    at = int(payload.get("step", step))
-    return [(tag, float(payload[key]), at) for tag, key in wanted.items() if key in payload]
-
-
-class TensorBoardLog:
-    """Rank 0's TensorBoard writer (``torch.utils.tensorboard.SummaryWriter``); a no-op on other ranks.
-
-    Writing it never fails training: if the writer cannot be made (tensorboard missing, folder not
-    writable) or a write fails, one warning is logged and the run goes on without it. Opened with
-    ``purge_step`` = the step the run starts from + 1, so the points a killed attempt wrote after the
-    checkpoint this attempt resumes from are hidden (TensorBoard shows each step once). Flushed at each
-    record (log interval, checkpoint, val), closed when ``train`` ends on any path.
-    """
-
-    def __init__(self, writer: object | None = None, where: Path | None = None) -> None:
-        self._writer, self._where = writer, where
-
-    @classmethod
-    def open(cls, log_dir: Path, start_step: int) -> TensorBoardLog:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            return cls(SummaryWriter(str(log_dir), purge_step=start_step + 1), log_dir)
-        except Exception as exc:  # curves are a convenience, never a reason to stop
-            log.warning("not writing TensorBoard files to %s (%s); training goes on without them", log_dir, exc)
-            return cls()
-
-    def write(self, event: str, payload: dict, step: int) -> None:
-        if self._writer is None:
-            return
-        try:
-            for tag, value, at in tensorboard_scalars(event, payload, step):
-                self._writer.add_scalar(tag, value, at)
-            self._writer.flush()
-        except Exception as exc:
-            self._give_up(exc)
-
-    def close(self) -> None:
-        if self._writer is None:
-            return
-        try:
-            self._writer.close()
-        except Exception as exc:
-            self._give_up(exc)
-        self._writer = None
-
-    def _give_up(self, exc: Exception) -> None:
-        log.warning("stopped writing TensorBoard files to %s (%s); training goes on without them", self._where, exc)
-        self._writer = None
-
-    def __enter__(self) -> TensorBoardLog:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-
-# --- checkpoints ---------------------------------------------------------------------------------
-
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step-{step:08d}.pt"
-
-
-def save_checkpoint(run_dir: Path, state: dict) -> Path:
-    """Write atomically (temp file + rename) and keep the newest few."""
-    path = checkpoint_path(run_dir, state["step"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    for old in sorted(path.parent.glob("step-*.pt"))[:-KEEP_CHECKPOINTS]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def load_latest_checkpoint(run_dir: Path) -> dict | None:
-    """The newest checkpoint that loads; unreadable (e.g. truncated) ones are skipped with a warning."""
-    for path in sorted((run_dir / "checkpoints").glob("step-*.pt"), reverse=True):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if not isinstance(state, dict) or "model" not in state or "step" not in state:
-                raise ValueError("not a laneflow checkpoint")
-            return state | {"path": str(path)}
-        except Exception as exc:
-            log.warning("skipping unreadable checkpoint %s (%s)", path, exc)
-    return None
-
-
-def check_compatible(state: dict, model_cfg: ModelConfig, path: str) -> None:
-    saved = state.get("model_config")
-    if saved != asdict(model_cfg):
-        raise ValueError(f"checkpoint {path} was written for a different model ({saved}); this run uses "
-                         f"{asdict(model_cfg)}. Use a new run dir, or the preset and overrides it was trained with.")
-
 
 # --- training ------------------------------------------------------------------------------------
-
-def read_stop_request(run_dir: Path) -> dict | None:
-    """The orchestrator's request to stop this run for good, if there is one. An empty file is a request
-    still being written (looked at again at the next check); one that cannot be read as JSON still asks."""
-    path = run_dir / STOP_REQUEST
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:  # a volume hiccup must not stop rank 0 alone: the next check looks again
-        log.warning("could not read %s (%s); looking again at the next check", path, exc)
-        return None
-    if not text:
-        return None
-    try:
-        request = json.loads(text.splitlines()[-1])
-    except ValueError:
-        request = None
-    if not isinstance(request, dict):
-        return {"reason": f"{STOP_REQUEST} was found"}
-    return {key: value for key, value in request.items() if key not in ("event", "step")}
-
-
-class StopRequest:
-    """Set by SIGTERM/SIGINT; checked between steps so a checkpoint is never written mid-step."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        log.warning("received signal %d: checkpointing after this step", signum)
-        self.requested = True
-
-
 def train_step(model: torch.nn.Module, images: torch.Tensor, masks: torch.Tensor, exist: torch.Tensor,
                criterion: SCNNLoss, optimizer: torch.optim.Optimizer, mixed: MixedPrecision,
                memory_format: torch.memory_format, distributed: bool) -> tuple[torch.Tensor, dict[str, float]]:

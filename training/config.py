@@ -1,0 +1,105 @@
+"""The run's configuration: ``TrainConfig``, its presets, and the ``--set key=value`` overrides.
+
+Kept apart from the training loop so what a run is configured with can be read, parsed and checked
+without the loop's machinery (Horovod, the data loader, TensorBoard, checkpoints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from training import precision
+from training.model import ModelConfig, model_config
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that shapes a run; presets give defaults, ``--set key=value`` overrides them."""
+
+    preset: str = "cpu-demo"
+    epochs: int = 3
+    batch_size: int = 4
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    warmup_steps: int = 20
+    checkpoint_every: int = 50
+    num_workers: int = 2
+    seed: int = 0
+    eval_split: str = "val"
+    max_steps: int = 0  # 0 = no limit beyond epochs
+    #: Score the val split every this many steps (0: only at the end): the curve a sweep's pruner reads.
+    eval_every: int = 0
+    log_every: int = 10
+    cache: int = 1  # 1: decode each image once into a cache on the data volume; 0: decode every epoch
+    #: Gradient allreduce grouping: 0 = one allreduce per tensor as its gradient is ready (overlaps
+    #: backward; best for big models on GPUs), N = N grouped allreduces (fewer negotiations; best on CPUs).
+    allreduce_groups: int = 1
+    #: Horovod coordination cycle in ms (0: Horovod's default). Longer cycles leave CPU cores to the
+    #: training step when there is one grouped allreduce per step.
+    cycle_time_ms: float = 25.0
+    #: fp32 | bf16 | fp16 | auto (training.precision): mixed precision for the forward pass.
+    precision: str = "fp32"
+    #: contiguous | channels_last | auto (channels-last on GPUs).
+    memory_format: str = "auto"
+    #: none | fp16: Horovod gradient compression. Off by default: slower on CPUs here, not yet measured
+    #: on several GPUs (README "Performance").
+    compression: str = "none"
+    model_overrides: dict = field(default_factory=dict)
+
+
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    # The seed's recipe: SGD (nesterov) lr 0.15 scaled by workers, poly decay with warm-up, 512x288.
+    "tusimple": TrainConfig(preset="tusimple", epochs=30, batch_size=8, lr=0.15, warmup_steps=200,
+                            checkpoint_every=500, num_workers=4, allreduce_groups=0, cycle_time_ms=0.0,
+                            precision="auto"),
+    "cpu-demo": TrainConfig(),
+}
+
+
+def parse_overrides(preset: str, pairs: list[str]) -> TrainConfig:
+    """Apply ``key=value`` overrides to a preset, converting each value to the field's type."""
+    if preset not in TRAIN_PRESETS:
+        raise ValueError(f"unknown preset '{preset}'; choose one of {', '.join(TRAIN_PRESETS)}")
+    config = TRAIN_PRESETS[preset]
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    model_fields = {f.name: f.type for f in fields(ModelConfig)}
+    changes: dict = {}
+    model_changes: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"override '{pair}' must look like key=value")
+        if key.startswith("model."):
+            name = key[len("model."):]
+            if name not in model_fields or model_fields[name] not in ("int", "float"):
+                raise ValueError(f"unknown or non-numeric model setting '{name}'")
+            model_changes[name] = _convert(key, value, model_fields[name])
+        elif key in types and key not in ("preset", "model_overrides"):
+            changes[key] = _convert(key, value, types[key])
+        else:
+            raise ValueError(f"unknown setting '{key}'; known: {', '.join(sorted(set(types) - {'model_overrides'}))}")
+    config = replace(config, **changes, model_overrides={**config.model_overrides, **model_changes})
+    validate(config)
+    return config
+
+
+def _convert(key: str, value: str, kind: str) -> object:
+    try:
+        return int(value) if kind == "int" else float(value) if kind == "float" else value
+    except ValueError:
+        raise ValueError(f"setting '{key}' needs a {kind}, got '{value}'") from None
+
+
+def validate(config: TrainConfig) -> None:
+    for name in ("epochs", "batch_size", "checkpoint_every", "log_every"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"setting '{name}' must be >= 1, got {getattr(config, name)}")
+    if config.lr <= 0:
+        raise ValueError(f"setting 'lr' must be > 0, got {config.lr}")
+    if min(config.num_workers, config.max_steps, config.warmup_steps, config.allreduce_groups,
+           config.cycle_time_ms, config.eval_every) < 0:
+        raise ValueError("num_workers, max_steps, warmup_steps, allreduce_groups, cycle_time_ms and eval_every "
+                         "must be >= 0")
+    precision.validate(config.precision, config.memory_format, config.compression)
+    model_config(config.preset, **config.model_overrides)

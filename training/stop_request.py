@@ -1,0 +1,55 @@
+"""Stop requests: the orchestrator's ``stop-request.json`` (stop for good) and SIGTERM (checkpoint, retry).
+
+Kept apart from the training loop: the file's name and format are a contract with the orchestrator
+(a sweep's pruner writes it), and the signal handling is one small piece the loop only polls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+
+log = logging.getLogger("laneflow.train")  # the trainer's logger, as before the split: its lines read the same
+
+#: Ranks agree on a stop request (one tiny allreduce) every this many steps, not every step.
+STOP_CHECK_EVERY = 5
+#: In the run directory: asks the run to checkpoint and stop for good (JSON: reason, and the state the
+#: orchestrator shows, e.g. "Pruned"). Removed by the run that honours it.
+STOP_REQUEST = "stop-request.json"
+
+
+
+def read_stop_request(run_dir: Path) -> dict | None:
+    """The orchestrator's request to stop this run for good, if there is one. An empty file is a request
+    still being written (looked at again at the next check); one that cannot be read as JSON still asks."""
+    path = run_dir / STOP_REQUEST
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # a volume hiccup must not stop rank 0 alone: the next check looks again
+        log.warning("could not read %s (%s); looking again at the next check", path, exc)
+        return None
+    if not text:
+        return None
+    try:
+        request = json.loads(text.splitlines()[-1])
+    except ValueError:
+        request = None
+    if not isinstance(request, dict):
+        return {"reason": f"{STOP_REQUEST} was found"}
+    return {key: value for key, value in request.items() if key not in ("event", "step")}
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT; checked between steps so a checkpoint is never written mid-step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        log.warning("received signal %d: checkpointing after this step", signum)
+        self.requested = True
