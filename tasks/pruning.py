@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-#: The trainer's ``training.train.STOP_REQUEST`` (not imported here: that module needs torch).
+#: The trainer's ``training.stop_request.STOP_REQUEST``, as a literal: the orchestrator depends on the file's
+#: name, not on the trainer's modules (tests/test_train.py pins the two equal).
 STOP_REQUEST = "stop-request.json"
 
 

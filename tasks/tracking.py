@@ -61,10 +61,10 @@ HTTP_DEFAULTS = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 
-#: MLflow metric -> field of a ``step`` event (TensorBoard's tags, training.train.TRAIN_SCALARS, plus the stall).
+#: MLflow metric -> field of a ``step`` event (TensorBoard tags, training.tensorboard_log.TRAIN_SCALARS, + the stall).
 STEP_METRICS = {"train/loss": "loss", "train/lr": "lr", "train/images_per_second": "img_per_s",
                 "train/input_stall": "input_stall"}
-#: ``val/`` + suffix -> field of a ``val`` event (training.train.SCORE_SCALARS).
+#: ``val/`` + suffix -> field of a ``val`` event (training.tensorboard_log.SCORE_SCALARS).
 SCORE_METRICS = {"accuracy": "accuracy", "untimed_accuracy": "untimed_accuracy", "fp": "fp", "fn": "fn"}
 #: The evaluate stage's numbers logged as ``<split>/<name>``.
 EVALUATION_METRICS = ("accuracy", "untimed_accuracy", "fp", "fn", "untimed_fp", "untimed_fn", "images",

@@ -107,7 +107,7 @@ def assert_tensorboard_shows_metrics(run_dir: Path) -> dict[str, list[tuple[int,
 def test_the_orchestrator_writes_the_stop_request_where_the_trainer_reads_it() -> None:
     from tasks import pruning
 
-    assert pruning.STOP_REQUEST == STOP_REQUEST  # tasks.pruning cannot import training.train (torch)
+    assert pruning.STOP_REQUEST == STOP_REQUEST  # tasks.pruning keeps its own literal
 
 
 def test_a_stop_request_is_read_once_it_is_written(tmp_path: Path) -> None:

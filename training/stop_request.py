@@ -44,7 +44,7 @@ def read_stop_request(run_dir: Path) -> dict | None:
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGINT; checked between steps so a checkpoint is never written mid-step."""
+    """Set by SIGTERM; checked between steps so a checkpoint is never written mid-step."""
 
     def __init__(self) -> None:
         self.requested = False
