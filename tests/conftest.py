@@ -78,12 +78,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.config.workeroutput[_WORKER_LEFTOVERS] = list(_left_running)
 
 
+#: Workers that died before their session's end: nobody checked what they had started.
+_crashed_workers: list[str] = []
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:  # xdist's hook, on the controller: a worker has finished
+    if error is not None:
+        _crashed_workers.append(f"{node.gateway.id} died ({error})")
     _left_running.extend(tuple(item) for item in getattr(node, "workeroutput", {}).get(_WORKER_LEFTOVERS, []))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for crashed in _crashed_workers:
+        terminalreporter.write_line(f"xdist worker {crashed}: the processes it started were not checked "
+                                    f"(look for {leaks.MARKER} in /proc/*/environ)", red=True, bold=True)
     if not _left_running:
         return
     terminalreporter.section("processes left running by the suite", sep="!", red=True, bold=True)
@@ -167,8 +176,14 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     from flows.local_server import free_port, server_env, start_server
 
     home = tmp_path_factory.mktemp("prefect-server")
-    port = free_port()
-    process = start_server(home, port)
+    for attempt in range(3):
+        port = free_port()
+        try:
+            process = start_server(home, port)
+            break
+        except RuntimeError:  # it exited: the other xdist worker's server may have taken the port meanwhile
+            if attempt == 2:
+                raise
     env = server_env(home, port)
     try:
         with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_SERVER_ANALYTICS_ENABLED: False}):

@@ -72,6 +72,10 @@ class PodNetwork:
             self.gateway = str(self.subnet.network_address + 1)
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
+            # The first ``ip netns add`` on a machine makes /run/netns a shared mount point; two at once can
+            # stack two mounts there. One made (and removed) under the lock leaves later ones nothing to race.
+            _ip("netns", "add", f"{self.prefix}-0")
+            self.detach(f"{self.prefix}-0")
         _ip("link", "set", self.bridge, "up")
         atexit.register(self.close)
 
