@@ -1,10 +1,13 @@
 """``train_pipeline``: the seed's manual steps as one Prefect DAG (DESIGN §2), on any platform.
 
     volume -> dataset -> shared access -> submit -> wait (streams events) -> evaluate -> snapshot
-    -> artifacts, with the service level noted before and put back after.
+    -> artifacts, with the volume's service level held while the run trains.
 
 Training holds one slot of the ``gpu`` concurrency limit (when it exists), so sweeps and concurrent
-UI runs queue for accelerators instead of oversubscribing them.
+UI runs queue for accelerators instead of oversubscribing them. Once it has its slot, the run holds the
+volume's service level (``tasks.holding``) until it has trained: runs side by side on one volume share the
+promotion, and the volume goes home when the last of them is done — however it ends. A retried stage leaves
+the level alone.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from prefect.events import emit_event
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_run
 from prefect.states import Completed, State
-from prefect.transactions import transaction
 from pydantic import Field
 
 from flows.params import TrainParams, takes_train_params
@@ -36,7 +38,7 @@ from tasks.pipeline import (
     read_dataset_index,
     read_service_level,
     record_lineage,
-    return_volume_home,
+    release_service_level,
     submit_training,
     wait_for_training,
 )
@@ -63,9 +65,9 @@ def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
         print(f"laneflow: training job {name} {'stopped' if stopped else 'was not running'} ({state.name})")
     except Exception as exc:  # the volume below must still go back
         print(f"laneflow: could not stop training job {name} ({state.name}): {exc}")
-    # The flow's own code did not get to return a promoted volume: do it here, or say how.
-    return_volume_home(platform, VolumeRef(name=params.volume, location=""), f"flow run {state.name.lower()}",
-                       logger=flow_run_logger(flow_run, flow))
+    # The flow's own code did not get to leave its hold on the volume's level: do it here, or say how.
+    release_service_level(platform, VolumeRef(name=params.volume, location=""), str(flow_run.id), name,
+                          f"flow run {state.name.lower()}", logger=flow_run_logger(flow_run, flow))
 
 
 @flow(name="train_pipeline", on_cancellation=[stop_training], on_crashed=[stop_training])
@@ -92,12 +94,12 @@ def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any
     volume = ensure_dataset_volume(platform, params.volume)
     need = ThroughputNeed(workers=params.workers, images_per_second_per_worker=params.images_per_second_per_worker,
                           bytes_per_image=params.bytes_per_image)
-    # Inside the transaction: if anything after the promotion fails, its rollback demotes the volume; a
-    # promotion that itself failed (Azure still moving the volume) is returned by the except below.
+    # However the run fails (a promotion that itself failed included), it leaves its hold on the level; a
+    # stage that is retried does not get here, and leaves the level where it is.
     try:
         return _train_on(params, platform, volume, need, run, release)
     except BaseException:
-        return_volume_home(platform, volume, "a failed run")
+        release_service_level(platform, volume, str(current_run.id), run, "a failed run")
         raise
 
 
@@ -119,46 +121,47 @@ def stopped_early(run: str, outcome: TrainingOutcome, dataset: dict[str, Any], s
 def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: ThroughputNeed,
               run: str, release: dict[str, str] | None) -> dict[str, Any] | State:
     logger = get_run_logger()
-    with transaction():
-        previous_level = promote_service_level(platform, volume, params.promote, need, run)
-        dataset = {**prepare_dataset(platform, volume, params.source.to_artifacts()), "release": release}
-        ensure_shared_access(platform, volume)
-        spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
-                            preset=params.preset, workers=params.workers, settings=params.trainer_settings(),
-                            labels={"flow-run": str(current_run.id), "dataset-version": dataset["dataset_version"]})
-        with concurrency(GPU_LIMIT, occupy=1):
-            submit_training(platform, spec)
-            outcome = wait_for_training(platform, spec, params.timeout_minutes * 60)
-        if outcome.stopped is not None:  # ended early on purpose (a sweep pruned it): nothing to score or keep
-            demote_service_level(platform, volume, previous_level)
-            return stopped_early(run, outcome, dataset, spec, params)
-        evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
+    holder = str(current_run.id)
+    dataset = {**prepare_dataset(platform, volume, params.source.to_artifacts()), "release": release}
+    ensure_shared_access(platform, volume)
+    spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
+                        preset=params.preset, workers=params.workers, settings=params.trainer_settings(),
+                        labels={"flow-run": holder, "dataset-version": dataset["dataset_version"]})
+    with concurrency(GPU_LIMIT, occupy=1):
+        # The volume's level is held for as long as the slot: a run queued for a slot holds no costlier level
+        # meanwhile, and one that has trained no longer adds its reads to those of the run that trains next.
+        promote_service_level(platform, volume, params.promote, need, run, holder)
+        submit_training(platform, spec)
+        outcome = wait_for_training(platform, spec, params.timeout_minutes * 60)
+        levels = demote_service_level(platform, volume, holder, run)
+    if outcome.stopped is not None:  # ended early on purpose (a sweep pruned it): nothing to score or keep
+        return stopped_early(run, outcome, dataset, spec, params)
+    evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
 
-        snapshot = snapshot_name(volume.name, run) if params.snapshot else None
-        service_level = read_service_level(platform, volume, previous_level)
-        lineage = build_lineage(
-            run=run, flow_run_id=str(current_run.id), flow_run_name=current_run.name, platform=params.platform,
-            volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
-            training={"steps": outcome.steps, "resumed_from": outcome.resumed_from,
-                      "duration_s": outcome.duration_s, "trainer_eval": outcome.eval},
-            evaluation=evaluation, snapshot=snapshot, service_level=service_level)
-        package = None
-        if params.package:  # inside the run's folder: the snapshot carries it
-            package = package_model(platform, volume, spec.run_dir, spec.data_dir, params.eval_split, lineage)
-            lineage["package"] = package["package"]
-        else:
-            logger.info("packaging off for this run")
-        record_lineage(platform, volume, spec.run_dir, lineage)
-        if snapshot:
-            capture_snapshot(platform, volume, snapshot, spec.data_dir, spec.run_dir, lineage)
-        else:
-            logger.info("snapshot off for this run")
-        publish_artifacts(platform, volume, spec.run_dir, outcome, evaluation, lineage)
-        demote_service_level(platform, volume, previous_level)
+    snapshot = snapshot_name(volume.name, run) if params.snapshot else None
+    service_level = read_service_level(platform, volume, levels)
+    lineage = build_lineage(
+        run=run, flow_run_id=holder, flow_run_name=current_run.name, platform=params.platform,
+        volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
+        training={"steps": outcome.steps, "resumed_from": outcome.resumed_from,
+                  "duration_s": outcome.duration_s, "trainer_eval": outcome.eval},
+        evaluation=evaluation, snapshot=snapshot, service_level=service_level)
+    package = None
+    if params.package:  # inside the run's folder: the snapshot carries it
+        package = package_model(platform, volume, spec.run_dir, spec.data_dir, params.eval_split, lineage)
+        lineage["package"] = package["package"]
+    else:
+        logger.info("packaging off for this run")
+    record_lineage(platform, volume, spec.run_dir, lineage)
+    if snapshot:
+        capture_snapshot(platform, volume, snapshot, spec.data_dir, spec.run_dir, lineage)
+    else:
+        logger.info("snapshot off for this run")
+    publish_artifacts(platform, volume, spec.run_dir, outcome, evaluation, lineage)
     emit_event("laneflow.training.finished", resource={"prefect.resource.id": f"laneflow.run.{run}",
                                                        "prefect.resource.name": run},
                payload={"metrics": evaluation, "dataset_version": dataset["dataset_version"], "snapshot": snapshot})
-    from tasks.tracking import track_in_mlflow  # after the transaction: tracking never holds the volume's level
+    from tasks.tracking import track_in_mlflow
 
     tracked = track_in_mlflow(platform, volume, spec.run_dir, lineage)  # None when off or failed (one warning)
     return {"run": run, "flow_run_id": str(current_run.id), "volume": volume.name, "snapshot": snapshot,

@@ -59,6 +59,9 @@ class AnfVolume(Block):
     operation_timeout_s: float = Field(3600, gt=0, description="wait at most this long for a pool change")
     polling_interval_s: float = Field(10.0, ge=0, description="how often a long-running operation is polled when "
                                                               "the service names no Retry-After")
+    hold_ttl_s: float = Field(600.0, gt=0, description="a run holding the volume's level renews its hold every "
+                                                       "quarter of this; one silent this long (a killed process) is "
+                                                       "taken for dead and no longer keeps the volume promoted")
     _management_client: Any = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -159,14 +162,26 @@ class AnfVolume(Block):
         from azure.mgmt.netapp.models import PoolChangeRequest
 
         self.settle()  # the volume's level means nothing while an earlier move of ours runs
-        pool, current, _ = self.locate()
-        if current == level:
-            return False
-        operation = f"pool change of volume '{self.volume}' from {current} ({pool}) to {level}"
+        deadline = time.monotonic() + self.operation_timeout_s
+        while True:
+            pool, current, _ = self.locate()  # waits while another process's operation on the volume runs
+            if current == level:
+                return False
+            operation = f"pool change of volume '{self.volume}' from {current} ({pool}) to {level}"
+            try:
+                poller = self._client().volumes.begin_pool_change(
+                    self.resource_group, self.account, pool, self.volume,
+                    PoolChangeRequest(new_pool_resource_id=self.pool_ids[level]))
+            except HttpResponseError as exc:
+                # 409 RequestConflict: another operation on the volume started between our read and our
+                # request (ARM refuses to modify a resource whose provisioning state is not terminal). Wait
+                # for it, read the level again and decide again: it may have been this very move.
+                if exc.status_code == 409 and time.monotonic() < deadline:
+                    time.sleep(max(self.polling_interval_s, 0.05))
+                    continue
+                raise AnfError(f"{operation} failed: {_reason(exc)}") from None
+            break
         try:
-            poller = self._client().volumes.begin_pool_change(
-                self.resource_group, self.account, pool, self.volume,
-                PoolChangeRequest(new_pool_resource_id=self.pool_ids[level]))
             poller.result(timeout=self.operation_timeout_s)
         except HttpResponseError as exc:
             raise AnfError(f"{operation} failed: {_reason(exc)}") from None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from typing import Any
 
@@ -28,11 +27,11 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 from prefect.exceptions import MissingContextError
-from prefect.transactions import get_transaction
-from prefect.variables import Variable
 
 from tasks.champion import selection_accuracy
 from tasks.dataset_index import redact, release_for
+from tasks.holding import join, leave, leave_quietly, settle
+from tasks.level_holds import LevelHold, describe
 from tasks.lineage import render_lineage_markdown
 from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, TrainingOutcome, TrainingSpec, VolumeRef
 from tasks.pruning import judge_of, stop_request_path
@@ -59,147 +58,81 @@ def _resource(kind: str, name: str) -> dict[str, str]:
     return {"prefect.resource.id": f"laneflow.{kind}.{name}", "prefect.resource.name": name}
 
 
-def home_level_key(volume: VolumeRef) -> str:
-    """The Prefect variable that holds the level a promoted volume must return to (by volume name: the
-    cancellation and crash hooks know only the run's parameters)."""
-    return "laneflow-home-level-" + re.sub(r"[^a-z0-9-]+", "-", volume.name.lower()).strip("-")
-
-
 @task(name="promote_service_level", task_run_name="promote-{volume.name}", **_TASK)
-def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, need: ThroughputNeed,
-                          run: str) -> str | None:
-    """Move the volume to the cheapest level that feeds this run, inside the flow's transaction.
+def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, need: ThroughputNeed, run: str,
+                          holder: str) -> dict[str, Any] | None:
+    """Hold the volume's level for this run (``tasks.holding``): the volume moves to the cheapest level that
+    feeds every run holding it, and stays there until the last of them leaves (``demote_service_level``).
 
-    Returns the level to return to, which ``demote_service_level`` restores after training; if anything
-    fails, the flow returns the volume there (``return_volume_home``). That level is recorded once, in a
-    Prefect variable, before any change: a retry that finds the volume already moved, or a later run after
-    a crash, still knows where it came from.
+    Called once the run has its ``gpu`` slot, just before it trains. A run with promotion off holds nothing,
+    but settles the volume: a level left high by runs that died goes home. Returns the volume's home level
+    and the level it trains on; None where service levels do not apply.
     """
     logger = get_run_logger()
     level = platform.current_service_level(volume)
     if level is None:
         logger.info("service level: not applicable on %s; nothing to promote", type(platform).__name__)
         return None
-    home = Variable.get(home_level_key(volume), default=None) or level
-    if home != level:
-        logger.warning("service level: volume %s is on %s but was on %s before an earlier run moved it; it "
-                       "returns to %s after this run", volume.name, level, home, home)
-    transaction = get_transaction()
-    if transaction is not None:  # what the rollback hook needs
-        transaction.set("platform", platform)
-        transaction.set("volume", volume)
     if not wanted:
-        logger.info("service level stays %s (promotion is off for this run)", level)
-        return home
+        record, level = settle(platform, volume, "settled by a run with promotion off", logger)
+        logger.info("service level stays %s (promotion is off for this run; held by %s)", level, describe(record))
+        return {"home": record.home if record else level, "training": level, "held": False}
     quota_tib, ceiling = platform.service_level_limits(volume) or (0.0, "Ultra")
     choice = choose_service_level(need, quota_tib, ceiling)
     create_markdown_artifact(markdown=render_tier_markdown(choice, need), key=f"service-level-{run}",
                              description=f"service level chosen for {run}")
     logger.info("service level: %s", choice.reason)
-    if choice.level is None or LEVEL_ORDER.index(choice.level) <= LEVEL_ORDER.index(level):
-        logger.info("service level stays %s", level)
-        return home
-    Variable.set(home_level_key(volume), home, overwrite=True)  # before the change: every exit can find it
-    if platform.change_service_level(volume, choice.level):
-        _level_changed(volume, level, choice.level, "promoted for training")
-    return home
+    hold = LevelHold(run=run, mib_per_second=choice.required_mib_per_second, level=choice.level or LEVEL_ORDER[0],
+                     renewed=time.time())
+    record, level = join(platform, volume, holder, hold, logger)
+    logger.info("service level of %s: %s for %s (home %s)", volume.name, level, describe(record), record.home)
+    return {"home": record.home, "training": level, "held": True}
 
 
-def _level_changed(volume: VolumeRef, before: str, after: str, why: str) -> None:
-    get_run_logger().info("service level of %s: %s -> %s (%s)", volume.name, before, after, why)
-    emit_event("laneflow.service_level.changed", resource=_resource("volume", volume.name),
-               payload={"from": before, "to": after, "why": why})
+@task(name="demote_service_level", task_run_name="demote-{volume.name}", **_TASK)
+def demote_service_level(platform: Platform, volume: VolumeRef, holder: str, run: str) -> dict[str, Any] | None:
+    """The run has trained: leave its hold; the volume goes home when no other run holds it. Returns the
+    level the run trained on (where the volume was as it left), the volume's home and the level it is left
+    on; None where service levels do not apply."""
+    logger = get_run_logger()
+    trained_on = platform.current_service_level(volume)
+    if trained_on is None:
+        logger.info("service level: not applicable; nothing to demote")
+        return None
+    before = platform.level_record(volume)
+    record, level = leave(platform, volume, holder, run, logger)
+    if record is not None and record.holds:
+        logger.info("service level of %s stays %s: still held by %s", volume.name, level, describe(record))
+    else:
+        logger.info("service level of %s: %s, nobody holds it", volume.name, level)
+    return {"training": trained_on, "home": before.home if before else trained_on, "after": level}
 
 
-def return_volume_home(platform: Platform, volume: VolumeRef, why: str, logger: Any = None) -> bool:
-    """Put a promoted volume back on its recorded level (on failure, cancellation or crash); when that is
-    impossible, say so loudly with the command that does it. True when the volume is home. Never raises:
-    it runs on the way out of a failure, whose own error must stay the one reported."""
+def release_service_level(platform: Platform, volume: VolumeRef, holder: str, run: str, why: str,
+                          logger: Any = None) -> bool:
+    """Leave the run's hold on the way out of a failure, a cancellation or a crash (never raises; says what to
+    run when the volume stays promoted). True when the volume is where its remaining holders want it."""
     if logger is None:
         try:
             logger = get_run_logger()  # the run's log, in the UI
         except MissingContextError:  # a state hook outside the run that passed none
             logger = logging.getLogger("laneflow.service_level")
-    key = home_level_key(volume)
-    try:
-        home = Variable.get(key, default=None)
-    except Exception as exc:
-        logger.error("LANEFLOW COULD NOT READ where volume %s came from (Prefect variable %s: %s): if this run "
-                     "promoted it, it is still on the higher level; run the pipeline again to return it",
-                     volume.name, key, exc)
-        return False
-    if home is None:
-        return True  # never promoted, or already returned
-    error: Exception | None = None
-    changed = False
-    for attempt in range(3):  # a move that outlives its wait is waited for again by the next try
-        try:
-            changed, error = platform.change_service_level(volume, home), None
-            break
-        except ValueError as exc:  # a configuration error: trying again changes nothing
-            error = exc
-            break
-        except Exception as exc:
-            error = exc
-            time.sleep(min(30.0, 2.0 ** attempt))
-    if error is not None:
-        command = platform.service_level_command(volume, home) or "move it in the Azure portal"
-        logger.error("LANEFLOW COULD NOT RETURN volume %s to %s after %s (%s): it stays on its higher, costlier "
-                     "level until moved. Run: %s — or run the pipeline again, which returns it first (the level is "
-                     "kept in Prefect variable %s)", volume.name, home, why, error, command, key)
-        print(f"laneflow: volume {volume.name} is NOT back on {home}: run {command}")
-        return False
-    try:
-        Variable.unset(key)
-    except Exception as exc:  # home already; a later run finds it there and forgets the record then
-        logger.warning("volume %s is back on %s but Prefect variable %s could not be removed: %s", volume.name,
-                       home, key, exc)
-    if changed:
-        logger.warning("service level of %s returned to %s (%s)", volume.name, home, why)
-        emit_event("laneflow.service_level.changed", resource=_resource("volume", volume.name),
-                   payload={"to": home, "why": why})
-    return True
-
-
-@promote_service_level.on_rollback
-def _demote_on_rollback(transaction: Any) -> None:
-    """Something after the promotion failed: put the volume back where it was."""
-    platform = transaction.get("platform", None)
-    if platform is None:  # a platform without service levels: the promotion recorded nothing to undo
-        return
-    return_volume_home(platform, transaction.get("volume"), "rollback after a failure")
-
-
-@task(name="demote_service_level", task_run_name="demote-{volume.name}", **_TASK)
-def demote_service_level(platform: Platform, volume: VolumeRef, previous: str | None) -> bool:
-    """Put the volume back to the level it had before training, and forget the record of it."""
-    if previous is None:
-        get_run_logger().info("service level: not applicable; nothing to demote")
-        return False
-    current = platform.current_service_level(volume)
-    changed = platform.change_service_level(volume, previous)
-    Variable.unset(home_level_key(volume))
-    if changed:
-        _level_changed(volume, current or "?", previous, "training done")
-    else:
-        get_run_logger().info("service level stays %s", previous)
-    return changed
+    return leave_quietly(platform, volume, holder, run, why, logger)
 
 
 @task(name="read_service_level", task_run_name="service-level-{volume.name}", **_TASK)
-def read_service_level(platform: Platform, volume: VolumeRef, home: str | None) -> dict[str, Any] | None:
+def read_service_level(platform: Platform, volume: VolumeRef, levels: dict[str, Any] | None) -> dict[str, Any] | None:
     """The level the volume trained on, with its home level and quota, for the run's lineage (what a
     comparison bills); None where service levels do not apply."""
+    if levels is None:
+        return None
     try:
-        level = platform.current_service_level(volume)
-        limits = platform.service_level_limits(volume) if level is not None else None
+        limits = platform.service_level_limits(volume)
     except Exception as exc:  # a record for a report: it never fails a run that trained
-        get_run_logger().warning("could not read the service level of %s for the run's lineage (%s); a "
-                                 "comparison will not bill its storage", volume.name, exc)
-        return None
-    if level is None:
-        return None
-    return {"training": level, "home": home or level, "quota_tib": limits[0] if limits else None}
+        get_run_logger().warning("could not read the quota of %s for the run's lineage (%s); a comparison will "
+                                 "not bill its storage", volume.name, exc)
+        limits = None
+    return {"training": levels["training"], "home": levels["home"], "quota_tib": limits[0] if limits else None}
 
 
 @task(name="record_lineage", task_run_name="lineage-{volume.name}", **_TASK)

@@ -54,12 +54,17 @@ class TierChoice:
 
 def choose_service_level(need: ThroughputNeed, quota_tib: float, ceiling: str = "Ultra") -> TierChoice:
     """The cheapest level within ``ceiling`` whose throughput at ``quota_tib`` meets the need (>=), or None."""
+    return choose_level_for(need.mib_per_second(), quota_tib, ceiling)
+
+
+def choose_level_for(required: float, quota_tib: float, ceiling: str = "Ultra") -> TierChoice:
+    """The cheapest level within ``ceiling`` that gives ``required`` MiB/s at ``quota_tib``, or None: for one
+    run's need, or for the sum of what every run holding a volume reads."""
     levels = [name for name, _ in SERVICE_LEVELS]
     if ceiling not in levels:
         raise ValueError(f"ceiling '{ceiling}' is not a service level; choose one of {', '.join(levels)}")
     if quota_tib <= 0:
         raise ValueError(f"quota_tib must be > 0, got {quota_tib}")
-    required = need.mib_per_second()
     allowed_up_to = levels.index(ceiling)
     options = tuple(LevelOption(name, quota_tib * rate, quota_tib * rate >= required, index <= allowed_up_to)
                     for index, (name, rate) in enumerate(SERVICE_LEVELS))

@@ -3,24 +3,28 @@ emulator on 127.0.0.1 with a throwaway CA; promotion around training, rollback o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
-from prefect.variables import Variable
+from prefect.exceptions import ObjectNotFound
 from pydantic import SecretStr
 
-from flows.train import train_pipeline
+from flows.train import GPU_LIMIT, train_pipeline
 from tasks.anf import AnfError, AnfVolume
-from tasks.pipeline import home_level_key
-from tasks.platforms import VolumeRef
+from tasks.level_holds import LevelRecord
+from tasks.platforms.cluster.volumes import LEVEL_RECORD_ANNOTATION
 from tasks.processes import running
 from tests.azure import TOKEN, Arm, ArmEmulator
 from tests.cluster import KubernetesEmulator
@@ -48,6 +52,15 @@ def anf_volume(emulator: ArmEmulator, **changes: object) -> AnfVolume:
 ROLE = PROJECT_ROOT / "deployments" / "azure" / "laneflow-anf-role.json"
 #: Every Microsoft.NetApp action Azure knows (its source is the file's first line).
 REAL_OPERATIONS = Path(__file__).parent / "fixtures" / "azure-netapp-operations.txt"
+
+
+def level_record(emulator: KubernetesEmulator, claim: str = "tusimple", namespace: str = "lanes"
+                 ) -> LevelRecord | None:
+    """The service-level record as `kubectl get pv` shows it: the annotation on the claim's PV."""
+    pv_name = emulator.cluster.objects["persistentvolumeclaims"][(namespace, claim)]["spec"]["volumeName"]
+    raw = (emulator.cluster.objects["persistentvolumes"][("", pv_name)]["metadata"].get("annotations") or {}).get(
+        LEVEL_RECORD_ANNOTATION)
+    return LevelRecord.model_validate_json(raw) if raw else None
 
 
 def role_actions() -> set[str]:
@@ -217,17 +230,19 @@ def test_a_promotion_that_times_out_while_azure_moves_the_volume_still_ends_on_i
     waits for that move, then moves the volume back. A rollback hook would not help: Prefect registers it
     only for tasks that completed, and this one failed."""
     emulator, state = arm
+    if missing := pod_runtime_missing():  # the promotion comes after the dataset stage, which runs in a pod
+        pytest.skip(missing)
     state.operation_s = 4.5  # Azure's clock: the move ends 1.5 s after laneflow stopped waiting for it
     k8s = KubernetesEmulator(tmp_path / "k8s")
     with k8s:
         cluster_platform(k8s, anf=anf_volume(emulator, operation_timeout_s=3)).save("emu-anf-slow", overwrite=True)
         run = train_pipeline(**params_for(served_archive, platform="emu-anf-slow", volume="tusimple", promote=True),
                              return_state=True)
+        assert level_record(k8s) is None  # home and unheld: forgotten
     assert run.is_failed() and "did not finish within 3 s; Azure carries on with it" in str(run.message)
     state.run_out()
     assert pool_changes(state) == 2  # Premium (finished by Azure after the timeout), then back
     assert state.volumes["tusimple"]["pool"] == "pool-standard"
-    assert Variable.get(home_level_key(VolumeRef(name="tusimple", location=""))) is None  # home: forgotten
 
 
 def test_a_volume_that_cannot_be_returned_is_reported_with_the_command_and_the_next_run_returns_it(
@@ -253,9 +268,9 @@ def test_a_volume_that_cannot_be_returned_is_reported_with_the_command_and_the_n
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-stuck", overwrite=True)
         second = train_pipeline(**params_for(served_archive, platform="emu-anf-stuck", volume="tusimple",
                                              promote=False), return_state=True)
+        assert level_record(k8s) is None
     assert second.is_completed()
     assert state.volumes["tusimple"]["pool"] == "pool-standard"
-    assert Variable.get(home_level_key(VolumeRef(name="tusimple", location=""))) is None
 
 
 def test_pools_of_another_netapp_account_are_refused_by_the_block_and_by_azure(arm: tuple) -> None:
@@ -292,13 +307,36 @@ def test_an_api_version_other_than_the_modelled_spec_is_refused(arm: tuple) -> N
     assert json.loads(refused.value.read())["error"]["code"] == "NoRegisteredProviderFound"
 
 
+@contextlib.contextmanager
+def gpu_slots(at_least: int) -> Iterator[None]:
+    """At least ``at_least`` slots of the ``gpu`` limit while inside (a sweep earlier in the session may have
+    left it lower), as they were after."""
+    with get_client(sync_client=True) as client:
+        try:
+            before = client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+        except ObjectNotFound:
+            before = None
+        if before is not None and before < at_least:
+            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, at_least)
+    try:
+        yield
+    finally:
+        if before is not None and before < at_least:
+            with get_client(sync_client=True) as client:
+                client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, before)
+
+
 @pytest.mark.slow
-def test_a_run_whose_process_is_terminated_mid_training_stops_its_job_and_returns_the_volume(
+def test_runs_side_by_side_share_the_promotion_and_a_terminated_one_leaves_it(
         prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], arm: tuple,
         tmp_path: Path) -> None:
-    """SIGTERM to the flow run's process (a drained node, a stopped worker): Prefect ends the run Crashed, and
-    its hook stops the MPIJob and moves the volume from Premium back to Standard — nothing left billed."""
+    """A long run trains on the volume promoted to Premium; a second run trains beside it, so the volume feeds
+    both on Ultra, and goes back to Premium — not home — when the second ends. Then SIGTERM to the first run's
+    process (a drained node, a stopped worker): Prefect ends the run Crashed, and its hook stops the MPIJob and,
+    as the last holder, takes the volume home to Standard — nothing left billed."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from tasks.platforms import ClusterPlatform
 
     emulator, state = arm
     if missing := pod_runtime_missing():
@@ -309,7 +347,7 @@ def test_a_run_whose_process_is_terminated_mid_training_stops_its_job_and_return
               "train_pipeline.with_options(flow_run_name=sys.argv[2])(**json.loads(sys.argv[1]))")
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
     output = tmp_path / "flow.log"
-    with k8s as cluster, output.open("wb") as sink:
+    with k8s as cluster, output.open("wb") as sink, gpu_slots(2):
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-crash", overwrite=True)
         with running([sys.executable, "-c", script, json.dumps(params, default=_json_default), "terminated-run"],
                      env=env, cwd=PROJECT_ROOT, stdout=sink, stderr=subprocess.STDOUT) as flow_process:
@@ -319,20 +357,108 @@ def test_a_run_whose_process_is_terminated_mid_training_stops_its_job_and_return
                 assert flow_process.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
                 time.sleep(0.5)
             assert state.volumes["tusimple"]["pool"] == "pool-premium"  # promoted for the training window
+            (first,) = level_record(k8s).holds.values()
+            beside = train_pipeline(**params_for(served_archive, platform="emu-anf-crash", volume="tusimple",
+                                                 promote=True))
+            assert flow_process.poll() is None, output.read_text()[-3000:]  # the first still trains
+            assert state.volumes["tusimple"]["pool"] == "pool-premium"  # ... and still holds the volume
+            assert [hold.run for hold in level_record(k8s).holds.values()] == [first.run]
+            lineage = ClusterPlatform.load("emu-anf-crash").find_lineage(beside["snapshot"])
             flow_process.send_signal(signal.SIGTERM)
             flow_process.wait(timeout=240)
-        cluster.wait_empty("mpijobs")  # Foreground: gone once its launcher and workers are
-        left = [(name, pod["status"]["phase"]) for (_, name), pod in cluster.objects["pods"].items()]
-        assert all(name.startswith("prepare-") and phase == "Succeeded" for name, phase in left), left
+        deadline = time.monotonic() + 120  # Foreground: gone once its launcher and workers are
+        while ("lanes", first.run) in cluster.objects["mpijobs"]:
+            assert time.monotonic() < deadline, f"MPIJob {first.run} is still there"
+            time.sleep(0.5)
+        left = [name for (_, name) in cluster.objects["pods"] if name.startswith(first.run)]
+        assert not left, left
+        state.run_out()
+        assert level_record(k8s) is None
+    assert lineage["service_level"] == {"training": "Ultra", "home": "Standard", "quota_tib": 2.0}
     said = output.read_text()
-    assert "laneflow: training job train-" in said and "stopped (Crashed)" in said, said[-3000:]
-    state.run_out()
+    # The crash hook ran; the MPIJob is gone (above) whether the interrupted wait or the hook deleted it.
+    assert re.search(r"laneflow: training job train-\w+ (stopped|was not running) \(Crashed\)", said), said[-3000:]
     assert state.volumes["tusimple"]["pool"] == "pool-standard"
-    assert Variable.get(home_level_key(VolumeRef(name="tusimple", location=""))) is None
+    assert [level for _, _, level in state.levels] == ["Premium", "Ultra", "Premium", "Standard"]
     with get_client(sync_client=True) as client:
         (flow_run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             name=FlowRunFilterName(any_=["terminated-run"])))
     assert flow_run.state.is_crashed()
+
+
+@pytest.mark.slow
+def test_a_preempted_training_is_retried_on_the_promoted_level(
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], arm: tuple,
+        tmp_path: Path) -> None:
+    """A worker evicted mid-training (a preemption): the training stage is retried and resumes from its
+    checkpoint, on the level it was promoted to. Prefect rolls a failed attempt's transaction back before it
+    retries; nothing of laneflow's hangs on that any more, so the volume goes home only when the run ends."""
+    from tasks.platforms import ClusterPlatform
+    from tests.test_pipeline import task_runs
+
+    emulator, state = arm
+    if missing := pod_runtime_missing():
+        pytest.skip(missing)
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    evicted: list[str] = []
+
+    def evict_after_first_checkpoint(cluster: object, namespace: str, pod: str, line: str) -> None:
+        if '"event": "checkpoint"' in line and "-launcher" in pod and not evicted:
+            evicted.append(pod)
+            cluster.evict(namespace, pod.split("-launcher")[0] + "-worker-0")  # type: ignore[attr-defined]
+
+    with k8s as cluster:
+        cluster.on_log_line = evict_after_first_checkpoint
+        cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-preempt", overwrite=True)
+        result = train_pipeline(**params_for(served_archive, platform="emu-anf-preempt", volume="tusimple",
+                                             promote=True, epochs=2))
+        lineage = ClusterPlatform.load("emu-anf-preempt").find_lineage(result["snapshot"])
+    assert evicted and result["resumed_from"] >= 1
+    (training,) = task_runs(UUID(result["flow_run_id"]))["wait_for_training"]
+    assert training.run_count == 2  # interrupted once, retried once
+    assert [level for _, _, level in state.levels] == ["Premium", "Standard"]
+    (promoted_at, _, _), (home_at, _, _) = state.levels
+    assert promoted_at < training.start_time.timestamp() and home_at > training.end_time.timestamp()
+    assert lineage["service_level"] == {"training": "Premium", "home": "Standard", "quota_tib": 2.0}
+
+
+@pytest.mark.slow
+def test_every_trial_of_a_one_at_a_time_sweep_trains_promoted(
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], arm: tuple,
+        tmp_path: Path) -> None:
+    """A grid sweep of three trials, one training at a time: each trial is promoted once it has its `gpu`
+    slot, so each trains on Premium (the ARM emulator's record of levels, against each training stage's
+    time in Prefect), and the volume is home after the sweep."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.sweep import sweep
+    from tests.test_pipeline import task_runs
+
+    emulator, state = arm
+    if missing := pod_runtime_missing():
+        pytest.skip(missing)
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s:
+        cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-sweep", overwrite=True)
+        swept = sweep(**params_for(served_archive, platform="emu-anf-sweep", volume="tusimple", promote=True,
+                                   snapshot=False), grid={"lr": [0.05, 0.02, 0.01]}, max_concurrent=1,
+                      return_state=True)
+        assert level_record(k8s) is None
+    table = swept.result()
+    assert [row["state"] for row in table] == ["Completed"] * 3
+    with get_client(sync_client=True) as client:
+        name = client.read_flow_run(swept.state_details.flow_run_id).name
+        trials = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
+            any_=[f"{name}-{index}" for index in range(3)])))
+    assert len(trials) == 3
+    changes = [(at, level) for at, volume, level in state.levels if volume == "tusimple"]
+    for trial in trials:
+        (training,) = task_runs(trial.id)["wait_for_training"]
+        start, end = training.start_time.timestamp(), training.end_time.timestamp()
+        on_start = ([level for at, level in changes if at <= start] or ["Standard"])[-1]
+        assert on_start == "Premium" and all(level == "Premium" for at, level in changes if start <= at <= end), \
+            (trial.name, start, end, changes)
+    assert state.volumes["tusimple"]["pool"] == "pool-standard"
 
 
 def _json_default(value: object) -> object:

@@ -15,12 +15,15 @@ import abc
 import json
 from collections.abc import Callable
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect.blocks.core import Block
 from pydantic import BaseModel, Field
 
 from training.data.sources import Artifact
+
+if TYPE_CHECKING:
+    from tasks.level_holds import LevelRecord
 
 
 class TransientPlatformError(RuntimeError):
@@ -40,6 +43,10 @@ class StageBlocked(RuntimeError):
     """A stage cannot progress: its pods cannot run (image, scheduling, configuration) or its claim cannot be
     provisioned, and it did not recover within the grace period. Not retried: the cause is in the cluster or
     the platform block; the message says what to fix."""
+
+
+class VolumeNotBound(LookupError):
+    """The volume has no storage behind it yet (a claim not bound): nothing holds its service level."""
 
 
 class TrainingFailed(RuntimeError):
@@ -257,3 +264,18 @@ class Platform(Block):
     def service_level_command(self, volume: VolumeRef, level: str) -> str | None:
         """The command an operator runs to move the volume to ``level`` by hand, for when laneflow cannot."""
         return None
+
+    def update_level_record(self, volume: VolumeRef,
+                            change: Callable[[LevelRecord | None], LevelRecord | None]) -> LevelRecord | None:
+        """Replace the record of who holds the volume's level with ``change(record)``, atomically: no other
+        writer's update is lost between the read and the write (``change`` may be called again after a lost
+        race). Returns the record as written. Only platforms with service levels keep one."""
+        raise TypeError(f"{type(self).__name__} has no service levels, so no record of who holds one")
+
+    def level_record(self, volume: VolumeRef) -> LevelRecord | None:
+        """The record of who holds the volume's level (an update that changes nothing writes nothing)."""
+        return self.update_level_record(volume, lambda record: record)
+
+    def level_hold_ttl_s(self, volume: VolumeRef) -> float:
+        """How long a run's hold on the volume's level lasts without renewal before it is taken for dead."""
+        return 600.0

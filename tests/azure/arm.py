@@ -19,7 +19,10 @@ api-version azure-mgmt-netapp 18.0.0 defaults to) and what the real service answ
   nothing for a pool change), or the error. An operation ends on Azure's clock (``operation_s`` after
   it was accepted), whether anyone polls it or not: a client that stops waiting does not stop the move;
 - errors as ``{"error": {"code", "message"}}`` (common-types v6 ``ErrorResponse``); a missing
-  ``api-version`` is refused as ARM refuses it.
+  ``api-version`` is refused as ARM refuses it; a pool change while another runs on the volume is
+  ``409 RequestConflict`` (see ``_resource``);
+- ``Arm.levels`` records when each level change took effect on Azure's clock, for tests that ask which
+  level a volume was on while a run trained.
 
 Every request is also recorded as the RBAC action ARM checks for it (``Arm.actions``), so tests can
 hold the custom role in ``deployments/azure`` to what the code really calls. Faults are queued per
@@ -79,6 +82,8 @@ class Arm:
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)  # (method, path, headers)
     actions: list[str] = field(default_factory=list)  # the RBAC action of each ARM request
     secrets_seen: list[str] = field(default_factory=list)
+    #: Every level change as Azure made it: (Unix time it took effect, volume, new level).
+    levels: list[tuple[float, str, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def advance(self) -> None:
@@ -89,7 +94,7 @@ class Arm:
                     if record["op"] in self.fail_operations:
                         record["outcome"] = ("Failed", None)
                     else:
-                        record["outcome"] = ("Succeeded", record["effect"]())
+                        record["outcome"] = ("Succeeded", record["effect"](record["due_at"]))
 
     def run_out(self) -> None:
         """Let every accepted operation reach its end (what Azure does while nobody looks), for assertions."""
@@ -211,9 +216,23 @@ class _Handler(BaseHTTPRequestHandler):
             if target not in arm.pools:
                 self._error(400, "InvalidPool", f"capacity pool {target} does not exist")
                 return
+            if _moving(arm, volume):
+                # A volume whose provisioning state is not terminal cannot be modified: ARM answers 409
+                # RequestConflict ("Cannot modify resource with id '…' because the resource entity provisioning
+                # state is not terminal. Please wait for the provisioning state to become terminal"), as real
+                # ANF answered an operation on a volume mid-PATCH (hashicorp/go-azure-sdk#889). That a second
+                # poolChange meets the same gate is our assumption: no published source shows that case.
+                self._error(409, "RequestConflict", f"Cannot modify resource with id '{match.string.split('/pool')[0]}"
+                            "' because the resource entity provisioning state is not terminal. Please wait for the "
+                            "provisioning state to become terminal and then retry the request.")
+                return
             resource = match.string.split("/poolChange")[0]
-            self._start_operation(match["sub"], op, resource, "POOLCHANGE",
-                                  lambda: state.update(pool=target, level=arm.pools[target]), status=202)
+
+            def moved(at: float) -> None:
+                state.update(pool=target, level=arm.pools[target])
+                arm.levels.append((at, volume, arm.pools[target]))
+
+            self._start_operation(match["sub"], op, resource, "POOLCHANGE", moved, status=202)
             return
         name = rest.rsplit("/", 1)[-1]
         resource_id = f"{match.string.split('/snapshots')[0]}/snapshots/{name}"
@@ -227,7 +246,7 @@ class _Handler(BaseHTTPRequestHandler):
                         "properties": {"snapshotId": str(uuid.uuid4()), "provisioningState": "Creating",
                                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
 
-            def created() -> dict:
+            def created(_at: float) -> dict:
                 done = {**snapshot, "properties": {**snapshot["properties"], "provisioningState": "Succeeded"}}
                 arm.snapshots[name] = done
                 return done
@@ -252,7 +271,8 @@ class _Handler(BaseHTTPRequestHandler):
                f"operationResults/{operation}?api-version={API_VERSION}")
         self.arm.operations[operation] = {"op": op, "effect": effect, "polls": 0, "resource": resource,
                                           "action": action, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                                          "due": time.monotonic() + self.arm.operation_s}
+                                          "due": time.monotonic() + self.arm.operation_s,
+                                          "due_at": time.time() + self.arm.operation_s}
         self._send(status, body, {"Azure-AsyncOperation": url,
                                   "Location": f"{url}&operationResultResponseType=Location"})
 

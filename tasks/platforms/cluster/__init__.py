@@ -23,6 +23,7 @@ The service level is the ANF volume's (``tasks.anf.AnfVolume``): those operation
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from prefect_kubernetes.credentials import KubernetesCredentials
@@ -31,6 +32,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator
 from tasks.anf import AnfVolume
 from tasks.k8s.manifests import ClusterLayout, object_labels
 from tasks.k8s.quantity import validate_size
+from tasks.level_holds import LevelRecord
 from tasks.names import validate_name, validate_subdomain
 from tasks.platforms.base import (
     EventSink,
@@ -201,3 +203,10 @@ class ClusterPlatform(Platform):
 
     def service_level_command(self, volume: VolumeRef, level: str) -> str | None:
         return self.anf.pool_change_command(level) if self.anf else None
+
+    def update_level_record(self, volume: VolumeRef,
+                            change: Callable[[LevelRecord | None], LevelRecord | None]) -> LevelRecord | None:
+        return volumes.update_level_record(self, volume, change)
+
+    def level_hold_ttl_s(self, volume: VolumeRef) -> float:
+        return self.anf.hold_ttl_s if self.anf else super().level_hold_ttl_s(volume)

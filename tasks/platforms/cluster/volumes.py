@@ -3,20 +3,26 @@
 Separate because it is the one stage that waits on a claim rather than on pods: until the claim is bound
 (failing early when the provisioner refuses it), then patching and verifying the PV a claim made by hand
 (ReadWriteOnce, as the seed had it) is bound to.
+
+The PV also carries the record of the runs holding the volume's service level (``tasks.level_holds``): a PV
+is one storage volume (Trident provisions one ANF volume per claim), and the API server replaces an object
+only at the ``resourceVersion`` it was read at, which makes the record a compare-and-swap.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kubernetes.client.exceptions import ApiException
 
 from tasks.k8s.diagnose import claim_problems
 from tasks.k8s.manifests import MANAGED_BY, render_pvc
+from tasks.level_holds import LevelRecord
 from tasks.names import validate_name
-from tasks.platforms.base import StageDeadlineExceeded, VolumeRef
+from tasks.platforms.base import StageDeadlineExceeded, TransientPlatformError, VolumeNotBound, VolumeRef
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt
 from tasks.platforms.cluster.problems import act_on, problem_clock
 
@@ -24,6 +30,10 @@ if TYPE_CHECKING:
     from tasks.platforms.cluster import ClusterPlatform
 
 _LOG = logging.getLogger("laneflow.cluster")
+#: The PV annotation holding the volume's service-level record (JSON of ``LevelRecord``).
+LEVEL_RECORD_ANNOTATION = "laneflow.io/service-level"
+#: How often a record update that lost a race (409 Conflict) is read and made again before giving up.
+_UPDATE_RACES = 50
 
 
 def ensure_volume(platform: ClusterPlatform, name: str) -> VolumeRef:
@@ -75,3 +85,49 @@ def ensure_shared_access(platform: ClusterPlatform, volume: VolumeRef) -> str:
         raise RuntimeError(f"patched PV {pv_name} to ReadWriteMany but it reports {pv.spec.access_modes}; "
                            "does its storage backend support RWX (ANF does)?")
     return f"PV {pv_name} of {volume.location} patched to ReadWriteMany and verified"
+
+
+def update_level_record(platform: ClusterPlatform, volume: VolumeRef,
+                        change: Callable[[LevelRecord | None], LevelRecord | None]) -> LevelRecord | None:
+    """Read the record on the claim's PV, apply ``change``, and write the result only if nobody wrote the PV in
+    between: the patch carries the ``resourceVersion`` it was read at, which the API server checks before it
+    applies a patch (409 Conflict otherwise; Kubernetes API concepts, "Resource versions" / conflicts: every
+    update and patch that names a resourceVersion is a precondition on it). A lost race reads again. A change
+    that changes nothing writes nothing."""
+    core, _, _ = apis(platform)
+    namespace = platform.effective_namespace()
+    for _ in range(_UPDATE_RACES):
+        claim = call(platform, "get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim,
+                     volume.name, namespace)
+        if not claim.spec.volume_name:
+            raise VolumeNotBound(f"PVC {namespace}/{volume.name} is not bound to a volume yet: it has no service "
+                                 "level to hold")
+        pv = call(platform, "get", "persistentvolumes", core.read_persistent_volume, claim.spec.volume_name)
+        record = _record_of(pv.metadata.name, (pv.metadata.annotations or {}).get(LEVEL_RECORD_ANNOTATION))
+        updated = change(record)
+        if updated == record:
+            return record
+        patch = {"metadata": {"resourceVersion": pv.metadata.resource_version, "annotations": {
+            LEVEL_RECORD_ANNOTATION: updated.model_dump_json() if updated is not None else None}}}
+        try:
+            call(platform, "patch", "persistentvolumes", core.patch_persistent_volume, pv.metadata.name, patch,
+                 field_validation=STRICT)
+        except ApiException as exc:
+            if exc.status == 409:  # written since it was read: read it again and redo the change
+                continue
+            raise
+        return updated
+    raise TransientPlatformError(f"the service-level record on the PV of {namespace}/{volume.name} kept changing "
+                                 f"under laneflow ({_UPDATE_RACES} conflicts in a row)")
+
+
+def _record_of(pv_name: str, raw: str | None) -> LevelRecord | None:
+    if not raw:
+        return None
+    try:
+        return LevelRecord.model_validate_json(raw)
+    except ValueError as exc:
+        raise ValueError(f"PV {pv_name}'s annotation {LEVEL_RECORD_ANNOTATION} is not a laneflow service-level "
+                         f"record ({exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}); check who wrote "
+                         f"it, then remove it (kubectl annotate pv {pv_name} {LEVEL_RECORD_ANNOTATION}-): the next "
+                         "run records the volume's level afresh") from None

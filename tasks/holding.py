@@ -1,0 +1,198 @@
+"""Holding a volume's service level: join, renew, leave, and settle the volume on what its holders need.
+
+The imperative shell around ``tasks.level_holds``: the record lives on the platform (which replaces it
+atomically), a holder's liveness is read from the Prefect API, and the volume is moved through the
+platform. Every run that may move a volume *settles* it: reads the record, drops the holds of dead runs,
+and moves the volume to the level the live holders need — and reads again after each move, because a run
+that joined or left during the move may want another level. Whoever moves last leaves the volume where the
+record says, so overlapping joins and leaves converge instead of undoing each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from prefect import get_client
+from prefect.events import emit_event
+from prefect.exceptions import ObjectNotFound
+
+from tasks.level_holds import (
+    LEVEL_ORDER,
+    LevelHold,
+    LevelRecord,
+    describe,
+    joined,
+    renewed,
+    stale,
+    wanted_level,
+    without,
+)
+from tasks.platforms.base import Platform, VolumeNotBound, VolumeRef
+
+_LOG = logging.getLogger("laneflow.service_level")
+#: Moves one settle makes at most: each is followed by a fresh read, so more means holders keep changing.
+_SETTLE_MOVES = 6
+
+
+def flow_run_ended(holder: str) -> bool:
+    """True when the holder's flow run is over (any final state) or gone; False while it runs, and when the
+    Prefect API cannot say (a hold is never dropped on a guess: its renewals still time it out)."""
+    try:
+        run_id = uuid.UUID(holder)
+    except ValueError:
+        return True  # not a flow run id: nobody can renew it
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(run_id)
+    except ObjectNotFound:
+        return True
+    except Exception as exc:
+        _LOG.warning("could not read flow run %s to see whether it still holds its volume's level: %s", holder, exc)
+        return False
+    return run.state is not None and run.state.is_final()
+
+
+def dead_holders(platform: Platform, volume: VolumeRef, record: LevelRecord | None, keep: str | None) -> set[str]:
+    """The holders of ``record`` that are gone: silent past the hold's lifetime, or their flow run ended.
+    ``keep`` (the caller itself) is never counted."""
+    if record is None:
+        return set()
+    dead = stale(record, time.time(), platform.level_hold_ttl_s(volume))
+    dead |= {holder for holder in record.holds if holder not in dead and flow_run_ended(holder)}
+    dead.discard(keep or "")
+    return dead
+
+
+def changed_level(volume: VolumeRef, before: str, after: str, why: str, record: LevelRecord | None,
+                  logger: Any) -> None:
+    logger.info("service level of %s: %s -> %s (%s; held by %s)", volume.name, before, after, why, describe(record))
+    emit_event("laneflow.service_level.changed",
+               resource={"prefect.resource.id": f"laneflow.volume.{volume.name}", "prefect.resource.name": volume.name},
+               payload={"from": before, "to": after, "why": why,
+                        "holders": sorted(h.run for h in (record.holds.values() if record else []))})
+
+
+def settle(platform: Platform, volume: VolumeRef, why: str, logger: Any, me: str | None = None
+           ) -> tuple[LevelRecord | None, str]:
+    """Put the volume on the level its live holders need (home when none is left) and return the record and
+    the level it is on. The holds of dead runs are dropped on the way; a record with nobody left and the
+    volume home is removed (nobody has moved the volume any more)."""
+    current = platform.current_service_level(volume) or LEVEL_ORDER[0]
+    for _ in range(_SETTLE_MOVES):
+        record = platform.level_record(volume)
+        dead = dead_holders(platform, volume, record, keep=me)
+        if dead:
+            logger.warning("service level of %s: dropping the holds of %s, which ended without leaving (crashed, "
+                           "killed or silent for over %.0f s)", volume.name,
+                           ", ".join(sorted(record.holds[h].run for h in dead)), platform.level_hold_ttl_s(volume))
+            record = platform.update_level_record(volume, lambda r, dead=dead: without(r, dead))
+        if record is None:
+            return None, current
+        quota_tib, ceiling = platform.service_level_limits(volume) or (0.0, LEVEL_ORDER[-1])
+        target = wanted_level(record, quota_tib, ceiling) if quota_tib > 0 else record.home
+        current = platform.current_service_level(volume) or current
+        if current == target:
+            if not record.holds:  # home and unheld: forget it, unless someone joined meanwhile
+                platform.update_level_record(volume, lambda r: None if r is not None and not r.holds else r)
+            return record, current
+        if platform.change_service_level(volume, target):
+            changed_level(volume, current, target, why, record, logger)
+        current = target
+    raise RuntimeError(f"the service level of {volume.name} did not settle after {_SETTLE_MOVES} moves: its holders "
+                       "kept changing; the next run that joins or leaves settles it")
+
+
+class _Renewals:
+    """One thread per hold this process has, renewing it every quarter of its lifetime until it leaves."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stops: dict[tuple[str, str], threading.Event] = {}
+
+    def start(self, platform: Platform, volume: VolumeRef, holder: str) -> None:
+        key = (volume.name, holder)
+        with self._lock:
+            if key in self._stops:
+                return
+            stop = self._stops[key] = threading.Event()
+        every = platform.level_hold_ttl_s(volume) / 4
+        threading.Thread(target=self._renew, args=(platform, volume, holder, stop, every), daemon=True,
+                         name=f"laneflow-hold-{volume.name}").start()
+
+    def stop(self, volume: VolumeRef, holder: str) -> None:
+        with self._lock:
+            stop = self._stops.pop((volume.name, holder), None)
+        if stop is not None:
+            stop.set()
+
+    @staticmethod
+    def _renew(platform: Platform, volume: VolumeRef, holder: str, stop: threading.Event, every: float) -> None:
+        while not stop.wait(every):
+            try:
+                record = platform.update_level_record(volume, lambda r: renewed(r, holder, time.time()))
+            except Exception as exc:  # the next renewal may get through; the hold lasts four periods
+                _LOG.warning("could not renew the hold on %s's service level: %s", volume.name, exc)
+                continue
+            if record is None or holder not in record.holds:
+                _LOG.warning("the hold on %s's service level was dropped by another run (this one was taken for "
+                             "dead); it no longer keeps the volume promoted", volume.name)
+                return
+
+
+RENEWALS = _Renewals()
+
+
+def join(platform: Platform, volume: VolumeRef, holder: str, hold: LevelHold, logger: Any
+         ) -> tuple[LevelRecord, str]:
+    """Hold the volume's level for ``holder`` and settle the volume on what all holders need."""
+    current = platform.current_service_level(volume) or LEVEL_ORDER[0]
+    platform.update_level_record(volume, lambda r: joined(r, holder, hold, current))
+    RENEWALS.start(platform, volume, holder)
+    record, level = settle(platform, volume, f"{hold.run} joined", logger, me=holder)
+    if record is None:  # another run dropped this hold between our write and our read: only if it was stale
+        raise RuntimeError(f"the hold of {hold.run} on {volume.name} vanished as it was made")
+    return record, level
+
+
+def leave(platform: Platform, volume: VolumeRef, holder: str, run: str, logger: Any) -> tuple[LevelRecord | None, str]:
+    """Give up ``holder``'s hold and settle the volume: home when it was the last holder. Raises what the
+    settle raises (the volume may be left where it was)."""
+    RENEWALS.stop(volume, holder)
+    platform.update_level_record(volume, lambda r: without(r, {holder}))
+    return settle(platform, volume, f"{run} left", logger)
+
+
+def leave_quietly(platform: Platform, volume: VolumeRef, holder: str, run: str, why: str, logger: Any) -> bool:
+    """``leave`` on the way out of a failure, a cancellation or a crash: never raises (the run's own error must
+    stay the one reported), tries three times, and says loudly what to run when the volume stays promoted.
+    True when the volume is where its holders want it."""
+    error: Exception | None = None
+    for attempt in range(3):  # a move that outlives its wait is waited for again by the next try
+        try:
+            if platform.current_service_level(volume) is None:
+                return True  # no service levels here
+            leave(platform, volume, holder, run, logger)
+            return True
+        except VolumeNotBound:
+            return True  # no storage behind the claim: nothing was ever promoted
+        except ValueError as exc:  # a configuration error: trying again changes nothing
+            error = exc
+            break
+        except Exception as exc:
+            error = exc
+            time.sleep(min(30.0, 2.0 ** attempt))
+    try:
+        record = platform.level_record(volume)
+    except Exception:
+        record = None
+    home = record.home if record else "its home level"
+    command = platform.service_level_command(volume, home) if record else None
+    logger.error("LANEFLOW COULD NOT SETTLE volume %s after %s (%s): if nobody else holds it, it stays on its higher, "
+                 "costlier level until moved. Run: %s — or run the pipeline again, which settles it first (the holds "
+                 "are recorded on the volume)", volume.name, why, error, command or "move it in the Azure portal")
+    print(f"laneflow: volume {volume.name} is NOT back on {home}: run {command or 'a pool change in the Azure portal'}")
+    return False

@@ -1,0 +1,88 @@
+"""Who holds a promoted volume's service level, and which level they need together (pure).
+
+A volume's level is shared by every run that reads it. Runs do not own it: each run that trains on a
+promoted volume *holds* it (joins before it trains, leaves when it ends), the level is chosen for what all
+holders read together, and the volume returns home only when the last holder has left. The record of the
+holds is kept where the platform can replace it atomically (``Platform.update_level_record``); this module
+only decides what the record becomes.
+
+A holder is a Prefect flow run. It is taken for dead, and its hold dropped, when its flow run has ended
+(Crashed, Cancelled, Failed, Completed: it left without saying so) or when it has not renewed its hold for
+``ttl_s`` (a process killed outright leaves its flow run Running for good: only the missing renewals tell).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from tasks.service_level import SERVICE_LEVELS, choose_level_for
+
+LEVEL_ORDER = [name for name, _ in SERVICE_LEVELS]
+
+
+class LevelHold(BaseModel):
+    """One run's claim on a volume's level: what it reads, and when it last said it is alive."""
+
+    run: str = Field(description="the run's name (train-…), for people reading the record")
+    mib_per_second: float = Field(ge=0, description="what the run reads while it trains")
+    level: str = Field(description="the level this run alone would need (its home level when none fits)")
+    renewed: float = Field(description="when the holder last renewed its hold (Unix time)")
+
+
+class LevelRecord(BaseModel):
+    """A volume's home level and who holds it above that; no record: nobody has moved the volume."""
+
+    home: str = Field(description="the level the volume returns to when nobody holds it")
+    holds: dict[str, LevelHold] = Field(default_factory=dict, description="flow run id -> its hold")
+
+
+def joined(record: LevelRecord | None, holder: str, hold: LevelHold, current_level: str) -> LevelRecord:
+    """The record with ``holder``'s hold (replacing an earlier one of its own: a retried join). The first
+    holder records the volume's present level as home; later ones keep the home already recorded."""
+    home = record.home if record is not None else current_level
+    holds = dict(record.holds) if record is not None else {}
+    holds[holder] = hold
+    return LevelRecord(home=home, holds=holds)
+
+
+def renewed(record: LevelRecord | None, holder: str, now: float) -> LevelRecord | None:
+    """The record with ``holder``'s renewal time moved to ``now``; unchanged when it holds nothing (it left,
+    or another run dropped it for dead: a renewal never brings a dropped hold back)."""
+    if record is None or holder not in record.holds:
+        return record
+    holds = {**record.holds, holder: record.holds[holder].model_copy(update={"renewed": now})}
+    return record.model_copy(update={"holds": holds})
+
+
+def without(record: LevelRecord | None, holders: set[str]) -> LevelRecord | None:
+    """The record without the holds of ``holders`` (who left, or were found dead)."""
+    if record is None:
+        return None
+    return record.model_copy(update={"holds": {k: v for k, v in record.holds.items() if k not in holders}})
+
+
+def stale(record: LevelRecord | None, now: float, ttl_s: float) -> set[str]:
+    """Holders that have not renewed their hold within ``ttl_s``."""
+    if record is None:
+        return set()
+    return {holder for holder, hold in record.holds.items() if now - hold.renewed > ttl_s}
+
+
+def wanted_level(record: LevelRecord, quota_tib: float, ceiling: str) -> str:
+    """The level the volume should be on for its holders: the cheapest one that feeds all of them at once
+    (their reads add up on one volume), never below home. When no level within the ceiling feeds them all,
+    the highest level any of them needs alone (what each was promised when it joined)."""
+    if not record.holds:
+        return record.home
+    together = choose_level_for(sum(hold.mib_per_second for hold in record.holds.values()), quota_tib, ceiling)
+    candidates = [record.home, *(hold.level for hold in record.holds.values())]
+    if together.level is not None:
+        candidates.append(together.level)
+    return max(candidates, key=LEVEL_ORDER.index)
+
+
+def describe(record: LevelRecord | None) -> str:
+    """The holds in a line, for logs."""
+    if record is None or not record.holds:
+        return "nobody"
+    return ", ".join(f"{hold.run} ({hold.mib_per_second:.1f} MiB/s)" for hold in record.holds.values())

@@ -1,0 +1,218 @@
+"""Holding an ANF volume's service level (``tasks.holding``): the record on the claim's PV is updated atomically
+through the real kubernetes client, holders that died are dropped, and the volume goes home only when the last
+live holder has left. Real Prefect, the ARM emulator (azure-mgmt-netapp over TLS) and the API server of the
+emulated cluster; the holders are real processes, killed for real. No pods: none of this runs in one."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow, get_client
+from prefect.runtime import flow_run
+
+from tasks.level_holds import LevelHold, joined, without
+from tasks.pipeline import demote_service_level, ensure_dataset_volume, ensure_shared_access, promote_service_level
+from tasks.platforms import load_platform
+from tasks.processes import running
+from tasks.service_level import ThroughputNeed
+from tests.cluster import KubernetesEmulator
+from tests.cluster_platform_helpers import cluster_platform
+from tests.conftest import PROJECT_ROOT
+from tests.test_anf import anf_volume, level_record
+
+NEED = ThroughputNeed(workers=2, images_per_second_per_worker=200, bytes_per_image=256 * 1024)  # Premium at 2 TiB
+#: A process that holds the volume's level with the pipeline's own tasks, then waits to be killed.
+HOLDER = """
+import sys, time
+from prefect import flow
+from prefect.runtime import flow_run
+from tasks.pipeline import ensure_dataset_volume, ensure_shared_access, promote_service_level
+from tasks.platforms import load_platform
+from tasks.service_level import ThroughputNeed
+
+@flow(name="hold-level")
+def hold_level(platform_name: str, run: str) -> None:
+    platform = load_platform(platform_name)
+    volume = ensure_dataset_volume(platform, "tusimple")
+    ensure_shared_access(platform, volume)
+    need = ThroughputNeed(workers=2, images_per_second_per_worker=200, bytes_per_image=256 * 1024)
+    promote_service_level(platform, volume, True, need, run, str(flow_run.id))
+    print("holding", flush=True)
+    time.sleep(3600)
+
+hold_level(sys.argv[1], sys.argv[2])
+"""
+
+
+@flow(name="settle-level")
+def settle_with_promotion_off(platform_name: str) -> dict | None:
+    """What a run with promotion off does before it trains: settle the volume, hold nothing."""
+    platform = load_platform(platform_name)
+    volume = ensure_dataset_volume(platform, "tusimple")
+    return promote_service_level(platform, volume, False, NEED, "train-promotion-off", str(flow_run.id))
+
+
+@flow(name="hold-and-leave")
+def hold_then_leave(platform_name: str, run: str, joined_event: threading.Event, leave: threading.Event) -> dict:
+    platform = load_platform(platform_name)
+    volume = ensure_dataset_volume(platform, "tusimple")
+    ensure_shared_access(platform, volume)
+    promote_service_level(platform, volume, True, NEED, run, str(flow_run.id))
+    joined_event.set()
+    assert leave.wait(120)
+    return demote_service_level(platform, volume, str(flow_run.id), run)
+
+
+def test_concurrent_updates_of_the_record_lose_nothing(arm: tuple, tmp_path: Path) -> None:
+    """Two writers each add ten holds, each pausing between its read and its write: every hold is there after,
+    because a write made on a stale read is refused (409) and made again on a fresh one."""
+    emulator, _ = arm
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s:
+        platform = cluster_platform(k8s, anf=anf_volume(emulator))
+        volume = platform.ensure_volume("tusimple")
+        platform.ensure_shared_access(volume)
+        conflicts: list[int] = []
+
+        def add(writer: str) -> None:
+            for index in range(10):
+                def change(record, holder=f"{writer}-{index}"):
+                    conflicts.append(1)
+                    time.sleep(0.02)  # the other writer gets in between
+                    return joined(record, holder, LevelHold(run=holder, mib_per_second=1.0, level="Standard",
+                                                            renewed=time.time()), "Standard")
+                platform.update_level_record(volume, change)
+
+        writers = [threading.Thread(target=add, args=(name,)) for name in ("a", "b")]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join(120)
+        record = platform.level_record(volume)
+    assert record is not None and sorted(record.holds) == sorted(f"{w}-{i}" for w in "ab" for i in range(10))
+    assert len(conflicts) > 20  # some writes lost the race and were made again
+    assert without(record, set(record.holds)).holds == {}
+
+
+def test_two_holders_share_the_promotion_and_the_last_one_takes_it_home(
+        prefect_server: dict, laneflow_home: Path, arm: tuple, tmp_path: Path) -> None:
+    """Together the two read 250 MiB/s: Ultra; alone, one needs Premium; nobody: home (Standard)."""
+    emulator, state = arm
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s:
+        cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-hold-two", overwrite=True)
+        events = {name: (threading.Event(), threading.Event()) for name in ("train-first", "train-second")}
+        results: dict[str, str | None] = {}
+
+        def hold(run: str) -> None:
+            results[run] = hold_then_leave("emu-hold-two", run, *events[run])
+
+        # Each thread in a copy of this one's context: Prefect's settings (the test server) live in it.
+        threads = {run: threading.Thread(target=contextvars.copy_context().run, args=(hold, run)) for run in events}
+        threads["train-first"].start()
+        assert events["train-first"][0].wait(120)
+        assert state.pool_of("tusimple") == "pool-premium"
+        threads["train-second"].start()
+        assert events["train-second"][0].wait(120)
+        assert state.pool_of("tusimple") == "pool-ultra"
+        assert sorted(hold.run for hold in level_record(k8s).holds.values()) == ["train-first", "train-second"]
+        events["train-first"][1].set()  # the first leaves: the second alone needs Premium
+        threads["train-first"].join(120)
+        assert results["train-first"] == {"training": "Ultra", "home": "Standard", "after": "Premium"}
+        assert state.pool_of("tusimple") == "pool-premium"
+        events["train-second"][1].set()
+        threads["train-second"].join(120)
+        assert results["train-second"] == {"training": "Premium", "home": "Standard", "after": "Standard"}
+        assert state.pool_of("tusimple") == "pool-standard"
+        assert level_record(k8s) is None  # home and unheld: nothing recorded
+    assert [level for _, _, level in state.levels] == ["Premium", "Ultra", "Premium", "Standard"]
+
+
+def _start_holder(platform_name: str, run: str, prefect_server: dict, laneflow_home: Path, output: Path):
+    env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
+    return running([sys.executable, "-c", HOLDER, platform_name, run], env=env, cwd=PROJECT_ROOT,
+                   stdout=output.open("wb"), stderr=subprocess.STDOUT)
+
+
+def _wait_holding(process: subprocess.Popen, output: Path) -> None:
+    deadline = time.monotonic() + 180
+    while "holding" not in output.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _flow_run_state(run_id: str) -> str:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(run_id).state.type.value
+
+
+def test_a_holder_whose_run_crashed_is_dropped_at_once(prefect_server: dict, laneflow_home: Path, arm: tuple,
+                                                       tmp_path: Path) -> None:
+    """SIGTERM: Prefect ends the holder's flow run Crashed (its process had no hook to leave). The next run to
+    settle the volume sees the run is over and takes the volume home — long before the hold's ten minutes."""
+    emulator, state = arm
+    output = tmp_path / "holder.log"
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s:
+        cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-hold-crash", overwrite=True)
+        with _start_holder("emu-hold-crash", "train-crashed", prefect_server, laneflow_home, output) as holder:
+            _wait_holding(holder, output)
+            (holder_id,) = level_record(k8s).holds
+            assert state.pool_of("tusimple") == "pool-premium"
+            holder.send_signal(signal.SIGTERM)
+            holder.wait(120)
+        assert _flow_run_state(holder_id) == "CRASHED"
+        assert level_record(k8s).holds[holder_id].run == "train-crashed"  # it left nothing behind but its hold
+        assert settle_with_promotion_off("emu-hold-crash") == {"home": "Standard", "training": "Standard",
+                                                                "held": False}
+        assert level_record(k8s) is None
+    assert state.pool_of("tusimple") == "pool-standard"
+
+
+def test_a_killed_holder_is_dropped_once_its_hold_runs_out(prefect_server: dict, laneflow_home: Path, arm: tuple,
+                                                           tmp_path: Path) -> None:
+    """SIGKILL: nothing tells Prefect, so the flow run stays Running for good; only its missing renewals say it
+    is gone. Until its hold runs out it keeps the volume promoted; after, the next settle takes it home."""
+    emulator, state = arm
+    output = tmp_path / "holder.log"
+    ttl_s = 6.0
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    with k8s:
+        platform = cluster_platform(k8s, anf=anf_volume(emulator, hold_ttl_s=ttl_s))
+        platform.save("emu-hold-kill", overwrite=True)
+        with _start_holder("emu-hold-kill", "train-killed", prefect_server, laneflow_home, output) as holder:
+            _wait_holding(holder, output)
+            (joined_at,) = (hold.renewed for hold in level_record(k8s).holds.values())
+            deadline = time.monotonic() + 60
+            while next(iter(level_record(k8s).holds.values())).renewed == joined_at:  # alive, and says so
+                assert time.monotonic() < deadline, output.read_text()[-3000:]
+                time.sleep(0.2)
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait(30)
+        (holder_id,) = level_record(k8s).holds
+        assert _flow_run_state(holder_id) == "RUNNING"
+        last_renewal = level_record(k8s).holds[holder_id].renewed
+        while time.time() <= last_renewal + ttl_s:  # the hold runs out (a wait for a state, not a timing check)
+            time.sleep(0.5)
+        assert settle_with_promotion_off("emu-hold-kill")["training"] == "Standard"
+        assert level_record(k8s) is None
+    assert state.pool_of("tusimple") == "pool-standard"
+    assert [level for _, _, level in state.levels] == ["Premium", "Standard"]
+
+
+def test_a_platform_without_service_levels_keeps_no_record(tmp_path: Path) -> None:
+    from tasks.platforms import LocalPlatform
+
+    local = LocalPlatform(home=str(tmp_path / "home"))
+    volume = local.ensure_volume("tusimple")
+    assert local.current_service_level(volume) is None
+    with pytest.raises(TypeError, match="LocalPlatform has no service levels"):
+        local.level_record(volume)
