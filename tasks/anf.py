@@ -19,6 +19,7 @@ from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from prefect.blocks.core import Block
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 
+from tasks.platforms.base import ServiceLevelBusy
 from tasks.service_level import SERVICE_LEVELS
 
 DEFAULT_AUTHORITY = "login.microsoftonline.com"
@@ -31,12 +32,18 @@ class AnfError(RuntimeError):
     """An ANF operation that failed for good; names the operation and the volume."""
 
 
+class AnfBusy(ServiceLevelBusy, AnfError):
+    """Azure refused a pool change with 409 RequestConflict: another operation on the volume is running."""
+
+
 class _Busy(Exception):
     """The volume's provisioningState is not terminal: an operation on it is running."""
 
 
 class AnfVolume(Block):
-    """One ANF volume and the capacity pools (one per service level) it may move between."""
+    """A NetApp account's capacity pools (one per service level) that its volumes may move between, and how to
+    reach Azure; ``for_volume`` binds it to one volume. In a cluster platform the volume is each claim's own,
+    read from its PV (``tasks.platforms.cluster.volumes.anf_volume_of``), never a fixed field."""
 
     _block_type_name: ClassVar[str] = "Laneflow ANF Volume"
     _block_type_slug: ClassVar[str] = "laneflow-anf-volume"
@@ -45,7 +52,8 @@ class AnfVolume(Block):
     subscription_id: str
     resource_group: str
     account: str = Field(description="NetApp account name")
-    volume: str = Field(description="volume name (the PVC's backing volume)")
+    volume: str | None = Field(None, description="the ANF volume; leave empty in a cluster platform's block: each "
+                                                  "claim's own volume is read from its PV")
     location: str = Field(description="Azure region, e.g. westeurope")
     pool_ids: dict[Level, str] = Field(description="capacity pool resource id per service level")
     ceiling: Level = Field("Ultra", description="never promote above this level")
@@ -85,6 +93,31 @@ class AnfVolume(Block):
         return self
     #: Pool changes of ours that outlived operation_timeout_s: Azure carries on with them.
     _in_flight: list[tuple[str, Any]] = PrivateAttr(default_factory=list)
+
+    def for_volume(self, name: str) -> AnfVolume:
+        """This account's configuration bound to volume ``name`` (sharing the client, so one token)."""
+        bound = self.model_copy(update={"volume": name})
+        bound._management_client = self._client()
+        bound._in_flight = []
+        return bound
+
+    def _volume_name(self) -> str:
+        if not self.volume:
+            raise ValueError("this ANF block names no volume: a cluster platform reads each claim's volume from its "
+                             "PV; elsewhere bind it with for_volume(<name>)")
+        return self.volume
+
+    def pools_volumes(self) -> list[str]:
+        """The names of the volumes in the configured pools (ANF Volumes_List)."""
+        client = self._client()
+        names = []
+        for pool_id in self.pool_ids.values():
+            try:
+                found = client.volumes.list(self.resource_group, self.account, self.pool_name(pool_id))
+                names += [volume.name.rsplit("/", 1)[-1] for volume in found]
+            except ResourceNotFoundError:
+                continue
+        return sorted(set(names))
 
     # --- clients -------------------------------------------------------------------------------------
     def _verify(self) -> str | bool:
@@ -132,8 +165,8 @@ class AnfVolume(Block):
                 return self._locate_once()
             except _Busy as busy:
                 if time.monotonic() > deadline:
-                    raise AnfError(f"volume '{self.volume}' is still {busy} after {self.operation_timeout_s:.0f} s "
-                                   "(an operation on it has not ended)") from None
+                    raise AnfError(f"volume '{self._volume_name()}' is still {busy} after "
+                                   f"{self.operation_timeout_s:.0f} s (an operation on it has not ended)") from None
                 time.sleep(max(self.polling_interval_s, 0.05))
 
     def _locate_once(self) -> tuple[str, str, float]:
@@ -141,7 +174,7 @@ class AnfVolume(Block):
         for pool_id in self.pool_ids.values():
             pool = self.pool_name(pool_id)
             try:
-                found = client.volumes.get(self.resource_group, self.account, pool, self.volume)
+                found = client.volumes.get(self.resource_group, self.account, pool, self._volume_name())
             except ResourceNotFoundError:
                 continue
             if found.provisioning_state not in (None, "Succeeded", "Failed"):
@@ -162,25 +195,22 @@ class AnfVolume(Block):
         from azure.mgmt.netapp.models import PoolChangeRequest
 
         self.settle()  # the volume's level means nothing while an earlier move of ours runs
-        deadline = time.monotonic() + self.operation_timeout_s
-        while True:
-            pool, current, _ = self.locate()  # waits while another process's operation on the volume runs
-            if current == level:
-                return False
-            operation = f"pool change of volume '{self.volume}' from {current} ({pool}) to {level}"
-            try:
-                poller = self._client().volumes.begin_pool_change(
-                    self.resource_group, self.account, pool, self.volume,
-                    PoolChangeRequest(new_pool_resource_id=self.pool_ids[level]))
-            except HttpResponseError as exc:
-                # 409 RequestConflict: another operation on the volume started between our read and our
-                # request (ARM refuses to modify a resource whose provisioning state is not terminal). Wait
-                # for it, read the level again and decide again: it may have been this very move.
-                if exc.status_code == 409 and time.monotonic() < deadline:
-                    time.sleep(max(self.polling_interval_s, 0.05))
-                    continue
-                raise AnfError(f"{operation} failed: {_reason(exc)}") from None
-            break
+        pool, current, _ = self.locate()  # waits while another process's operation on the volume runs
+        if current == level:
+            return False
+        operation = f"pool change of volume '{self.volume}' from {current} ({pool}) to {level}"
+        try:
+            poller = self._client().volumes.begin_pool_change(
+                self.resource_group, self.account, pool, self.volume,
+                PoolChangeRequest(new_pool_resource_id=self.pool_ids[level]))
+        except HttpResponseError as exc:
+            # 409 RequestConflict: another operation on the volume started between our read and our request
+            # (ARM refuses to modify a resource whose provisioning state is not terminal). The caller waits for
+            # it and decides again: the level it wants may have changed, or this very move was made.
+            if exc.status_code == 409 and getattr(exc.error, "code", None) == "RequestConflict":
+                raise AnfBusy(f"{operation} refused while another operation on the volume runs: "
+                              f"{_reason(exc)}") from None
+            raise AnfError(f"{operation} failed: {_reason(exc)}") from None
         try:
             poller.result(timeout=self.operation_timeout_s)
         except HttpResponseError as exc:

@@ -31,38 +31,40 @@ from tasks.level_holds import (
     wanted_level,
     without,
 )
-from tasks.platforms.base import Platform, VolumeNotBound, VolumeRef
+from tasks.platforms.base import NoServiceLevel, Platform, ServiceLevelBusy, VolumeRef
 
 _LOG = logging.getLogger("laneflow.service_level")
-#: Moves one settle makes at most: each is followed by a fresh read, so more means holders keep changing.
-_SETTLE_MOVES = 6
+#: Tries one settle makes at most: each move (or refusal of one) is followed by a fresh read, so more means
+#: the holders keep changing.
+_SETTLE_MOVES = 8
 
 
 def flow_run_ended(holder: str) -> bool:
-    """True when the holder's flow run is over (any final state) or gone; False while it runs, and when the
-    Prefect API cannot say (a hold is never dropped on a guess: its renewals still time it out)."""
+    """True when the holder's flow run is over (any final state); False while it runs, and whenever this
+    Prefect API cannot say — a run it does not know (another Prefect server's, on a cluster they share), or an
+    API that does not answer: a hold is never dropped on a guess, its missing renewals time it out."""
     try:
         run_id = uuid.UUID(holder)
     except ValueError:
-        return True  # not a flow run id: nobody can renew it
+        return False
     try:
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(run_id)
     except ObjectNotFound:
-        return True
+        return False
     except Exception as exc:
         _LOG.warning("could not read flow run %s to see whether it still holds its volume's level: %s", holder, exc)
         return False
     return run.state is not None and run.state.is_final()
 
 
-def dead_holders(platform: Platform, volume: VolumeRef, record: LevelRecord | None, keep: str | None) -> set[str]:
+def dead_holders(record: LevelRecord | None, keep: str | None) -> set[str]:
     """The holders of ``record`` that are gone: silent past the hold's lifetime, or their flow run ended.
     ``keep`` (the caller itself) is never counted."""
     if record is None:
         return set()
-    dead = stale(record, time.time(), platform.level_hold_ttl_s(volume))
-    dead |= {holder for holder in record.holds if holder not in dead and flow_run_ended(holder)}
+    dead = stale(record, time.time())
+    dead |= {holder for holder in record.holds if holder not in dead and holder != keep and flow_run_ended(holder)}
     dead.discard(keep or "")
     return dead
 
@@ -81,29 +83,33 @@ def settle(platform: Platform, volume: VolumeRef, why: str, logger: Any, me: str
     """Put the volume on the level its live holders need (home when none is left) and return the record and
     the level it is on. The holds of dead runs are dropped on the way; a record with nobody left and the
     volume home is removed (nobody has moved the volume any more)."""
-    current = platform.current_service_level(volume) or LEVEL_ORDER[0]
+    current = LEVEL_ORDER[0]
     for _ in range(_SETTLE_MOVES):
+        # The level first: reading it waits out any operation on the volume, so the record read next is the
+        # one to decide on, not one from before that operation.
+        current = platform.current_service_level(volume) or current
         record = platform.level_record(volume)
-        dead = dead_holders(platform, volume, record, keep=me)
+        dead = dead_holders(record, keep=me)
         if dead:
-            logger.warning("service level of %s: dropping the holds of %s, which ended without leaving (crashed, "
-                           "killed or silent for over %.0f s)", volume.name,
-                           ", ".join(sorted(record.holds[h].run for h in dead)), platform.level_hold_ttl_s(volume))
+            logger.warning("service level of %s: dropping the holds of %s, which ended without leaving (their flow "
+                           "run is over, or they were silent past their hold's lifetime: killed)", volume.name,
+                           ", ".join(sorted(record.holds[h].run for h in dead)))
             record = platform.update_level_record(volume, lambda r, dead=dead: without(r, dead))
         if record is None:
             return None, current
         quota_tib, ceiling = platform.service_level_limits(volume) or (0.0, LEVEL_ORDER[-1])
         target = wanted_level(record, quota_tib, ceiling) if quota_tib > 0 else record.home
-        current = platform.current_service_level(volume) or current
         if current == target:
             if not record.holds:  # home and unheld: forget it, unless someone joined meanwhile
                 platform.update_level_record(volume, lambda r: None if r is not None and not r.holds else r)
             return record, current
-        if platform.change_service_level(volume, target):
-            changed_level(volume, current, target, why, record, logger)
-        current = target
-    raise RuntimeError(f"the service level of {volume.name} did not settle after {_SETTLE_MOVES} moves: its holders "
-                       "kept changing; the next run that joins or leaves settles it")
+        try:
+            if platform.change_service_level(volume, target):
+                changed_level(volume, current, target, why, record, logger)
+        except ServiceLevelBusy as busy:  # another operation runs: wait for it (above) and decide again
+            logger.info("service level of %s: %s; deciding again once it ends", volume.name, busy)
+    raise RuntimeError(f"the service level of {volume.name} did not settle after {_SETTLE_MOVES} tries: its holders "
+                       "kept changing, or the volume stayed busy; the next run that joins or leaves settles it")
 
 
 class _Renewals:
@@ -113,14 +119,13 @@ class _Renewals:
         self._lock = threading.Lock()
         self._stops: dict[tuple[str, str], threading.Event] = {}
 
-    def start(self, platform: Platform, volume: VolumeRef, holder: str) -> None:
+    def start(self, platform: Platform, volume: VolumeRef, holder: str, ttl_s: float) -> None:
         key = (volume.name, holder)
         with self._lock:
             if key in self._stops:
                 return
             stop = self._stops[key] = threading.Event()
-        every = platform.level_hold_ttl_s(volume) / 4
-        threading.Thread(target=self._renew, args=(platform, volume, holder, stop, every), daemon=True,
+        threading.Thread(target=self._renew, args=(platform, volume, holder, key, stop, ttl_s / 4), daemon=True,
                          name=f"laneflow-hold-{volume.name}").start()
 
     def stop(self, volume: VolumeRef, holder: str) -> None:
@@ -129,8 +134,8 @@ class _Renewals:
         if stop is not None:
             stop.set()
 
-    @staticmethod
-    def _renew(platform: Platform, volume: VolumeRef, holder: str, stop: threading.Event, every: float) -> None:
+    def _renew(self, platform: Platform, volume: VolumeRef, holder: str, key: tuple[str, str],
+               stop: threading.Event, every: float) -> None:
         while not stop.wait(every):
             try:
                 record = platform.update_level_record(volume, lambda r: renewed(r, holder, time.time()))
@@ -140,7 +145,10 @@ class _Renewals:
             if record is None or holder not in record.holds:
                 _LOG.warning("the hold on %s's service level was dropped by another run (this one was taken for "
                              "dead); it no longer keeps the volume promoted", volume.name)
-                return
+                break
+        with self._lock:  # a later join of the same holder starts renewing again
+            if self._stops.get(key) is stop:
+                del self._stops[key]
 
 
 RENEWALS = _Renewals()
@@ -149,9 +157,11 @@ RENEWALS = _Renewals()
 def join(platform: Platform, volume: VolumeRef, holder: str, hold: LevelHold, logger: Any
          ) -> tuple[LevelRecord, str]:
     """Hold the volume's level for ``holder`` and settle the volume on what all holders need."""
-    current = platform.current_service_level(volume) or LEVEL_ORDER[0]
-    platform.update_level_record(volume, lambda r: joined(r, holder, hold, current))
-    RENEWALS.start(platform, volume, holder)
+    def level_now() -> str:  # read only when there is no record: the volume is then on its home level
+        return platform.current_service_level(volume) or LEVEL_ORDER[0]
+
+    platform.update_level_record(volume, lambda r: joined(r, holder, hold, level_now))
+    RENEWALS.start(platform, volume, holder, hold.ttl_s)
     record, level = settle(platform, volume, f"{hold.run} joined", logger, me=holder)
     if record is None:  # another run dropped this hold between our write and our read: only if it was stale
         raise RuntimeError(f"the hold of {hold.run} on {volume.name} vanished as it was made")
@@ -170,6 +180,7 @@ def leave_quietly(platform: Platform, volume: VolumeRef, holder: str, run: str, 
     """``leave`` on the way out of a failure, a cancellation or a crash: never raises (the run's own error must
     stay the one reported), tries three times, and says loudly what to run when the volume stays promoted.
     True when the volume is where its holders want it."""
+    RENEWALS.stop(volume, holder)  # whatever happens below, this process no longer keeps the hold alive
     error: Exception | None = None
     for attempt in range(3):  # a move that outlives its wait is waited for again by the next try
         try:
@@ -177,8 +188,8 @@ def leave_quietly(platform: Platform, volume: VolumeRef, holder: str, run: str, 
                 return True  # no service levels here
             leave(platform, volume, holder, run, logger)
             return True
-        except VolumeNotBound:
-            return True  # no storage behind the claim: nothing was ever promoted
+        except NoServiceLevel:
+            return True  # no storage with levels behind the claim: nothing was ever promoted
         except ValueError as exc:  # a configuration error: trying again changes nothing
             error = exc
             break

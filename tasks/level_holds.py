@@ -7,11 +7,14 @@ holds is kept where the platform can replace it atomically (``Platform.update_le
 only decides what the record becomes.
 
 A holder is a Prefect flow run. It is taken for dead, and its hold dropped, when its flow run has ended
-(Crashed, Cancelled, Failed, Completed: it left without saying so) or when it has not renewed its hold for
-``ttl_s`` (a process killed outright leaves its flow run Running for good: only the missing renewals tell).
+(Crashed, Cancelled, Failed, Completed: it left without saying so) or when it has not renewed its hold
+within the lifetime the hold states (a process killed outright leaves its flow run Running for good: only
+the missing renewals tell).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
@@ -27,6 +30,8 @@ class LevelHold(BaseModel):
     mib_per_second: float = Field(ge=0, description="what the run reads while it trains")
     level: str = Field(description="the level this run alone would need (its home level when none fits)")
     renewed: float = Field(description="when the holder last renewed its hold (Unix time)")
+    ttl_s: float = Field(gt=0, description="how long the hold lasts without a renewal: the holder renews it every "
+                                           "quarter of this, and says so here for every reader of the record")
 
 
 class LevelRecord(BaseModel):
@@ -36,10 +41,12 @@ class LevelRecord(BaseModel):
     holds: dict[str, LevelHold] = Field(default_factory=dict, description="flow run id -> its hold")
 
 
-def joined(record: LevelRecord | None, holder: str, hold: LevelHold, current_level: str) -> LevelRecord:
+def joined(record: LevelRecord | None, holder: str, hold: LevelHold, current_level: Callable[[], str]) -> LevelRecord:
     """The record with ``holder``'s hold (replacing an earlier one of its own: a retried join). The first
-    holder records the volume's present level as home; later ones keep the home already recorded."""
-    home = record.home if record is not None else current_level
+    holder records the volume's present level as home, read only once the record was found missing (so after
+    the last holder of a record that was just removed had taken the volume home); later ones keep the home
+    already recorded."""
+    home = record.home if record is not None else current_level()
     holds = dict(record.holds) if record is not None else {}
     holds[holder] = hold
     return LevelRecord(home=home, holds=holds)
@@ -61,23 +68,21 @@ def without(record: LevelRecord | None, holders: set[str]) -> LevelRecord | None
     return record.model_copy(update={"holds": {k: v for k, v in record.holds.items() if k not in holders}})
 
 
-def stale(record: LevelRecord | None, now: float, ttl_s: float) -> set[str]:
-    """Holders that have not renewed their hold within ``ttl_s``."""
+def stale(record: LevelRecord | None, now: float) -> set[str]:
+    """Holders that have not renewed their hold within its own lifetime."""
     if record is None:
         return set()
-    return {holder for holder, hold in record.holds.items() if now - hold.renewed > ttl_s}
+    return {holder for holder, hold in record.holds.items() if now - hold.renewed > hold.ttl_s}
 
 
 def wanted_level(record: LevelRecord, quota_tib: float, ceiling: str) -> str:
     """The level the volume should be on for its holders: the cheapest one that feeds all of them at once
-    (their reads add up on one volume), never below home. When no level within the ceiling feeds them all,
-    the highest level any of them needs alone (what each was promised when it joined)."""
+    (their reads add up on one volume), never below home nor below what any of them was promised alone.
+    When no level within the ceiling feeds them all, the ceiling: the most they may have."""
     if not record.holds:
         return record.home
     together = choose_level_for(sum(hold.mib_per_second for hold in record.holds.values()), quota_tib, ceiling)
-    candidates = [record.home, *(hold.level for hold in record.holds.values())]
-    if together.level is not None:
-        candidates.append(together.level)
+    candidates = [record.home, *(hold.level for hold in record.holds.values()), together.level or ceiling]
     return max(candidates, key=LEVEL_ORDER.index)
 
 

@@ -30,10 +30,18 @@ from prefect.exceptions import MissingContextError
 
 from tasks.champion import selection_accuracy
 from tasks.dataset_index import redact, release_for
-from tasks.holding import join, leave, leave_quietly, settle
+from tasks.holding import join, leave_quietly, settle
 from tasks.level_holds import LevelHold, describe
 from tasks.lineage import render_lineage_markdown
-from tasks.platforms.base import Platform, SnapshotRef, TrainingHandle, TrainingOutcome, TrainingSpec, VolumeRef
+from tasks.platforms.base import (
+    NoServiceLevel,
+    Platform,
+    SnapshotRef,
+    TrainingHandle,
+    TrainingOutcome,
+    TrainingSpec,
+    VolumeRef,
+)
 from tasks.pruning import judge_of, stop_request_path
 from tasks.report import (
     data_uri,
@@ -69,12 +77,23 @@ def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, n
     and the level it trains on; None where service levels do not apply.
     """
     logger = get_run_logger()
-    level = platform.current_service_level(volume)
+    try:
+        level = platform.current_service_level(volume)
+    except NoServiceLevel as exc:  # the claim is not on storage with levels: fine unless this run wants one
+        if wanted:
+            raise
+        logger.info("service level: not applicable (%s)", exc)
+        return None
     if level is None:
         logger.info("service level: not applicable on %s; nothing to promote", type(platform).__name__)
         return None
     if not wanted:
-        record, level = settle(platform, volume, "settled by a run with promotion off", logger)
+        try:
+            record, level = settle(platform, volume, "settled by a run with promotion off", logger)
+        except Exception as exc:  # this run asked for nothing: what other runs left is not its failure
+            logger.warning("service level of %s could not be settled (%s); this run trains on %s as it is (promotion "
+                           "is off)", volume.name, exc, level)
+            return {"home": None, "training": level, "held": False}
         logger.info("service level stays %s (promotion is off for this run; held by %s)", level, describe(record))
         return {"home": record.home if record else level, "training": level, "held": False}
     quota_tib, ceiling = platform.service_level_limits(volume) or (0.0, "Ultra")
@@ -82,8 +101,8 @@ def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, n
     create_markdown_artifact(markdown=render_tier_markdown(choice, need), key=f"service-level-{run}",
                              description=f"service level chosen for {run}")
     logger.info("service level: %s", choice.reason)
-    hold = LevelHold(run=run, mib_per_second=choice.required_mib_per_second, level=choice.level or LEVEL_ORDER[0],
-                     renewed=time.time())
+    hold = LevelHold(run=run, mib_per_second=choice.required_mib_per_second, level=choice.level or ceiling,
+                     renewed=time.time(), ttl_s=platform.level_hold_ttl_s(volume))
     record, level = join(platform, volume, holder, hold, logger)
     logger.info("service level of %s: %s for %s (home %s)", volume.name, level, describe(record), record.home)
     return {"home": record.home, "training": level, "held": True}
@@ -93,19 +112,27 @@ def promote_service_level(platform: Platform, volume: VolumeRef, wanted: bool, n
 def demote_service_level(platform: Platform, volume: VolumeRef, holder: str, run: str) -> dict[str, Any] | None:
     """The run has trained: leave its hold; the volume goes home when no other run holds it. Returns the
     level the run trained on (where the volume was as it left), the volume's home and the level it is left
-    on; None where service levels do not apply."""
+    on (None when it could not be settled: said loudly, with the command that moves it, and the run goes on
+    to score and keep what it trained); None where service levels do not apply."""
     logger = get_run_logger()
-    trained_on = platform.current_service_level(volume)
+    try:
+        trained_on = platform.current_service_level(volume)
+    except NoServiceLevel:  # promotion was off for it, or it would have failed there
+        trained_on = None
     if trained_on is None:
         logger.info("service level: not applicable; nothing to demote")
         return None
     before = platform.level_record(volume)
-    record, level = leave(platform, volume, holder, run, logger)
+    home = before.home if before else trained_on
+    if not leave_quietly(platform, volume, holder, run, "training done", logger):
+        return {"training": trained_on, "home": home, "after": None}
+    record = platform.level_record(volume)
+    level = platform.current_service_level(volume)
     if record is not None and record.holds:
         logger.info("service level of %s stays %s: still held by %s", volume.name, level, describe(record))
     else:
         logger.info("service level of %s: %s, nobody holds it", volume.name, level)
-    return {"training": trained_on, "home": before.home if before else trained_on, "after": level}
+    return {"training": trained_on, "home": home, "after": level}
 
 
 def release_service_level(platform: Platform, volume: VolumeRef, holder: str, run: str, why: str,

@@ -1,5 +1,6 @@
 """Azure NetApp Files: the real azure-mgmt-netapp client (and azure-identity) over TLS against an ARM
-emulator on 127.0.0.1 with a throwaway CA; promotion around training, rollback on failure, no secrets out."""
+emulator on 127.0.0.1 with a throwaway CA; the volume's level held while runs train (side by side, preempted,
+in a sweep) and returned however a run ends, no secrets out."""
 
 from __future__ import annotations
 
@@ -52,6 +53,24 @@ def anf_volume(emulator: ArmEmulator, **changes: object) -> AnfVolume:
 ROLE = PROJECT_ROOT / "deployments" / "azure" / "laneflow-anf-role.json"
 #: Every Microsoft.NetApp action Azure knows (its source is the file's first line).
 REAL_OPERATIONS = Path(__file__).parent / "fixtures" / "azure-netapp-operations.txt"
+
+
+def on_anf(k8s: KubernetesEmulator, state: Arm, imported: dict[str, str] | None = None) -> None:
+    """Trident's Azure NetApp Files backend for the emulated cluster, on the ARM emulator: a claim gets an ANF
+    volume of its own, named after its PV, in the Standard pool with the claim's size as quota (as Trident's
+    azure-netapp-files driver creates it) — except a claim of ``imported`` (claim -> ANF volume; by default
+    claim tusimple -> the ANF volume tusimple of the ``arm`` fixture), whose existing volume was imported into
+    Trident (``tridentctl import volume``) and keeps its name."""
+    imported = {"tusimple": "tusimple"} if imported is None else imported
+
+    def provision(namespace: str, claim: str, pv_name: str, size_bytes: int) -> str:
+        name = imported.get(claim, pv_name)
+        with state.lock:
+            volume = state.volumes.setdefault(name, {"pool": "pool-standard", "level": "Standard",
+                                                     "quota": size_bytes})
+        return f"{POOLS}/{volume['pool']}/volumes/{name}"
+
+    k8s.cluster.anf_backend = provision
 
 
 def level_record(emulator: KubernetesEmulator, claim: str = "tusimple", namespace: str = "lanes"
@@ -165,6 +184,7 @@ def test_training_failure_after_promotion_rolls_the_volume_back(
     if missing := pod_runtime_missing():
         pytest.skip(missing)
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s:
         # Training fails for real: the workers' /dev/shm is too small for the loader workers.
         cluster_platform(k8s, anf=anf_volume(emulator), shm_size="64Ki").save("emu-anf", overwrite=True)
@@ -193,6 +213,7 @@ def test_promoted_for_training_demoted_after_and_snapshotted_through_anf(
     if missing := pod_runtime_missing():
         pytest.skip(missing)
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s as cluster:
         cluster_platform(k8s, anf=anf_volume(emulator), snapshotter="anf").save("emu-anf-ok", overwrite=True)
         result = train_pipeline(**params_for(served_archive, platform="emu-anf-ok", volume="tusimple",
@@ -234,6 +255,7 @@ def test_a_promotion_that_times_out_while_azure_moves_the_volume_still_ends_on_i
         pytest.skip(missing)
     state.operation_s = 4.5  # Azure's clock: the move ends 1.5 s after laneflow stopped waiting for it
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s:
         cluster_platform(k8s, anf=anf_volume(emulator, operation_timeout_s=3)).save("emu-anf-slow", overwrite=True)
         run = train_pipeline(**params_for(served_archive, platform="emu-anf-slow", volume="tusimple", promote=True),
@@ -253,6 +275,7 @@ def test_a_volume_that_cannot_be_returned_is_reported_with_the_command_and_the_n
         pytest.skip(missing)
     state.operation_s = 8.0  # longer than all laneflow waits for it: 1 s, then 3 tries of 1 s to return it
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s:
         cluster_platform(k8s, anf=anf_volume(emulator, operation_timeout_s=1)).save("emu-anf-stuck", overwrite=True)
         first = train_pipeline(**params_for(served_archive, platform="emu-anf-stuck", volume="tusimple",
@@ -342,6 +365,7 @@ def test_runs_side_by_side_share_the_promotion_and_a_terminated_one_leaves_it(
     if missing := pod_runtime_missing():
         pytest.skip(missing)
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     params = params_for(served_archive, platform="emu-anf-crash", volume="tusimple", promote=True, epochs=500)
     script = ("import json, sys\nfrom flows.train import train_pipeline\n"
               "train_pipeline.with_options(flow_run_name=sys.argv[2])(**json.loads(sys.argv[1]))")
@@ -400,6 +424,7 @@ def test_a_preempted_training_is_retried_on_the_promoted_level(
     if missing := pod_runtime_missing():
         pytest.skip(missing)
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     evicted: list[str] = []
 
     def evict_after_first_checkpoint(cluster: object, namespace: str, pod: str, line: str) -> None:
@@ -438,6 +463,7 @@ def test_every_trial_of_a_one_at_a_time_sweep_trains_promoted(
     if missing := pod_runtime_missing():
         pytest.skip(missing)
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s:
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-sweep", overwrite=True)
         swept = sweep(**params_for(served_archive, platform="emu-anf-sweep", volume="tusimple", promote=True,

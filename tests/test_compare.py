@@ -98,8 +98,9 @@ def test_the_compare_flow_publishes_figures_recomputed_from_each_runs_records(
         assert row["images seen"] == mine["images"] == runs[key]["steps"] * 2 * mine["world"]  # batch 2, no resume
         assert row["steps"] == runs[key]["steps"] and row["training time (s)"] <= row["wall time (s)"]
         assert math.isclose(row["training time (s)"], mine["seconds"], abs_tol=0.01)
-        assert math.isclose(row["img/s"], throughput, rel_tol=1e-3)
-        assert math.isclose(row["img/s per worker"], throughput / mine["world"], rel_tol=1e-3)
+        # The table rounds img/s to 2 decimals: at a few img/s (a busy machine) that is more than 0.1 %.
+        assert math.isclose(row["img/s"], throughput, rel_tol=1e-3, abs_tol=0.005 + 1e-9)
+        assert math.isclose(row["img/s per worker"], throughput / mine["world"], rel_tol=1e-3, abs_tol=0.005 + 1e-9)
         assert math.isclose(row["input stall"], mine["stall"], abs_tol=1e-4)
         assert math.isclose(row["wall time (s)"], mine["wall"], abs_tol=0.1)
         assert row["val accuracy"] == round(mine["val"]["accuracy"], 4)

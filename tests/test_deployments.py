@@ -23,7 +23,7 @@ from tasks.processes import PREFECT_WORKER_SIGNALS, running
 from tests import leaks
 from tests.browser import Browser, find_chromium
 from tests.conftest import PROJECT_ROOT, SESSION_MARKER, TEST_OUTPUT
-from tests.test_anf import anf_volume
+from tests.test_anf import anf_volume, on_anf
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deployments")]
 
@@ -226,6 +226,7 @@ def test_cancelling_a_cluster_run_that_promoted_its_volume_stops_the_mpijob_and_
         pytest.skip(missing)
     emulator, state = arm
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s as cluster:
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-cancel", overwrite=True)
         parameters = json.loads(json.dumps(params_for(served_archive, platform="emu-anf-cancel", volume="tusimple",

@@ -18,7 +18,7 @@ import pytest
 from prefect import flow, get_client
 from prefect.runtime import flow_run
 
-from tasks.level_holds import LevelHold, joined, without
+from tasks.level_holds import LevelHold, joined
 from tasks.pipeline import demote_service_level, ensure_dataset_volume, ensure_shared_access, promote_service_level
 from tasks.platforms import load_platform
 from tasks.processes import running
@@ -26,7 +26,7 @@ from tasks.service_level import ThroughputNeed
 from tests.cluster import KubernetesEmulator
 from tests.cluster_platform_helpers import cluster_platform
 from tests.conftest import PROJECT_ROOT
-from tests.test_anf import anf_volume, level_record
+from tests.test_anf import ACCOUNT, POOLS, anf_volume, level_record, on_anf, pool_changes
 
 NEED = ThroughputNeed(workers=2, images_per_second_per_worker=200, bytes_per_image=256 * 1024)  # Premium at 2 TiB
 #: A process that holds the volume's level with the pipeline's own tasks, then waits to be killed.
@@ -53,17 +53,20 @@ hold_level(sys.argv[1], sys.argv[2])
 
 
 @flow(name="settle-level")
-def settle_with_promotion_off(platform_name: str) -> dict | None:
-    """What a run with promotion off does before it trains: settle the volume, hold nothing."""
+def settle_with_promotion_off(platform_name: str, claim: str = "tusimple", wanted: bool = False) -> dict | None:
+    """What a run with promotion off does before it trains: settle the volume, hold nothing (``wanted``: what
+    a run with promotion on does)."""
     platform = load_platform(platform_name)
-    volume = ensure_dataset_volume(platform, "tusimple")
-    return promote_service_level(platform, volume, False, NEED, "train-promotion-off", str(flow_run.id))
+    volume = ensure_dataset_volume(platform, claim)
+    ensure_shared_access(platform, volume)
+    return promote_service_level(platform, volume, wanted, NEED, "train-promotion-off", str(flow_run.id))
 
 
 @flow(name="hold-and-leave")
-def hold_then_leave(platform_name: str, run: str, joined_event: threading.Event, leave: threading.Event) -> dict:
+def hold_then_leave(platform_name: str, run: str, joined_event: threading.Event, leave: threading.Event,
+                    claim: str = "tusimple") -> dict:
     platform = load_platform(platform_name)
-    volume = ensure_dataset_volume(platform, "tusimple")
+    volume = ensure_dataset_volume(platform, claim)
     ensure_shared_access(platform, volume)
     promote_service_level(platform, volume, True, NEED, run, str(flow_run.id))
     joined_event.set()
@@ -71,24 +74,50 @@ def hold_then_leave(platform_name: str, run: str, joined_event: threading.Event,
     return demote_service_level(platform, volume, str(flow_run.id), run)
 
 
-def test_concurrent_updates_of_the_record_lose_nothing(arm: tuple, tmp_path: Path) -> None:
-    """Two writers each add ten holds, each pausing between its read and its write: every hold is there after,
-    because a write made on a stale read is refused (409) and made again on a fresh one."""
-    emulator, _ = arm
+def _hold(run: str) -> LevelHold:
+    return LevelHold(run=run, mib_per_second=1.0, level="Standard", renewed=time.time(), ttl_s=600.0)
+
+
+def test_an_update_made_on_a_stale_read_is_refused_and_made_again(arm: tuple, tmp_path: Path) -> None:
+    """Another writer changes the PV between this update's read and its write: the API server refuses the write
+    (409, its resourceVersion is stale) and the update reads again and redoes its change on the new record."""
+    emulator, state = arm
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
+    with k8s:
+        platform = cluster_platform(k8s, anf=anf_volume(emulator))
+        other = cluster_platform(k8s, anf=anf_volume(emulator))  # another process: a block and client of its own
+        volume = platform.ensure_volume("tusimple")
+        platform.ensure_shared_access(volume)
+        seen: list[set[str]] = []
+
+        def change(record):
+            seen.append(set(record.holds) if record else set())
+            if len(seen) == 1:  # the other writer gets in between this read and this write
+                other.update_level_record(volume, lambda r: joined(r, "run-other", _hold("train-other"),
+                                                                   lambda: "Standard"))
+            return joined(record, "run-mine", _hold("train-mine"), lambda: "Standard")
+
+        written = platform.update_level_record(volume, change)
+        assert seen == [set(), {"run-other"}]  # read, refused, read again: the other's hold is kept
+        assert platform.level_record(volume) == written and sorted(written.holds) == ["run-mine", "run-other"]
+
+
+def test_concurrent_updates_of_the_record_lose_nothing(arm: tuple, tmp_path: Path) -> None:
+    """Two writers each add ten holds, each pausing between its read and its write: every hold is there after."""
+    emulator, state = arm
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s:
         platform = cluster_platform(k8s, anf=anf_volume(emulator))
         volume = platform.ensure_volume("tusimple")
         platform.ensure_shared_access(volume)
-        conflicts: list[int] = []
 
         def add(writer: str) -> None:
             for index in range(10):
                 def change(record, holder=f"{writer}-{index}"):
-                    conflicts.append(1)
                     time.sleep(0.02)  # the other writer gets in between
-                    return joined(record, holder, LevelHold(run=holder, mib_per_second=1.0, level="Standard",
-                                                            renewed=time.time()), "Standard")
+                    return joined(record, holder, _hold(holder), lambda: "Standard")
                 platform.update_level_record(volume, change)
 
         writers = [threading.Thread(target=add, args=(name,)) for name in ("a", "b")]
@@ -98,8 +127,6 @@ def test_concurrent_updates_of_the_record_lose_nothing(arm: tuple, tmp_path: Pat
             writer.join(120)
         record = platform.level_record(volume)
     assert record is not None and sorted(record.holds) == sorted(f"{w}-{i}" for w in "ab" for i in range(10))
-    assert len(conflicts) > 20  # some writes lost the race and were made again
-    assert without(record, set(record.holds)).holds == {}
 
 
 def test_two_holders_share_the_promotion_and_the_last_one_takes_it_home(
@@ -107,16 +134,11 @@ def test_two_holders_share_the_promotion_and_the_last_one_takes_it_home(
     """Together the two read 250 MiB/s: Ultra; alone, one needs Premium; nobody: home (Standard)."""
     emulator, state = arm
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s:
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-hold-two", overwrite=True)
-        events = {name: (threading.Event(), threading.Event()) for name in ("train-first", "train-second")}
-        results: dict[str, str | None] = {}
-
-        def hold(run: str) -> None:
-            results[run] = hold_then_leave("emu-hold-two", run, *events[run])
-
-        # Each thread in a copy of this one's context: Prefect's settings (the test server) live in it.
-        threads = {run: threading.Thread(target=contextvars.copy_context().run, args=(hold, run)) for run in events}
+        handles, results = _run_in_threads("emu-hold-two", {"train-first": "tusimple", "train-second": "tusimple"})
+        events, threads = handles["events"], handles["threads"]
         threads["train-first"].start()
         assert events["train-first"][0].wait(120)
         assert state.pool_of("tusimple") == "pool-premium"
@@ -161,6 +183,7 @@ def test_a_holder_whose_run_crashed_is_dropped_at_once(prefect_server: dict, lan
     emulator, state = arm
     output = tmp_path / "holder.log"
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s:
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-hold-crash", overwrite=True)
         with _start_holder("emu-hold-crash", "train-crashed", prefect_server, laneflow_home, output) as holder:
@@ -185,6 +208,7 @@ def test_a_killed_holder_is_dropped_once_its_hold_runs_out(prefect_server: dict,
     output = tmp_path / "holder.log"
     ttl_s = 6.0
     k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
     with k8s:
         platform = cluster_platform(k8s, anf=anf_volume(emulator, hold_ttl_s=ttl_s))
         platform.save("emu-hold-kill", overwrite=True)
@@ -216,3 +240,78 @@ def test_a_platform_without_service_levels_keeps_no_record(tmp_path: Path) -> No
     assert local.current_service_level(volume) is None
     with pytest.raises(TypeError, match="LocalPlatform has no service levels"):
         local.level_record(volume)
+
+
+def _run_in_threads(platform_name: str, holders: dict[str, str]) -> tuple[dict, dict]:
+    """Each holder (run -> claim) in a thread of its own, joining at once and leaving when told."""
+    events = {run: (threading.Event(), threading.Event()) for run in holders}
+    results: dict[str, dict] = {}
+
+    def hold(run: str) -> None:
+        results[run] = hold_then_leave(platform_name, run, *events[run], claim=holders[run])
+
+    # Each thread in a copy of this one's context: Prefect's settings (the test server) live in it.
+    threads = {run: threading.Thread(target=contextvars.copy_context().run, args=(hold, run)) for run in holders}
+    return {"events": events, "threads": threads}, results
+
+
+def test_each_claim_moves_its_own_anf_volume(prefect_server: dict, laneflow_home: Path, arm: tuple,
+                                            tmp_path: Path) -> None:
+    """Two claims, two ANF volumes (Trident makes one per claim): tusimple, an existing volume imported into
+    Trident, and nightly, a new 2 TiB volume Trident names after its PV. A run on each promotes its own volume
+    only — neither needs Ultra, as they do not share one — and each goes home when its run leaves."""
+    emulator, state = arm
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
+    with k8s:
+        cluster_platform(k8s, anf=anf_volume(emulator), volume_size="2Ti").save("emu-hold-claims", overwrite=True)
+        handles, results = _run_in_threads("emu-hold-claims", {"train-tusimple": "tusimple",
+                                                               "train-nightly": "nightly"})
+        events, threads = handles["events"], handles["threads"]
+        threads["train-tusimple"].start()
+        assert events["train-tusimple"][0].wait(120)
+        threads["train-nightly"].start()
+        assert events["train-nightly"][0].wait(120)
+        nightly = k8s.cluster.objects["persistentvolumeclaims"][("lanes", "nightly")]["spec"]["volumeName"]
+        assert nightly.startswith("pvc-") and state.volumes[nightly]["quota"] == 2 * 1024 ** 4
+        assert state.pool_of("tusimple") == "pool-premium" and state.pool_of(nightly) == "pool-premium"
+        assert [h.run for h in level_record(k8s).holds.values()] == ["train-tusimple"]
+        assert [h.run for h in level_record(k8s, claim="nightly").holds.values()] == ["train-nightly"]
+        events["train-tusimple"][1].set()
+        threads["train-tusimple"].join(120)
+        assert state.pool_of("tusimple") == "pool-standard" and state.pool_of(nightly) == "pool-premium"
+        events["train-nightly"][1].set()
+        threads["train-nightly"].join(120)
+    assert results["train-tusimple"]["training"] == results["train-nightly"]["training"] == "Premium"
+    assert state.pool_of(nightly) == "pool-standard"
+    assert [(volume, level) for _, volume, level in state.levels] == [
+        ("tusimple", "Premium"), (nightly, "Premium"), ("tusimple", "Standard"), (nightly, "Standard")]
+
+
+def test_a_claim_that_is_not_on_anf_is_refused_for_promotion_and_anf_snapshots(
+        prefect_server: dict, laneflow_home: Path, arm: tuple, tmp_path: Path) -> None:
+    """No ANF backend behind the claim (Trident's PV names no Azure volume), or one of another NetApp account:
+    a run that asks for promotion fails saying so; one that does not is told it does not apply; ANF snapshots
+    of it are refused the same way — and no volume of the block's account is touched."""
+    from tasks.platforms.cluster.volumes import NotOnAnf
+
+    emulator, state = arm
+    k8s = KubernetesEmulator(tmp_path / "k8s")  # no ANF backend: Trident's PV carries no internalID
+    with k8s:
+        cluster_platform(k8s, anf=anf_volume(emulator), snapshotter="anf").save("emu-not-anf", overwrite=True)
+        assert settle_with_promotion_off("emu-not-anf", claim="elsewhere") is None
+        refused = settle_with_promotion_off("emu-not-anf", claim="elsewhere", wanted=True, return_state=True)
+        assert refused.is_failed()
+        assert "PVC lanes/elsewhere (PV pvc-" in str(refused.message)
+        assert "is not an Azure NetApp Files volume provisioned by Trident" in str(refused.message)
+        platform = load_platform("emu-not-anf")
+        volume = platform.ensure_volume("elsewhere")
+        with pytest.raises(NotOnAnf, match="cannot change its service level or take ANF snapshots"):
+            platform.create_snapshot(volume, "elsewhere-train-0123456789ab", "datasets/x", "runs/x", {})
+        # A volume of another NetApp account behind the claim: refused, naming both accounts.
+        other = POOLS.replace(f"netAppAccounts/{ACCOUNT}", "netAppAccounts/anf-other")
+        k8s.cluster.anf_backend = lambda namespace, claim, pv, size: f"{other}/pool-premium/volumes/{pv}"
+        foreign = settle_with_promotion_off("emu-not-anf", claim="foreign", wanted=True, return_state=True)
+        assert foreign.is_failed() and "of NetApp account 'anf-other'" in str(foreign.message)
+        assert "the platform's ANF block is for account 'anf-lanes'" in str(foreign.message)
+    assert pool_changes(state) == 0 and state.pool_of("tusimple") == "pool-standard"

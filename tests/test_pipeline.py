@@ -171,7 +171,7 @@ def test_transient_launcher_failure_is_retried_and_resumes_from_checkpoint(
     assert record["attempts"] == 2 and record["exit_code"] == 0
     waits = task_runs(UUID(result["flow_run_id"]))["wait_for_training"]
     assert [run.run_count for run in waits] == [2]
-    # A retried stage is no error: nothing on the way logs one (the promotion's rollback hook among them).
+    # A retried stage is no error: nothing on the way logs one.
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
     from prefect.logging.handlers import APILogWorker
 

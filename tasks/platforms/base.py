@@ -45,7 +45,17 @@ class StageBlocked(RuntimeError):
     the platform block; the message says what to fix."""
 
 
-class VolumeNotBound(LookupError):
+class ServiceLevelBusy(TransientPlatformError):
+    """The storage refused a level change because another operation on the volume is running: wait for it,
+    then decide again (the level wanted may have changed meanwhile)."""
+
+
+class NoServiceLevel(LookupError):
+    """The volume has no service level laneflow can change (its storage is of another kind); the message says
+    why. A run that asked for promotion fails on it; one that did not, and every way out of a run, go on."""
+
+
+class VolumeNotBound(NoServiceLevel):
     """The volume has no storage behind it yet (a claim not bound): nothing holds its service level."""
 
 

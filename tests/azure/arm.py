@@ -53,11 +53,14 @@ PROVIDER = "Microsoft.NetApp"
 VOLUME = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft.NetApp/"
                     r"netAppAccounts/(?P<account>[^/]+)/capacityPools/(?P<pool>[^/]+)/volumes/(?P<volume>[^/]+)"
                     r"(?P<rest>/.*)?$")
+POOL_VOLUMES = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft.NetApp/"
+                          r"netAppAccounts/(?P<account>[^/]+)/capacityPools/(?P<pool>[^/]+)/volumes$")
 OPERATION = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/Microsoft.NetApp/locations/(?P<location>[^/]+)/"
                        r"operationResults/(?P<id>[^/]+)$")
 #: The RBAC action ARM authorizes each operation with (Azure permissions for Storage, Microsoft.NetApp).
 ACTIONS = {
     "get_volume": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/read",
+    "list_volumes": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/read",
     "pool_change": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/poolChange/action",
     "create_snapshot": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/snapshots/write",
     "get_snapshot": f"{PROVIDER}/netAppAccounts/capacityPools/volumes/snapshots/read",
@@ -160,6 +163,18 @@ class _Handler(BaseHTTPRequestHandler):
             with arm.lock:
                 self._operation(operation["id"], query.get("operationResultResponseType") == ["Location"])
             return
+        listing = POOL_VOLUMES.match(path)
+        if listing and method == "GET":
+            # Volumes_List: GET .../capacityPools/{pool}/volumes -> VolumeList {value: [Volume]}.
+            arm.actions.append(ACTIONS["list_volumes"])
+            if listing["pool"] not in arm.pools:
+                self._error(404, "ResourceNotFound", f"capacity pool {listing['pool']} not found")
+                return
+            with arm.lock:
+                volumes = [_volume_body(arm, VOLUME.match(f"{path}/{name}"), state)
+                           for name, state in arm.volumes.items() if state["pool"] == listing["pool"]]
+            self._send(200, {"value": volumes})
+            return
         match = VOLUME.match(path)
         if not match:
             self._error(404, "NotFound", f"no route {path}")
@@ -256,11 +271,13 @@ class _Handler(BaseHTTPRequestHandler):
             arm.snapshots[name] = snapshot
             self._start_operation(match["sub"], op, resource_id, "CREATE", created, status=201, body=snapshot)
             return
+        of_volume = {key: snapshot for key, snapshot in arm.snapshots.items()
+                     if f"/volumes/{volume}/snapshots/" in snapshot["id"]}
         if op == "list_snapshots":
-            self._send(200, {"value": list(arm.snapshots.values())})
+            self._send(200, {"value": list(of_volume.values())})
             return
-        if name in arm.snapshots:
-            self._send(200, arm.snapshots[name])
+        if name in of_volume:
+            self._send(200, of_volume[name])
         else:
             self._error(404, "ResourceNotFound", f"snapshot {name} not found")
 

@@ -58,13 +58,25 @@ def bind_pvc(cluster: Cluster, pvc: dict) -> None:
     modes = list(pvc["spec"].get("accessModes") or cluster.initial_pv_modes)
     if pvc["spec"].get("storageClassName") is None:
         modes = list(cluster.initial_pv_modes)
+    # Trident's CSI volume (NetApp/trident frontend/csi/controller_server.go getCSIVolumeFromTridentVolume): the
+    # handle is the Trident volume's name (the PV's), the attributes name its backend and internal name, and
+    # since 23.01 ``internalID``, the storage's own id (for ANF: the volume's Azure resource id,
+    # storage_drivers/azure/azure_anf.go Create). The external-provisioner adds its identity.
+    attributes = {"backendUUID": "8b1a3f56-2c1e-4b8e-9f0d-5a7c1e2d3b4f", "name": pv_name, "internalName": pv_name,
+                  "protocol": "file", "storage.kubernetes.io/csiProvisionerIdentity": "1700000000000-8081-"
+                                                                                       "csi.trident.netapp.io"}
+    if cluster.anf_backend is not None:
+        attributes["internalID"] = cluster.anf_backend(
+            namespace, name, pv_name, quantity_bytes(str(pvc["spec"]["resources"]["requests"]["storage"])))
+        attributes["internalName"] = attributes["internalID"].rsplit("/", 1)[-1]
     pv = {"apiVersion": "v1", "kind": "PersistentVolume",
           "metadata": {"name": pv_name},
           "spec": {"accessModes": modes, "capacity": pvc["spec"]["resources"]["requests"],
                    "claimRef": {"namespace": namespace, "name": name, "uid": pvc["metadata"]["uid"]},
                    "persistentVolumeReclaimPolicy": "Retain",
                    "storageClassName": pvc["spec"].get("storageClassName") or STORAGE_CLASS,
-                   "csi": {"driver": "csi.trident.netapp.io", "volumeHandle": pv_name}},
+                   "csi": {"driver": "csi.trident.netapp.io", "volumeHandle": pv_name,
+                           "volumeAttributes": attributes}},
           "status": {"phase": "Bound"}}
     stamp_metadata(cluster, pv, None)
     cluster.objects["persistentvolumes"][("", pv_name)] = pv

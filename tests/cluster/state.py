@@ -105,6 +105,10 @@ class Cluster:
     snapshot_error: str | None = None
     #: Called with (cluster, namespace, pod, line) for each log line; tests use it to evict, say.
     on_log_line: Callable[[Cluster, str, str, str], None] | None = None
+    #: The Azure NetApp Files backend of Trident, when a test connects one: called with (claim namespace, claim
+    #: name, PV name, bytes) as Trident provisions a claim, it makes (or, for an imported volume, finds) the ANF
+    #: volume and returns its resource id, which the PV then carries as ``internalID`` (pv_binder).
+    anf_backend: Callable[[str, str, str, int], str] | None = None
     #: The caller, as an RBAC subject; requests are authorized once `load` brought RBAC objects.
     user: tuple[str, str] = ("laneflow", "laneflow-flows")
     rbac_enforced: bool = False

@@ -18,7 +18,8 @@ handed to the module of its concern:
 - ``snapshots``: CSI VolumeSnapshots or ANF snapshots, with lineage; restore
 - ``problems`` and ``pod_logs``: what the stages share while they wait (pods that cannot run, log following)
 
-The service level is the ANF volume's (``tasks.anf.AnfVolume``): those operations call it directly.
+The service level is that of the claim's own ANF volume (``volumes.anf_volume_of`` reads it from the PV; a
+``tasks.anf.AnfVolume`` bound to it does the rest).
 """
 
 from __future__ import annotations
@@ -88,9 +89,12 @@ class ClusterPlatform(Platform):
     snapshotter: Literal["csi", "anf"] = Field(
         "csi", description="csi: VolumeSnapshots (lineage in labels/annotations); anf: ANF snapshots through Azure "
                            "(lineage in the run's lineage.json on the volume), for volumes not snapshotted by CSI")
-    anf: AnfVolume | None = Field(None, description="the Azure NetApp Files volume behind the PVC, to change its "
-                                                    "service level around training")
+    anf: AnfVolume | None = Field(None, description="the Azure NetApp Files account and pools of the claims' volumes, "
+                                                    "to change their service level around training (each claim's "
+                                                    "own volume is read from its PV)")
     _clients: _ClientCache = PrivateAttr(default_factory=lambda: _ClientCache())
+    #: Each claim's ANF volume, by its Azure resource id (volumes.anf_volume_of).
+    _anf_volumes: dict[str, AnfVolume] = PrivateAttr(default_factory=dict)
 
     # Checked when the block is made or loaded, not when a stage sends them: a typo found hours late costs
     # the stages before it (the API server would refuse the PVC or the MPIJob only then).
@@ -191,18 +195,18 @@ class ClusterPlatform(Platform):
     def find_lineage(self, name: str) -> dict[str, Any]:
         return snapshots.find_lineage(self, name)
 
-    # --- service level (the ANF volume's, when the block names one) ----------------------------------
+    # --- service level (the claim's own ANF volume, when the block names an ANF account) --------------
     def current_service_level(self, volume: VolumeRef) -> str | None:
-        return self.anf.current_level() if self.anf else None
+        return volumes.anf_volume_of(self, volume).current_level() if self.anf else None
 
     def change_service_level(self, volume: VolumeRef, level: str) -> bool:
-        return self.anf.change_level(level) if self.anf else False
+        return volumes.anf_volume_of(self, volume).change_level(level) if self.anf else False
 
     def service_level_limits(self, volume: VolumeRef) -> tuple[float, str] | None:
-        return (self.anf.locate()[2], self.anf.ceiling) if self.anf else None
+        return (volumes.anf_volume_of(self, volume).locate()[2], self.anf.ceiling) if self.anf else None
 
     def service_level_command(self, volume: VolumeRef, level: str) -> str | None:
-        return self.anf.pool_change_command(level) if self.anf else None
+        return volumes.anf_volume_of(self, volume).pool_change_command(level) if self.anf else None
 
     def update_level_record(self, volume: VolumeRef,
                             change: Callable[[LevelRecord | None], LevelRecord | None]) -> LevelRecord | None:

@@ -32,8 +32,8 @@ class NamespaceNotFound(LookupError):
 
 
 class _ClientCache:
-    """One ``ApiClient`` (one connection pool) per platform instance. Prefect copies blocks (a
-    transaction keeps a deep copy for its rollback hook): a copy starts with no client of its own."""
+    """One ``ApiClient`` (one connection pool) per platform instance. Prefect copies blocks (deep copies of
+    task parameters, pickled results): a copy starts with no client of its own."""
 
     def __init__(self) -> None:
         self.client: kubernetes.client.ApiClient | None = None

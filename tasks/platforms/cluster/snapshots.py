@@ -23,6 +23,7 @@ from tasks.names import validate_name
 from tasks.platforms.base import SnapshotRef, StageDeadlineExceeded, VolumeRef
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt
 from tasks.platforms.cluster.jobs import file_job, last_event
+from tasks.platforms.cluster.volumes import anf_volume_of
 
 if TYPE_CHECKING:
     from tasks.platforms.cluster import ClusterPlatform
@@ -42,7 +43,7 @@ def create(platform: ClusterPlatform, volume: VolumeRef, name: str, data_dir: st
         record = {**lineage, "snapshot": name, "data_dir": data_dir, "run_dir": run_dir, "volume": volume.name,
                   "snapshotter": "anf"}
         platform.write_text(volume, f"{run_dir}/lineage.json", json.dumps(record, sort_keys=True))
-        snapshot_id = _anf(platform).create_snapshot(name)  # awaits Azure's long-running operation
+        snapshot_id = _anf(platform, volume).create_snapshot(name)  # awaits Azure's long-running operation
         return SnapshotRef(name=name, volume=volume.name, ready=True, location=snapshot_id,
                            lineage={**record, "ready": True})
     _, _, custom = apis(platform)
@@ -136,21 +137,40 @@ def find_lineage(platform: ClusterPlatform, name: str) -> dict[str, Any]:
     if platform.snapshotter == "anf":
         found = _anf_snapshots(platform, only=name)
         if not found:
-            raise KeyError(f"no ANF snapshot named '{name}' of volume '{_anf(platform).volume}'")
+            raise KeyError(f"no ANF snapshot named '{name}' (laneflow names them <claim>-<run>, and looks for it on "
+                           "that claim's ANF volume)")
         return found[0].lineage
     return _snapshot_ref(_read_snapshot(platform, name)).lineage
 
 
-def _anf(platform: ClusterPlatform) -> AnfVolume:
+def _anf(platform: ClusterPlatform, volume: VolumeRef) -> AnfVolume:
+    """The claim's own ANF volume (read from its PV)."""
     if platform.anf is None:
-        raise ValueError("snapshotter 'anf' needs the platform's 'anf' volume to be configured")
-    return platform.anf
+        raise ValueError("snapshotter 'anf' needs the platform's 'anf' account to be configured")
+    return anf_volume_of(platform, volume)
 
 
 def _anf_snapshots(platform: ClusterPlatform, only: str | None = None) -> list[SnapshotRef]:
     """ANF snapshots with their lineage: readiness and time from Azure, the record from each run's
-    ``lineage.json`` on the volume (ANF snapshots carry no labels), all read by one Job."""
-    snapshots = [s for s in _anf(platform).list_snapshots() if only is None or s.name == only]
+    ``lineage.json`` on the volume (ANF snapshots carry no labels), all read by one Job. One snapshot is looked
+    for on the volume of the claim its name starts with; all of them, on every volume of the block's pools."""
+    if platform.anf is None:
+        raise ValueError("snapshotter 'anf' needs the platform's 'anf' account to be configured")
+    if only is not None:
+        named = _ANF_SNAPSHOT_NAME.match(only)
+        if named is None:
+            return []
+        claim = VolumeRef(name=named["volume"], location=f"{platform.effective_namespace()}/{named['volume']}")
+        try:
+            volumes = [anf_volume_of(platform, claim)]
+        except ApiException as exc:
+            if exc.status == 404:
+                raise KeyError(f"no ANF snapshot named '{only}': its claim '{claim.location}' does not exist") \
+                    from None
+            raise
+    else:
+        volumes = [platform.anf.for_volume(name) for name in platform.anf.pools_volumes()]
+    snapshots = [s for volume in volumes for s in volume.list_snapshots() if only is None or s.name == only]
     by_volume: dict[str, list[tuple[Any, str]]] = {}
     for snapshot in snapshots:
         match = _ANF_SNAPSHOT_NAME.match(snapshot.name)

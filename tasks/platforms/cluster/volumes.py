@@ -4,14 +4,16 @@ Separate because it is the one stage that waits on a claim rather than on pods: 
 (failing early when the provisioner refuses it), then patching and verifying the PV a claim made by hand
 (ReadWriteOnce, as the seed had it) is bound to.
 
-The PV also carries the record of the runs holding the volume's service level (``tasks.level_holds``): a PV
-is one storage volume (Trident provisions one ANF volume per claim), and the API server replaces an object
-only at the ``resourceVersion`` it was read at, which makes the record a compare-and-swap.
+The PV also says which Azure NetApp Files volume a claim is (``anf_volume_of``: Trident provisions one ANF
+volume per claim), and carries the record of the runs holding that volume's service level
+(``tasks.level_holds``): the API server replaces an object only at the ``resourceVersion`` it was read at,
+which makes the record a compare-and-swap.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,11 +24,18 @@ from tasks.k8s.diagnose import claim_problems
 from tasks.k8s.manifests import MANAGED_BY, render_pvc
 from tasks.level_holds import LevelRecord
 from tasks.names import validate_name
-from tasks.platforms.base import StageDeadlineExceeded, TransientPlatformError, VolumeNotBound, VolumeRef
+from tasks.platforms.base import (
+    NoServiceLevel,
+    StageDeadlineExceeded,
+    TransientPlatformError,
+    VolumeNotBound,
+    VolumeRef,
+)
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt
 from tasks.platforms.cluster.problems import act_on, problem_clock
 
 if TYPE_CHECKING:
+    from tasks.anf import AnfVolume
     from tasks.platforms.cluster import ClusterPlatform
 
 _LOG = logging.getLogger("laneflow.cluster")
@@ -34,6 +43,18 @@ _LOG = logging.getLogger("laneflow.cluster")
 LEVEL_RECORD_ANNOTATION = "laneflow.io/service-level"
 #: How often a record update that lost a race (409 Conflict) is read and made again before giving up.
 _UPDATE_RACES = 50
+#: Trident's CSI driver, and the PV attribute naming the ANF volume it provisioned for a claim (NetApp/trident
+#: frontend/csi/controller_server.go getCSIVolumeFromTridentVolume: ``internalID`` is the volume's Azure resource
+#: id, storage_drivers/azure/azure_anf.go Create; Trident >= 23.01). The id's last part is the volume's name,
+#: also for a volume imported into Trident, whose creation token (``internalName``) may differ.
+TRIDENT_DRIVER = "csi.trident.netapp.io"
+_ANF_VOLUME_ID = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/"
+                            r"Microsoft\.NetApp/netAppAccounts/(?P<account>[^/]+)/capacityPools/(?P<pool>[^/]+)/"
+                            r"volumes/(?P<volume>[^/]+)$", re.IGNORECASE)
+
+
+class NotOnAnf(NoServiceLevel):
+    """The claim's PV is not an Azure NetApp Files volume of the platform's NetApp account."""
 
 
 def ensure_volume(platform: ClusterPlatform, name: str) -> VolumeRef:
@@ -131,3 +152,39 @@ def _record_of(pv_name: str, raw: str | None) -> LevelRecord | None:
                          f"record ({exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}); check who wrote "
                          f"it, then remove it (kubectl annotate pv {pv_name} {LEVEL_RECORD_ANNOTATION}-): the next "
                          "run records the volume's level afresh") from None
+
+
+def anf_volume_of(platform: ClusterPlatform, volume: VolumeRef) -> AnfVolume:
+    """The ANF volume behind the claim, as its PV names it (Trident's ``internalID``), bound in the platform's
+    ANF block; one per volume for the platform's lifetime (it remembers its moves still running on Azure)."""
+    if platform.anf is None:
+        raise NotOnAnf("the platform names no ANF account (its 'anf' field): it changes no service levels")
+    core, _, _ = apis(platform)
+    namespace = platform.effective_namespace()
+    claim = call(platform, "get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim,
+                 volume.name, namespace)
+    if not claim.spec.volume_name:
+        raise VolumeNotBound(f"PVC {namespace}/{volume.name} is not bound to a volume yet")
+    pv = call(platform, "get", "persistentvolumes", core.read_persistent_volume, claim.spec.volume_name)
+    csi = pv.spec.csi
+    internal_id = ((csi.volume_attributes or {}).get("internalID") or "") if csi else ""
+    found = _ANF_VOLUME_ID.match(internal_id)
+    where = f"PVC {namespace}/{volume.name} (PV {pv.metadata.name})"
+    if csi is None or csi.driver != TRIDENT_DRIVER or found is None:
+        driver = f"CSI driver '{csi.driver}'" if csi else "no CSI driver"
+        raise NotOnAnf(f"{where} is not an Azure NetApp Files volume provisioned by Trident ({driver}, no "
+                       f"volumeAttributes.internalID naming a Microsoft.NetApp volume; Trident sets it since 23.01): "
+                       "laneflow cannot change its service level or take ANF snapshots of it. Train with "
+                       "promote: false and the platform's snapshotter 'csi', or put the claim on a Trident "
+                       "azure-netapp-files storage class")
+    anf = platform.anf
+    theirs = (found["sub"].lower(), found["rg"].lower(), found["account"].lower())
+    if theirs != (anf.subscription_id.lower(), anf.resource_group.lower(), anf.account.lower()):
+        raise NotOnAnf(f"{where} is ANF volume {found['volume']} of NetApp account '{found['account']}' (resource "
+                       f"group '{found['rg']}'), but the platform's ANF block is for account '{anf.account}' "
+                       f"(resource group '{anf.resource_group}'): save the block with that volume's account and its "
+                       "pools")
+    bound = platform._anf_volumes.get(internal_id.lower())
+    if bound is None:
+        bound = platform._anf_volumes[internal_id.lower()] = anf.for_volume(found["volume"])
+    return bound
