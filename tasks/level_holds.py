@@ -77,13 +77,15 @@ def stale(record: LevelRecord | None, now: float) -> set[str]:
 
 def wanted_level(record: LevelRecord, quota_tib: float, ceiling: str) -> str:
     """The level the volume should be on for its holders: the cheapest one that feeds all of them at once
-    (their reads add up on one volume), never below home nor below what any of them was promised alone.
-    When no level within the ceiling feeds them all, the ceiling: the most they may have."""
+    (their reads add up on one volume), never below what any of them was promised alone, never above the
+    ceiling (a cost guard), never below home. When no level within the ceiling feeds them all, the ceiling:
+    the most they may have."""
     if not record.holds:
         return record.home
     together = choose_level_for(sum(hold.mib_per_second for hold in record.holds.values()), quota_tib, ceiling)
-    candidates = [record.home, *(hold.level for hold in record.holds.values()), together.level or ceiling]
-    return max(candidates, key=LEVEL_ORDER.index)
+    wanted = max([*(hold.level for hold in record.holds.values()), together.level or ceiling], key=LEVEL_ORDER.index)
+    capped = min(wanted, ceiling, key=LEVEL_ORDER.index)  # the ceiling is a cost guard, whoever promised more
+    return max(record.home, capped, key=LEVEL_ORDER.index)
 
 
 def describe(record: LevelRecord | None) -> str:
