@@ -17,9 +17,13 @@ as README "Compare runs" gives them:
 - *time to target*: from the first ``start`` to the first val score (``eval_every`` or the trainer's final
   val evaluation) whose accuracy without the 200 ms rule reaches the target. The untimed score, because
   it measures what the model learned whatever the machine's speed, as model selection does.
-- *worker-hours*: workers x wall time; *speed-up*: throughput / the baseline's (for runs that do the same
-  work, the ratio of their training times, as the seed's 1-GPU vs 3-GPU comparison reads); *efficiency*:
-  speed-up / (workers / the baseline's workers).
+- *worker-hours*: workers x wall time.
+- *speed-up*: the baseline's wall time / the run's, when both did the same work (the same images seen,
+  within ``SAME_WORK_TOLERANCE``): elapsed time for the same job, as the seed's headline reads (1 GPU
+  12 h 45 min vs 3 GPUs 4 h 30 min: 2.83x). Runs that did different work have no speed-up: a ratio of
+  their times would compare different jobs. *efficiency*: speed-up / (workers / the baseline's workers).
+- *throughput ratio*: img/s / the baseline's, a scaling diagnostic only: it leaves out everything outside
+  the step windows (start-up, val scoring, checkpoints between epochs), which elapsed time pays for.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 NO_PRICES = "no prices given"
+#: Two runs did "the same work" when their images seen differ by at most this share of the larger: a
+#: distributed sampler pads each rank's share of an epoch to a whole number of images and drops the last
+#: partial batch, so 1 and 3 workers over the same epochs see a few images more or less.
+SAME_WORK_TOLERANCE = 0.02
 
 
 class CompareError(LookupError):
@@ -247,6 +255,36 @@ def run_cost(row: RunFigures, prices: Prices | None) -> tuple[float | None, str]
     return cost, " + ".join(how)
 
 
+def same_work(row: RunFigures, baseline: RunFigures) -> bool:
+    """Whether two runs did the same job (same images seen, within ``SAME_WORK_TOLERANCE``)."""
+    most = max(row.images_seen, baseline.images_seen)
+    return most > 0 and abs(row.images_seen - baseline.images_seen) <= SAME_WORK_TOLERANCE * most
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """A run against the baseline: the elapsed-time speed-up when both did the same work (else None, and
+    ``why_not`` says why), its efficiency, and the throughput ratio as a diagnostic."""
+
+    speed_up: float | None
+    efficiency: float | None
+    throughput_ratio: float | None
+    why_not: str = ""
+
+
+def scaling(row: RunFigures, baseline: RunFigures) -> Scaling:
+    """The speed-up of ``row`` over the baseline: the ratio of elapsed (wall) times for the same work."""
+    workers = row.workers / baseline.workers
+    throughput_ratio = row.img_per_s / baseline.img_per_s if baseline.img_per_s else None
+    if not same_work(row, baseline):
+        return Scaling(None, None, throughput_ratio, f"not the same work ({row.images_seen} images seen, baseline "
+                                                     f"{baseline.images_seen})")
+    if not row.wall_s or not baseline.wall_s:
+        return Scaling(None, None, throughput_ratio, "no wall time recorded")
+    speed_up = baseline.wall_s / row.wall_s
+    return Scaling(speed_up, speed_up / workers, throughput_ratio)
+
+
 @dataclass
 class Comparison:
     """Every row with its scaling, cost and flags, and the baseline they are measured against."""
@@ -256,6 +294,8 @@ class Comparison:
     currency: str
     rows: list[dict[str, Any]]
     figures: list[RunFigures]
+    #: Every run but the baseline, by name.
+    scalings: dict[str, Scaling] = field(default_factory=dict)
 
 
 def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: str | None = None,
@@ -269,8 +309,7 @@ def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: s
     base = choose_baseline(figures, baseline)
     rows = []
     for row in figures:
-        speed_up = row.img_per_s / base.img_per_s if base.img_per_s else None
-        efficiency = speed_up / (row.workers / base.workers) if speed_up is not None else None
+        scaled = scaling(row, base)
         cost, how = run_cost(row, prices)
         flags = unfair_because(row, base)
         rows.append({
@@ -284,14 +323,17 @@ def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: s
             "test accuracy (untimed)": _round(row.test_untimed_accuracy, 4),
             f"time to {target_accuracy:g} val (s)": _round(row.time_to_target_s, 1)
             if isinstance(row.time_to_target_s, float) else (row.time_to_target_s or "not reached"),
-            "worker-hours": _round(row.worker_hours, 5), "speed-up": _round(speed_up, 3),
-            "efficiency": _round(efficiency, 3),
+            "worker-hours": _round(row.worker_hours, 5),
+            "speed-up": _round(scaled.speed_up, 3) if scaled.speed_up is not None else scaled.why_not,
+            "efficiency": _round(scaled.efficiency, 3),
+            "throughput ratio (diagnostic)": _round(scaled.throughput_ratio, 3),
             "cost": _round(cost, 4) if cost is not None else how, "cost basis": how if cost is not None else "",
             "dataset version": row.dataset_version,
             "comparable": "baseline" if row is base else ("yes" if not flags else "NO: " + "; ".join(flags)),
         })
     return Comparison(baseline=base.name, target_accuracy=target_accuracy,
-                      currency=prices.currency if prices else "", rows=rows, figures=figures)
+                      currency=prices.currency if prices else "", rows=rows, figures=figures,
+                      scalings={row.name: scaling(row, base) for row in figures if row is not base})
 
 
 def _round(value: float | None, digits: int) -> float | None:
@@ -302,10 +344,12 @@ def render_markdown(comparison: Comparison, charts: dict[str, str] | None = None
     """The comparison for people: the table, the scaling summary, the flags and the charts (data URIs)."""
     columns = list(comparison.rows[0])
     lines = [f"# Comparison of {len(comparison.rows)} run(s)", "",
-             f"Baseline: `{comparison.baseline}` (speed-up = img/s / the baseline's; efficiency = speed-up / "
-             f"worker ratio). Target val accuracy {comparison.target_accuracy:g} (without the 200 ms rule)."
-             + (f" Costs in {comparison.currency}." if comparison.currency else ""), "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+             f"Baseline: `{comparison.baseline}` (speed-up = the baseline's wall time / the run's, for the same "
+             f"work; efficiency = speed-up / worker ratio; the throughput ratio, img/s / the baseline's, is a "
+             f"scaling diagnostic). Target val accuracy {comparison.target_accuracy:g} (without the 200 ms rule)."
+             + (f" Costs in {comparison.currency}." if comparison.currency else ""), ""]
+    lines += scaling_summary(comparison)
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row[column]) for column in columns) + " |" for row in comparison.rows]
     flagged = [row for row in comparison.rows if str(row["comparable"]).startswith("NO")]
     if flagged:
@@ -314,6 +358,37 @@ def render_markdown(comparison: Comparison, charts: dict[str, str] | None = None
     for title, uri in (charts or {}).items():
         lines += ["", f"## {title}", "", f"![{title}]({uri})"]
     return "\n".join(lines) + "\n"
+
+
+def scaling_summary(comparison: Comparison) -> list[str]:
+    """The headline: each run's elapsed-time speed-up and efficiency against the baseline, in words."""
+    if not comparison.scalings:
+        return []
+    base = next(row for row in comparison.figures if row.name == comparison.baseline)
+    lines = ["## Scaling", ""]
+    for row in comparison.figures:
+        scaled = comparison.scalings.get(row.name)
+        if scaled is None:
+            continue
+        workers = f"{row.workers} worker(s) against {base.workers}"
+        if scaled.speed_up is None:
+            lines.append(f"- `{row.name}` ({workers}): no speed-up: {scaled.why_not}")
+            continue
+        lines.append(f"- `{row.name}` ({workers}): the same work in {_duration(row.wall_s)} instead of "
+                     f"{_duration(base.wall_s)}: **{scaled.speed_up:.2f}×** speed-up, "
+                     f"**{scaled.efficiency * 100:.0f} %** efficiency")
+    return [*lines, ""]
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds >= 3600:
+        hours, rest = divmod(round(seconds), 3600)
+        return f"{hours} h {rest // 60} min"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.1f} s"
 
 
 def _cell(value: Any) -> str:

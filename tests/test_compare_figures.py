@@ -8,7 +8,15 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from tasks.compare import CompareError, Prices, RunRecords, compare, parse_events, run_figures
+from tasks.compare import (
+    CompareError,
+    Prices,
+    RunRecords,
+    compare,
+    parse_events,
+    render_markdown,
+    run_figures,
+)
 
 
 def records(name: str, *, workers: int = 1, batch: int = 2, preset: str = "cpu-demo", version: str = "v1",
@@ -70,7 +78,9 @@ def test_runs_that_differ_from_the_baseline_are_compared_and_flagged_naming_each
     assert small["comparable"] == "baseline"
     assert big["comparable"] == ("NO: dataset version v2 (baseline small: v1); preset tusimple (baseline small: "
                                  "cpu-demo); batch size per worker 4 (baseline small: 2)")
-    assert big["speed-up"] is not None  # still compared
+    # Still compared: 160 images against 40 is another job, so no speed-up, but the throughput diagnostic.
+    assert big["speed-up"] == "not the same work (160 images seen, baseline 40)" and big["efficiency"] is None
+    assert math.isclose(big["throughput ratio (diagnostic)"], 1.0, abs_tol=1e-3)
     assert compare(runs, baseline="big").baseline == "big"
     with pytest.raises(CompareError, match=r"baseline 'gone' is not among the compared runs \(big, small\)"):
         compare(runs, baseline="gone")
@@ -111,3 +121,39 @@ def test_prices_come_from_the_prefect_variable_when_the_flow_is_given_none(prefe
             prices_setting()
     finally:
         Variable.unset(PRICES_VARIABLE)
+
+
+def timed(name: str, workers: int, wall_s: float, images: int, batch: int = 8, train_share: float = 0.9) -> RunRecords:
+    """A run that fed ``images`` images in ``workers`` processes and ended ``wall_s`` after it started, spending
+    ``train_share`` of it in step windows (the rest: val scoring, start-up)."""
+    steps = images // (batch * workers)
+    events = [{"event": "start", "step": 0, "world_size": workers, "time": 0.0},
+              {"event": "step", "step": steps, "img_per_s": images / (wall_s * train_share),
+               "seconds": wall_s * train_share, "input_stall": 0.0, "time": wall_s * train_share},
+              {"event": "eval", "split": "val", "accuracy": 0.9, "untimed_accuracy": 0.9, "time": wall_s}]
+    lineage = {"run": name, "platform": "gpu", "volume": "v", "dataset_version": "v1",
+               "parameters": {"batch_size": batch, "preset": "tusimple", "workers": workers},
+               "training": {"trainer_eval": {"accuracy": 0.9, "untimed_accuracy": 0.9}}, "metrics": {}}
+    return RunRecords(name=name, lineage=lineage, events=events)
+
+
+def test_the_seeds_headline_is_the_elapsed_time_ratio_for_the_same_work() -> None:
+    # The seed: 1 GPU 12 h 45 min, 3 GPUs 4 h 30 min, the same epochs (24000 images).
+    one, three = timed("one-gpu", 1, 45_900.0, 24_000), timed("three-gpus", 3, 16_200.0, 24_000, train_share=0.8)
+    comparison = compare([one, three])
+    base, row = comparison.rows
+    assert base["speed-up"] == 1.0 and row["speed-up"] == round(45_900 / 16_200, 3) == 2.833
+    assert row["efficiency"] == round(45_900 / 16_200 / 3, 3) == 0.944
+    # The diagnostic is the step windows' ratio, which leaves out the 3-GPU run's larger untimed share.
+    assert math.isclose(row["throughput ratio (diagnostic)"], (45_900 * 0.9) / (16_200 * 0.8), abs_tol=1e-3)
+    report = render_markdown(comparison)
+    assert ("`three-gpus` (3 worker(s) against 1): the same work in 4 h 30 min instead of 12 h 45 min: "
+            "**2.83×** speed-up, **94 %** efficiency") in report
+
+
+def test_a_sampler_s_padding_is_still_the_same_work_and_more_epochs_are_not() -> None:
+    padded = compare([timed("one", 1, 100.0, 24_000), timed("three", 3, 40.0, 24_048)])  # 0.2 % more: padding
+    assert padded.rows[1]["speed-up"] == 2.5
+    longer = compare([timed("one", 1, 100.0, 24_000), timed("three", 3, 40.0, 48_000)])
+    assert longer.rows[1]["speed-up"] == "not the same work (48000 images seen, baseline 24000)"
+    assert "`three` (3 worker(s) against 1): no speed-up: not the same work" in render_markdown(longer)
