@@ -145,7 +145,7 @@ def nightly_automations(nightly_deployment_id: str, block_document_id: str,
             actions=[SendNotification(
                 **notify, subject="laneflow: champion {{ event.event.rsplit('.', 1)[1] }}",
                 body="Champion {{ event.payload.champion }} (challenger {{ event.payload.challenger }}): "
-                     "challenger accuracy {{ event.payload.challenger_accuracy }}, previous champion "
+                     "challenger val accuracy {{ event.payload.challenger_accuracy }}, previous champion "
                      "{{ event.payload.champion_accuracy }}. {{ event.payload.reason }}")]),
     ]
 

@@ -144,9 +144,12 @@ def champion_command(volume: str, platform_name: str) -> int:
         package = f"{record.get('package')} on volume {record.get('volume')}"
     print(f"champion of {volume}: {record['run']} (snapshot {record.get('snapshot') or 'none'}, dataset "
           f"{record.get('dataset_version')})")
-    print(f"accuracy    : {metrics.get('untimed_accuracy', metrics.get('accuracy', float('nan'))):.4f} without the "
-          f"200 ms rule, {metrics.get('accuracy', float('nan')):.4f} official ({metrics.get('split')}, "
-          f"{metrics.get('images')} images)")
+    for label, scores in (("val", record.get("val_metrics")), ("reported", metrics)):
+        if not scores:
+            continue
+        print(f"{label:<12}: {scores.get('untimed_accuracy', scores.get('accuracy', float('nan'))):.4f} without the "
+              f"200 ms rule, {scores.get('accuracy', float('nan')):.4f} official ({scores.get('split')}, "
+              f"{scores.get('images')} images){' - decided on' if label == 'val' else ''}")
     print(f"package     : {package}")
     tracked = record.get("mlflow") or {}
     if tracked.get("model_url"):

@@ -1,12 +1,15 @@
 """``nightly_retrain``: train a challenger on tonight's data; it becomes champion only if it scores better.
 
-The champion is a Prefect variable (``laneflow-champion-<volume>``), visible in the UI. When the data
-changed since the champion was crowned, the champion is re-scored on the challenger's test images
-first, so both accuracies describe the same images.
+The champion is a Prefect variable (``laneflow-champion-<volume>``), visible in the UI. The decision is
+made on val: the challenger is scored on its dataset's val split (when the run's own evaluate stage scored
+test, which is what the decision record and lineage report), and when the data changed since the
+champion was crowned the champion is re-scored on the same val images first, so both accuracies describe
+the same images. Test is reported beside it, never decided on.
 
-With MLflow tracking on (``tasks.tracking``), a promoted challenger's MLflow run also becomes a version of
-registered model ``laneflow-<volume>`` carrying the alias ``champion``; the champion record keeps its link.
-A registry that fails costs a warning, never the promotion.
+With MLflow tracking on (``tasks.tracking``), every nightly brings registered model ``laneflow-<volume>``
+in line with the champion it leaves, promoted or kept: the champion's MLflow run (logged then if the server
+was down when it trained) becomes a version carrying the alias ``champion``, and the champion record keeps
+its link. A registry that fails costs a warning, never the promotion; the next nightly tries again.
 """
 
 from __future__ import annotations
@@ -20,16 +23,24 @@ from prefect.variables import Variable
 
 from flows.params import TrainParams, takes_train_params
 from flows.train import train_pipeline
-from tasks.champion import champion_record, champion_variable, decide_champion, selection_accuracy
+from tasks.champion import (
+    DECISION_SPLIT,
+    champion_record,
+    champion_variable,
+    decide_champion,
+    mlflow_record,
+    selection_accuracy,
+    stored_val_score,
+)
 from tasks.pipeline import evaluate
 from tasks.platforms import VolumeRef, load_platform
-from tasks.tracking import register_champion_in_mlflow
+from tasks.tracking import sync_champion_in_mlflow
 
 
 @flow(name="nightly_retrain")
 @takes_train_params
 def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[str, Any]:
-    """Retrain, compare with the champion on the same test images, promote the better model.
+    """Retrain, compare with the champion on the same val images, promote the better model.
 
     Args:
         min_improvement: how much higher the challenger's accuracy must be to become champion
@@ -44,24 +55,32 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
         logger.info("champion kept: %s", reason)
         return {"champion": champion["run"] if champion else None, "promoted": False, "reason": reason,
                 "challenger": challenger}
+    platform = load_platform(params.platform)
+    volume = VolumeRef(name=params.volume, location="")
+    challenger["val_metrics"] = (challenger["metrics"] if challenger["metrics"].get("split") == DECISION_SPLIT else
+                                 evaluate(platform, volume, challenger["run_dir"], challenger["data_dir"],
+                                          DECISION_SPLIT))
     champion_accuracy = None
     if champion:
-        champion_accuracy = selection_accuracy(champion["metrics"])
-        same_data = champion.get("dataset_version") == challenger["dataset_version"]
-        same_split = champion["metrics"].get("split") == challenger["metrics"]["split"]
-        if not (same_data and same_split) and champion.get("volume") == challenger["volume"]:
-            logger.info("data changed since champion %s was crowned: re-scoring it on dataset %s",
+        champion_val = stored_val_score(champion, challenger["dataset_version"])
+        if champion_val is None and champion.get("volume") == challenger["volume"]:
+            logger.info("champion %s has no val score on dataset %s: re-scoring it on the challenger's val images",
                         champion["run"], challenger["dataset_version"])
-            platform = load_platform(params.platform)
-            rescored = evaluate(platform, VolumeRef(name=params.volume, location=""), champion["run_dir"],
-                                challenger["data_dir"], challenger["metrics"]["split"])
-            champion_accuracy = selection_accuracy(rescored)
-    decision = decide_champion(champion_accuracy, selection_accuracy(challenger["metrics"]), min_improvement)
-    registered = None
-    if decision.promote:
-        if challenger.get("mlflow"):  # tracked: its MLflow run becomes the registered model's champion too
-            registered = register_champion_in_mlflow(challenger["mlflow"], params.volume, challenger["run"])
-        Variable.set(name, champion_record(challenger, registered), overwrite=True)
+            champion_val = evaluate(platform, volume, champion["run_dir"], challenger["data_dir"], DECISION_SPLIT)
+        if champion_val is None:  # crowned on another volume: its own val score is the best there is
+            champion_val = champion.get("val_metrics") or champion["metrics"]
+        champion_accuracy = selection_accuracy(champion_val)
+    decision = decide_champion(champion_accuracy, selection_accuracy(challenger["val_metrics"]), min_improvement)
+    crowned = (champion_record(challenger, mlflow_record(challenger.get("mlflow"), None)) if decision.promote
+               else champion)
+    # MLflow's @champion follows laneflow's champion, kept or promoted: a registry that was down at a
+    # promotion is corrected here the next night it answers.
+    synced = sync_champion_in_mlflow(platform, volume, crowned)
+    if synced is not None and synced != crowned.get("mlflow"):
+        crowned = {**crowned, "mlflow": synced}
+    if decision.promote or crowned is not champion:
+        Variable.set(name, crowned, overwrite=True)
+    registered = synced if synced and synced.get("version") else None
     event = "laneflow.champion.promoted" if decision.promote else "laneflow.champion.kept"
     winner = challenger["run"] if decision.promote else champion["run"]
     emit_event(event, resource={"prefect.resource.id": f"laneflow.champion.{params.volume}",
@@ -71,18 +90,22 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
                payload={"champion": winner, "challenger": challenger["run"], "reason": decision.reason,
                         "champion_accuracy": decision.champion_accuracy,
                         "challenger_accuracy": decision.challenger_accuracy})
-    previous = f"{champion['run']} ({decision.champion_accuracy:.4f})" if champion else "none"
+    previous = f"`{champion['run']}` (val {decision.champion_accuracy:.4f})" if champion else "none"
     create_markdown_artifact(
         key=f"champion-{params.volume}", description="nightly champion/challenger decision",
         markdown=f"# Champion for volume `{params.volume}`: `{winner}`\n\n"
-                 f"| | |\n|---|---|\n| challenger | `{challenger['run']}` ({decision.challenger_accuracy:.4f}) |\n"
-                 f"| previous champion | {previous} |\n| decision | {'promoted' if decision.promote else 'kept'}: "
+                 f"| | |\n|---|---|\n| challenger | `{challenger['run']}` (val {decision.challenger_accuracy:.4f}) |\n"
+                 f"| previous champion | {previous} |\n"
+                 f"| challenger on {challenger['metrics'].get('split', 'test')} (reported, not decided on) | "
+                 f"{selection_accuracy(challenger['metrics']):.4f} |\n"
+                 f"| decision | {'promoted' if decision.promote else 'kept'}: "
                  f"{decision.reason} |\n| snapshot | `{challenger['snapshot']}` |\n"
                  f"| package | `{(challenger if decision.promote else champion).get('package')}` |\n"
-                 + (f"| MLflow | [{registered['model']} version {registered['version']}]({registered['url']}) "
-                    f"(alias `{registered['alias']}`) |\n" if registered and registered.get("url") else "") + "\n"
+                 + (f"| MLflow | [{registered['model']} version {registered['version']}]({registered['model_url']}) "
+                    f"(alias `{registered['alias']}`) |\n" if registered and registered.get("model_url") else "") + "\n"
                  "Accuracies are TuSimple accuracy without the benchmark's 200 ms run-time rule, so the decision "
-                 "does not depend on how busy the evaluating machine was.\n")
+                 "does not depend on how busy the evaluating machine was. The decision is on val, both models "
+                 "scored on the challenger's val images; test is reported, never decided on.\n")
     logger.info("champion %s: %s", "promoted" if decision.promote else "kept", decision.reason)
     return {"champion": winner, "promoted": decision.promote, "reason": decision.reason, "challenger": challenger,
             "mlflow": registered}

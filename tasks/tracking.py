@@ -223,6 +223,22 @@ def load_client(uri: str, logger: Any) -> Any | None:
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+def tracking_client(logger: Any, if_unread: str, if_off: str) -> tuple[str, Any] | None:
+    """(tracking URI, client) when tracking is on; None when it is off (``if_off`` logged), its setting
+    cannot be read (a warning, with ``if_unread``) or mlflow is not installed (``load_client``'s warning)."""
+    try:
+        uri = tracking_uri()
+    except Exception as exc:
+        logger.warning("could not read the MLflow setting (Prefect variable %s: %s): %s", TRACKING_URI_VARIABLE,
+                       short_error(exc), if_unread)
+        return None
+    if uri is None:
+        logger.info("MLflow tracking off (%s)", if_off)
+        return None
+    client = load_client(uri, logger)
+    return None if client is None else (uri, client)
+
+
 def _is(exc: BaseException, error_code: str) -> bool:
     return getattr(exc, "error_code", None) == error_code
 
@@ -305,6 +321,18 @@ def local_package_dir(platform: Any, volume: Any, lineage: Mapping[str, Any]) ->
     return folder if folder.is_dir() else None
 
 
+def _run_events(platform: Any, volume: Any, run_dir: str, run: str, logger: Any) -> list[dict[str, Any]]:
+    """The run's ``metrics.jsonl`` events for MLflow; none (one warning) when it cannot be read: the run is
+    still worth tracking with its parameters, evaluation and lineage."""
+    try:
+        return [json.loads(line) for line in
+                platform.read_file(volume, f"{run_dir}/metrics.jsonl").decode().splitlines() if line.strip()]
+    except Exception as exc:
+        logger.warning("could not read %s/metrics.jsonl for MLflow (%s): run %s is tracked without step metrics",
+                       run_dir, short_error(exc), run)
+        return []
+
+
 def _prefect_ui_url() -> str | None:
     try:
         from prefect.settings import get_current_settings
@@ -327,26 +355,13 @@ def track_in_mlflow(platform: Any, volume: Any, run_dir: str, lineage: dict[str,
     """
     logger = get_run_logger()
     run = lineage["run"]
-    try:
-        uri = tracking_uri()
-    except Exception as exc:
-        logger.warning("could not read the MLflow setting (Prefect variable %s: %s): run %s is not tracked; "
-                       "training is unaffected", TRACKING_URI_VARIABLE, short_error(exc), run)
+    connected = tracking_client(logger, f"run {run} is not tracked; training is unaffected",
+                                f"set {TRACKING_URI_ENV} or the Prefect variable {TRACKING_URI_VARIABLE} to a "
+                                "tracking URI to turn it on")
+    if connected is None:
         return None
-    if uri is None:
-        logger.info("MLflow tracking off (set %s or the Prefect variable %s to a tracking URI to turn it on)",
-                    TRACKING_URI_ENV, TRACKING_URI_VARIABLE)
-        return None
-    client = load_client(uri, logger)
-    if client is None:
-        return None
-    try:
-        events = [json.loads(line) for line in
-                  platform.read_file(volume, f"{run_dir}/metrics.jsonl").decode().splitlines() if line.strip()]
-    except Exception as exc:  # the run is still worth tracking: parameters, evaluation, lineage
-        logger.warning("could not read %s/metrics.jsonl for MLflow (%s): run %s is tracked without step metrics",
-                       run_dir, short_error(exc), run)
-        events = []
+    uri, client = connected
+    events = _run_events(platform, volume, run_dir, run, logger)
     package_dir = local_package_dir(platform, volume, lineage)
     if lineage.get("package") and package_dir is None:
         logger.info("package %s is not on this machine: MLflow gets %s's parameters, metrics and lineage, not "
@@ -385,25 +400,58 @@ def register_model_version(client: Any, tracked: Mapping[str, Any], name: str, r
             "url": model_version_url(tracked["tracking_uri"], name, str(version.version))}
 
 
-@task(name="register_champion_in_mlflow", task_run_name="register-{run}", retries=0, cache_policy=NO_CACHE)
-def register_champion_in_mlflow(tracked: dict[str, Any] | None, volume: str, run: str) -> dict[str, Any] | None:
-    """Make a promoted challenger the ``champion`` of registered model ``laneflow-<volume>``, on the server
-    its run was tracked on; what it registered (model, version, link), or None when the run was not
-    tracked or the registry failed (one warning: the champion is crowned in Prefect all the same)."""
+def champion_run(client: Any, uri: str, platform: Any, volume: Any, record: Mapping[str, Any], logger: Any
+                 ) -> dict[str, Any]:
+    """The champion's MLflow run on ``uri``: the one its record names when that server has it finished, else
+    logged now from the run's own files (the server was down, or another one, when it trained)."""
+    known = record.get("mlflow") or {}
+    if known.get("run_id") and known.get("tracking_uri") == uri:
+        try:
+            found = client.get_run(known["run_id"])
+        except Exception as exc:
+            if not _is(exc, "RESOURCE_DOES_NOT_EXIST"):
+                raise
+        else:
+            if found.info.status == "FINISHED" and found.info.lifecycle_stage == "active":
+                has_package = any(item.path == PACKAGE_ARTIFACT for item in client.list_artifacts(found.info.run_id))
+                return _tracked(uri, found.info.experiment_id, found.info.run_id, has_package)
+    run_dir = str(record["run_dir"])
+    logger.info("champion %s has no MLflow run on %s: logging it now from %s", record["run"], uri, run_dir)
+    lineage = json.loads(platform.read_file(volume, f"{run_dir}/lineage.json"))
+    events = _run_events(platform, volume, run_dir, str(record["run"]), logger)
+    return log_training_run(client, uri, lineage, events, local_package_dir(platform, volume, lineage),
+                            _prefect_ui_url())
+
+
+@task(name="sync_champion_in_mlflow", task_run_name="mlflow-champion-{record[run]}", retries=0,
+      cache_policy=NO_CACHE)
+def sync_champion_in_mlflow(platform: Any, volume: Any, record: dict[str, Any]) -> dict[str, Any] | None:
+    """Bring MLflow's registry in line with laneflow's champion ``record``: its run (logged now when it was
+    not), a version of registered model ``laneflow-<volume>`` from it, the alias ``champion`` on that version.
+
+    Every nightly calls it for whichever model is champion after its decision, kept or promoted, so a
+    registry that was down when a champion was crowned is corrected the next time it answers, and
+    ``@champion`` never stays on a dethroned model. Returns the record's new ``mlflow``
+    (``tasks.champion.mlflow_record``); None when tracking is off or the server failed before it had the
+    run (one warning: the champion is crowned in Prefect all the same, and the next nightly tries again).
+    """
+    from tasks.champion import mlflow_record
+
     logger = get_run_logger()
-    if not tracked:
-        logger.info("champion %s was not tracked in MLflow: nothing to register", run)
+    run = record["run"]
+    connected = tracking_client(logger, f"the registry is not brought in line with champion {run}",
+                                f"no registry to bring in line with champion {run}")
+    if connected is None:
         return None
-    uri, name = tracked["tracking_uri"], registered_model_name(volume)
-    client = load_client(uri, logger)
-    if client is None:
-        return None
+    uri, client = connected
+    name, tracked = registered_model_name(record["volume"]), None
     try:
+        tracked = champion_run(client, uri, platform, volume, record, logger)
         registered = register_model_version(client, tracked, name, run)
     except Exception as exc:
-        logger.warning("MLflow registry %s failed (%s): champion %s is not registered as %s@%s there; it is "
-                       "champion in Prefect all the same", uri, short_error(exc), run, name, CHAMPION_ALIAS)
-        return None
+        logger.warning("MLflow %s failed (%s): %s@%s is not on champion %s yet; the next nightly tries again, and "
+                       "%s is champion in Prefect all the same", uri, short_error(exc), name, CHAMPION_ALIAS, run, run)
+        return mlflow_record(tracked, None)
     logger.info("MLflow: %s version %s is %s@%s%s", run, registered["version"], name, CHAMPION_ALIAS,
                 f" ({registered['url']})" if registered["url"] else "")
-    return registered
+    return mlflow_record(tracked, registered)

@@ -279,3 +279,47 @@ def test_nightly_tracks_the_challenger_and_makes_it_the_registered_champion(
     shown = capsys.readouterr().out
     assert f"mlflow      : {link} (laneflow-tracked version {version.version}, alias champion" in shown
     assert tracked["url"] in shown
+
+
+@pytest.mark.slow
+def test_a_registry_that_was_down_at_a_promotion_follows_the_champion_the_next_night_it_answers(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], mlflow: MlflowServer,
+        short_http: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+    from prefect.variables import Variable
+
+    from flows.local_server import free_port
+    from flows.nightly import nightly_retrain
+    from tasks.champion import champion_variable
+    from training.package import load_package
+
+    name, client = registered_model_name("resync"), MlflowClient(tracking_uri=mlflow.uri)
+    nightly = params_for(synthetic_archive, volume="resync", workers=1, max_steps=2, snapshot=False, package=True)
+    monkeypatch.setenv(TRACKING_URI_ENV, mlflow.uri)
+    first = nightly_retrain(**nightly)
+    assert first["promoted"] and client.get_model_version_by_alias(name, "champion").run_id == \
+        first["challenger"]["mlflow"]["run_id"]
+
+    # The server is unreachable all night: the challenger trains untracked and is crowned in Prefect only.
+    monkeypatch.setenv(TRACKING_URI_ENV, f"http://127.0.0.1:{free_port()}")
+    second = nightly_retrain(**nightly, min_improvement=-1.0)  # any challenger wins
+    assert second["promoted"] and second["challenger"]["mlflow"] is None and second["mlflow"] is None
+    assert Variable.get(champion_variable("resync"))["run"] == second["challenger"]["run"]
+    assert client.get_model_version_by_alias(name, "champion").run_id == first["challenger"]["mlflow"]["run_id"]
+
+    # It answers again: the next nightly keeps the champion and brings @champion in line with it.
+    monkeypatch.setenv(TRACKING_URI_ENV, mlflow.uri)
+    third = nightly_retrain(**nightly, min_improvement=1.0)
+    assert not third["promoted"] and third["champion"] == second["challenger"]["run"]
+    version = client.get_model_version_by_alias(name, "champion")
+    run = client.get_run(version.run_id)
+    assert run.info.run_name == second["challenger"]["run"] and run.info.status == "FINISHED"
+    assert run.data.tags["prefect.flow_run_id"] == second["challenger"]["flow_run_id"]
+    record = Variable.get(champion_variable("resync"))
+    assert record["run"] == second["challenger"]["run"] and record["mlflow"]["version"] == version.version
+    # The version is a loadable model package, the very files the run packaged on its volume.
+    assert version.source == f"runs:/{version.run_id}/package"
+    downloaded = Path(client.download_artifacts(version.run_id, "package", str(tmp_path)))
+    package = load_package(downloaded)
+    on_volume = load_package(laneflow_home / "volumes" / "resync" / second["challenger"]["package"])
+    assert package.manifest["files"] == on_volume.manifest["files"]
