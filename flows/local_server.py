@@ -7,6 +7,7 @@ UI's history. Its state lives in ``<home>/prefect`` and its log in ``<home>/pref
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -45,9 +46,18 @@ def is_healthy(url: str) -> bool:
         return False
 
 
+#: Prefect's server keeps concurrency leases in memory by default: a restart (an upgrade) forgets every lease,
+#: so slots held by runs in flight are never given back (their release names a lease the server no longer
+#: knows) and a deployment-limited run whose lease renewal fails is terminated (prefect.flow_engine keeps the
+#: deployment concurrency lease with ``raise_on_lease_renewal_failure=True``). The filesystem storage Prefect
+#: ships keeps them under ``$PREFECT_HOME/concurrency_leases``, beside the SQLite database, across restarts.
+LEASE_STORAGE = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+
+
 def server_env(home: Path, port: int) -> dict[str, str]:
     """Environment for anything that talks to (or is) this server."""
     return {
+        **LEASE_STORAGE,
         "PREFECT_HOME": str(home / "prefect"),
         "PREFECT_API_URL": api_url(port),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -88,7 +98,23 @@ def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = START
     url = api_url(port)
     if not is_healthy(url):
         start_server(home, port, timeout_s)
+    elif (storage := lease_storage_of(url)) not in (None, LEASE_STORAGE["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"]):
+        print(f"laneflow: the Prefect server on 127.0.0.1:{port} keeps concurrency leases in {storage}: restarting it "
+              "would leak the 'gpu' slots of runs in flight and abort a running nightly. Restart it once, while "
+              f"nothing runs: 'laneflow stop-server --home {home}', then this command again.", file=sys.stderr,
+              flush=True)
     return url
+
+
+def lease_storage_of(url: str) -> str | None:
+    """The concurrency lease storage module a running server uses (``GET /admin/settings``), None if unknown."""
+    try:
+        with urllib.request.urlopen(f"{url}/admin/settings", timeout=5) as response:
+            settings = json.load(response)
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    storage = ((settings.get("server") or {}).get("concurrency") or {}).get("lease_storage")
+    return str(storage) if storage else None
 
 
 def stop_server(home: Path, grace_s: float = 30.0) -> bool:

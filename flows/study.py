@@ -5,8 +5,8 @@ The journal is Optuna's own log format (``optuna.storages.JournalStorage``), one
 operation, on the volume through the platform (a file on the local platform, a short Job on a cluster's
 claim), so it travels with the dataset and its snapshots. It is read once when the sweep starts and held
 in memory; new lines go to the volume when the sweep asks for trials and when it tells a result. Only the
-sweep flow touches the study, one sweep per study at a time, and only through ``SweepStudy`` (open,
-recover, ask, tell, rows): the journal's I/O stays behind it.
+sweep flow touches the study, one sweep per study at a time (held, ``tasks.study_lock``), and only through
+``SweepStudy`` (open, recover, ask, tell, rows): the journal's I/O stays behind it.
 
 A trial still ``RUNNING`` in the journal was left by a sweep that crashed or was cancelled: it is marked
 failed (``interrupted``) and its parameters are asked for again first, under the same run key, so the
@@ -30,6 +30,7 @@ from optuna.trial import TrialState
 
 from flows.params import TrainParams
 from tasks.platforms import Platform, VolumeRef
+from tasks.study_lock import StudyLease
 
 STUDIES_DIR = "studies"
 
@@ -38,8 +39,9 @@ def journal_path(study: str) -> str:
     return f"{STUDIES_DIR}/{study}.journal"
 
 
-#: Written after the line a stopped sweep left unfinished (no newline: cut off, or whole but never
-#: acknowledged), so that every later read skips that line, whatever it holds.
+#: What an earlier laneflow wrote after a line a stopped sweep left unfinished. Stock Optuna cannot read a
+#: journal with it (nor with the unfinished line before it), so a journal that has one is rewritten without
+#: both when it is opened.
 TORN_MARK = {"laneflow": "the line above was cut off when a sweep stopped; it is not part of the study"}
 
 
@@ -50,32 +52,52 @@ def _is_torn_mark(line: str) -> bool:
         return False
 
 
-class VolumeJournal(BaseJournalBackend):
-    """Optuna's journal on a volume, read once and appended to in batches (``flush``)."""
+def journal_lines(text: str, where: str) -> tuple[list[str], bool]:
+    """The journal's whole operations (as Optuna's own ``JournalFileBackend`` reads them) and whether the file
+    needs repair: a last line without its newline (a write cut off when a sweep stopped: that operation never
+    was), or a line an earlier laneflow marked as cut off (and its mark). A line that is not JSON elsewhere
+    is not a torn write: the file is not a journal, and nothing is changed."""
+    lines = text.split("\n")
+    unfinished = lines.pop()  # "" when the file ends with its newline
+    kept, repair = [], bool(unfinished)
+    for number, line in enumerate(lines):
+        if _is_torn_mark(line) or (number + 1 < len(lines) and _is_torn_mark(lines[number + 1])):
+            repair = True
+            continue
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where} is not an Optuna journal (line {number + 1} is not JSON); move it away or "
+                             "name another study") from None
+        kept.append(line)
+    return kept, repair
 
-    def __init__(self, platform: Platform, volume: VolumeRef, path: str) -> None:
+
+class VolumeJournal(BaseJournalBackend):
+    """Optuna's journal on a volume, read once and appended to in batches (``flush``).
+
+    Opened only by the sweep that holds the study (``tasks.study_lock``): ``before_write`` confirms the hold
+    before every append, so no two writers' lines ever interleave. A write a stopped sweep left cut off is
+    repaired when the journal is opened (the file rewritten whole without it), so the file stays what
+    stock Optuna (``JournalFileBackend``, optuna-dashboard) reads.
+    """
+
+    def __init__(self, platform: Platform, volume: VolumeRef, path: str,
+                 before_write: Callable[[], None] | None = None) -> None:
         self.platform, self.volume, self.path = platform, volume, path
+        self._before_write = before_write or (lambda: None)
         try:
             text = platform.read_file(volume, path).decode()
-        except FileNotFoundError:
+        except FileNotFoundError:  # the only "no journal": a read that failed raised VolumeReadFailed
             text = ""
-        lines = text.split("\n")
-        # Without a final newline the last line was being written when a sweep stopped: that operation
-        # never was. The next flush ends that line and marks it, so later reads skip it too.
-        unfinished = lines.pop() if lines else ""
-        self._prefix = "\n" + json.dumps(TORN_MARK) + "\n" if unfinished.strip() else ""
-        self._logs: list[dict[str, Any]] = []
+        lines, repair = journal_lines(text, f"{path} on volume '{volume.name}'")
+        if repair:
+            self._before_write()
+            platform.replace_file(volume, path, "".join(f"{line}\n" for line in lines).encode())
+        self._logs: list[dict[str, Any]] = [json.loads(line) for line in lines]
         self._unwritten: list[str] = []
-        for number, line in enumerate(lines):
-            if not line.strip() or _is_torn_mark(line):
-                continue
-            if number + 1 < len(lines) and _is_torn_mark(lines[number + 1]):
-                continue  # a line an earlier stop left unfinished
-            try:
-                self._logs.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ValueError(f"{path} on volume '{volume.name}' is not an Optuna journal (line {number + 1}); "
-                                 "move it away or name another study") from None
 
     def read_logs(self, log_number_from: int) -> list[dict[str, Any]]:
         return self._logs[log_number_from:]
@@ -86,11 +108,11 @@ class VolumeJournal(BaseJournalBackend):
         self._unwritten.extend(lines)
 
     def flush(self) -> None:
-        """The lines not on the volume yet, written there."""
+        """The lines not on the volume yet, written there (one append, after the hold is confirmed)."""
         if self._unwritten:
-            data = self._prefix + "\n".join(self._unwritten) + "\n"
-            self.platform.append_file(self.volume, self.path, data.encode())
-            self._prefix, self._unwritten = "", []
+            self._before_write()
+            self.platform.append_file(self.volume, self.path, ("\n".join(self._unwritten) + "\n").encode())
+            self._unwritten = []
 
 
 #: The state a pruned trial's flow run ends in (a Completed state of that name).
@@ -129,11 +151,12 @@ class SweepStudy:
 
     @classmethod
     def open(cls, name: str, space: dict[str, BaseDistribution], base: TrainParams, platform: Platform,
-             volume: VolumeRef) -> SweepStudy:
+             volume: VolumeRef, lease: StudyLease | None = None) -> SweepStudy:
         """The study kept as ``studies/<name>.journal`` on ``volume``: continued if it is there (over the same
-        space and base run only, see ``_check_same_study``), else started."""
+        space and base run only, see ``_check_same_study``), else started. ``lease`` is the sweep's hold on it
+        (``tasks.study_lock.holding_study``), confirmed before every write."""
         optuna.logging.set_verbosity(logging.WARNING)
-        journal = VolumeJournal(platform, volume, journal_path(name))
+        journal = VolumeJournal(platform, volume, journal_path(name), lease.confirm if lease else None)
         study = optuna.create_study(study_name=name, storage=optuna.storages.JournalStorage(journal),
                                     direction="maximize", load_if_exists=True)
         _check_same_study(study, name, space, base)

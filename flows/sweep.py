@@ -1,9 +1,11 @@
 """``sweep``: many ``train_pipeline`` child flow runs — a grid and listed parameter sets, or a search of a
 ``space`` with Optuna (random or TPE) asked and told from this flow.
 
-Children run concurrently, but training itself holds a slot of the ``gpu`` concurrency limit, so at
-most ``max_concurrent`` train at once (the sweep sets that limit). The dataset is prepared once, before
-the children start, so they all find it cached.
+At most ``max_concurrent`` children run at once: the sweep's own bound, kept by the sweep itself. Their
+training also holds a slot of the ``gpu`` concurrency limit, which is the operator's (``laneflow deploy``
+creates it; no run or sweep changes it), so sweeps, nightlies and UI runs together never train on more
+accelerators than it allows. The dataset is prepared once, before the children start, so they all find
+it cached.
 
 Hyperparameters are chosen without the test set: every child is scored on ``val`` (TuSimple's
 ``label_data_0531``, the split the trainer holds out), the leaderboard ranks by val accuracy without the
@@ -23,7 +25,7 @@ import threading
 from contextlib import ExitStack
 from typing import Annotated, Any, Literal
 
-from prefect import flow, get_client, get_run_logger, task
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
@@ -50,6 +52,7 @@ from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset, rea
 from tasks.platforms import load_platform
 from tasks.pruning import StopVerdict, judged_by
 from tasks.report import data_uri
+from tasks.study_lock import StudyLease, holding_study
 
 MAX_CHILDREN_IN_FLIGHT = 16
 PrunerName = Literal["none", "median", "successive_halving", "hyperband"]
@@ -107,14 +110,16 @@ def leaderboard(rows: list[dict[str, Any]], varied: list[str]) -> list[dict]:
 def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: list[dict[str, Any]] | None = None,
           max_concurrent: Annotated[int, Field(ge=1)] = 1, search: SearchStrategy = "grid",
           space: SearchSpace | None = None, trials: Annotated[int, Field(ge=1, le=1000)] = 8,
-          seed: int | None = None, study: StudyName = None, pruner: PrunerName = "none") -> list[dict[str, Any]]:
+          seed: int | None = None, study: StudyName = None, pruner: PrunerName = "none",
+          wait_for_study: bool = False) -> list[dict[str, Any]]:
     """Train every parameter set (grid product, then listed runs), or ``trials`` sampled from ``space``, on
     the base parameters; rank them by val accuracy and score the best on test.
 
     Args:
         grid: parameter name -> values; every combination is one run, e.g. {"lr": [0.02, 0.05]} (search=grid)
         runs: further runs, each a dict of the parameters it changes, e.g. [{"lr": 0.1, "batch_size": 4}]
-        max_concurrent: at most this many runs train at once (the 'gpu' concurrency limit)
+        max_concurrent: at most this many of this sweep's runs at once (the sweep's own bound; the operator's
+            'gpu' concurrency limit still bounds all training, this sweep's and everyone else's)
         search: grid (grid and runs as given), random or tpe (Optuna's samplers over space)
         space: for random/tpe, parameter name -> {"low", "high", "log", "step"} or {"choices": [...]}
         trials: for random/tpe, how many runs to sample
@@ -124,8 +129,11 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
             interrupted one is run again from its checkpoint, and trials counts the study's total
         pruner: for random/tpe, stop trials whose val scores (every eval_every steps, which must be set) Optuna
             judges hopeless: median, successive_halving or hyperband; none trains every trial to its end
+        wait_for_study: when another sweep holds the study, wait for it to end (else this sweep fails at once,
+            naming it): one sweep per study at a time
     """
     logger = get_run_logger()
+    dimensions: dict[str, SearchDimension] = {}
     if params.source.index is not None:  # every trial trains on the same version, read once
         params = params.pinned_to(read_dataset_index(params.source.index)[0])
     if search == "grid":
@@ -145,24 +153,38 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
                              "(score val every that many steps, e.g. a tenth of a trial's steps)")
         dimensions = check_space(space or {})
         varied, planned, param_sets = sorted(dimensions), trials, [params]
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, max_concurrent)
-    logger.info("%s sweep of %d runs varying %s; at most %d training at once (limit '%s'); every run scored on val",
-                search, planned, ", ".join(varied) or "nothing", max_concurrent, GPU_LIMIT)
+    logger.info("%s sweep of %d runs varying %s; at most %d at once (and within the '%s' limit); every run scored "
+                "on val", search, planned, ", ".join(varied) or "nothing", max_concurrent, GPU_LIMIT)
     # Prepare each distinct dataset once, so concurrent children never download the same artifacts.
     datasets = {(p.platform, p.volume, tuple(p.source.to_artifacts())) for p in param_sets}
     for platform_name, volume_name, artifacts in sorted(datasets, key=repr):
         platform = load_platform(platform_name)
         prepare_dataset(platform, ensure_dataset_volume(platform, volume_name), list(artifacts))
+    kept = study_name_of(study, deployment.name) if search != "grid" else None
+    with ExitStack() as held:
+        lease = None
+        if kept is not None:  # one sweep per study, for as long as this one runs (its best's test score goes in too)
+            platform = load_platform(params.platform)
+            lease = held.enter_context(holding_study(platform, ensure_dataset_volume(platform, params.volume), kept,
+                                                     str(current_run.id), str(current_run.name), wait_for_study,
+                                                     logger.info))
+        return _run_sweep(params, search, param_sets, varied, max_concurrent, dimensions, trials, seed, kept, pruner,
+                          lease)
+
+
+def _run_sweep(params: TrainParams, search: str, param_sets: list[TrainParams], varied: list[str],
+               max_concurrent: int, dimensions: dict[str, SearchDimension], trials: int, seed: int | None,
+               study: str | None, pruner: str, lease: StudyLease | None) -> list[dict[str, Any]]:
+    """The sweep's children, its leaderboard and its best scored on test (the dataset is prepared; ``study``
+    is the kept study's name, held by ``lease``, or None)."""
     searched: SweepStudy | None = None
     if search == "grid":
-        futures = [run_child.submit(child, index, f"{current_run.name}-{index}")
-                   for index, child in enumerate(param_sets)]
-        rows = [{**future.result(), "params": {key: getattr(child, key) for key in varied}}
-                for future, child in zip(futures, param_sets, strict=True)]
+        rows = [{**row, "params": {key: getattr(child, key) for key in varied}}
+                for row, child in zip(_run_grid(param_sets, max_concurrent, str(current_run.name)), param_sets,
+                                      strict=True)]
     else:
-        searched = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name,
-                           study_name_of(study, deployment.name), pruner, str(current_run.id))
+        searched = _search(params, dimensions, search, trials, max_concurrent, seed, current_run.name, study, pruner,
+                           str(current_run.id), lease)
         rows = searched.rows()  # a kept study's earlier sweeps' trials too
         create_markdown_artifact(markdown=study_plots_markdown(searched.optuna_study,
                                                                f"{search} sweep {current_run.name}"),
@@ -186,6 +208,23 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
         + (f": {best['test accuracy']} (official {best['test official accuracy']})" if best else "")
         + " — hyperparameters are never chosen on the test set."))
     return table
+
+
+def _run_grid(param_sets: list[TrainParams], max_concurrent: int, sweep_name: str) -> list[dict[str, Any]]:
+    """Every parameter set as a child, at most ``max_concurrent`` at once; their rows in the sets' order."""
+    pending = list(enumerate(param_sets))
+    in_flight: dict[concurrent.futures.Future, tuple[Any, int]] = {}
+    rows: dict[int, dict[str, Any]] = {}
+    while pending or in_flight:
+        while pending and len(in_flight) < max_concurrent:
+            index, child = pending.pop(0)
+            future = run_child.submit(child, index, f"{sweep_name}-{index}")
+            in_flight[future.wrapped_future] = (future, index)
+        done, _ = concurrent.futures.wait(list(in_flight), return_when=concurrent.futures.FIRST_COMPLETED)
+        for wrapped in done:
+            future, index = in_flight.pop(wrapped)
+            rows[index] = future.result()
+    return [rows[index] for index in sorted(rows)]
 
 
 class TrialJudge:
@@ -257,7 +296,7 @@ def make_pruner(name: str, trials: int, min_resource: int) -> Any:
 
 def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strategy: str, trials: int,
             max_concurrent: int, seed: int | None, sweep_name: str, study_name: str | None,
-            pruner: str = "none", sweep_id: str = "") -> SweepStudy:
+            pruner: str = "none", sweep_id: str = "", lease: StudyLease | None = None) -> SweepStudy:
     """Ask Optuna for each trial's parameters, run it as a child, tell Optuna its val accuracy; at most
     ``max_concurrent`` in flight. With a ``study_name`` the study is kept on the volume (flows/study.py),
     continued where an earlier sweep left it; without, it is this sweep's own, in memory."""
@@ -267,7 +306,8 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
         study = SweepStudy.of_sweep(sweep_id, space, params)
     else:
         platform = load_platform(params.platform)
-        study = SweepStudy.open(study_name, space, params, platform, ensure_dataset_volume(platform, params.volume))
+        study = SweepStudy.open(study_name, space, params, platform, ensure_dataset_volume(platform, params.volume),
+                                lease)
     if retried := study.recover():
         logger.info("study %s: trials %s were interrupted by an earlier sweep; they run again first, resuming "
                     "their checkpoints", study_name, retried)

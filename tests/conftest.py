@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 # Before anything imports the task modules: retry delays of 1 s, not 10 s, keep retry tests short.
@@ -164,6 +166,26 @@ def dataset_copy(synthetic_source: Path, tmp_path: Path) -> Path:
     return target
 
 
+@dataclass
+class SessionServer:
+    """The session's Prefect server process, which a test may restart (as an operator upgrading it does)."""
+
+    home: Path
+    port: int
+    process: subprocess.Popen
+
+    def restart(self) -> None:
+        """Stop the server (SIGTERM to its group, SIGKILL after 30 s) and start it again on the same port and
+        database; returns once it answers."""
+        from flows.local_server import start_server
+
+        stop_process(self.process, grace_s=30)
+        self.process = start_server(self.home, self.port)
+
+
+_SESSION_SERVERS: list[SessionServer] = []
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real ``prefect server start`` (SQLite, UI included) on a free loopback port, for the whole session.
@@ -179,11 +201,12 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     for attempt in range(3):
         port = free_port()
         try:
-            process = start_server(home, port)
+            server = SessionServer(home, port, start_server(home, port))
             break
         except RuntimeError:  # it exited: the other xdist worker's server may have taken the port meanwhile
             if attempt == 2:
                 raise
+    _SESSION_SERVERS.append(server)
     env = server_env(home, port)
     try:
         with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_SERVER_ANALYTICS_ENABLED: False}):
@@ -194,7 +217,13 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
             APILogWorker.drain_all(timeout=30)  # while the server still answers
             EventsWorker.drain_all(timeout=30)
     finally:
-        stop_process(process, grace_s=30)
+        stop_process(server.process, grace_s=30)
+
+
+@pytest.fixture
+def session_server(prefect_server: dict) -> SessionServer:
+    """The running session server, to restart."""
+    return _SESSION_SERVERS[-1]
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ in a sweep) and returned however a run ends, no secrets out."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -12,17 +11,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from uuid import UUID
 
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
-from prefect.exceptions import ObjectNotFound
 from pydantic import SecretStr
 
-from flows.train import GPU_LIMIT, train_pipeline
+from flows.train import train_pipeline
 from tasks.anf import AnfError, AnfVolume
 from tasks.level_holds import LevelRecord
 from tasks.platforms.cluster.volumes import LEVEL_RECORD_ANNOTATION
@@ -32,6 +29,7 @@ from tests.cluster import KubernetesEmulator
 from tests.cluster.runtime import pod_runtime_missing
 from tests.cluster_platform_helpers import cluster_platform
 from tests.conftest import PROJECT_ROOT
+from tests.gpu_limit import operator_gpu_limit
 from tests.test_pipeline import params_for
 
 SECRET = "s3cret-client-value-9d1e"
@@ -330,25 +328,6 @@ def test_an_api_version_other_than_the_modelled_spec_is_refused(arm: tuple) -> N
     assert json.loads(refused.value.read())["error"]["code"] == "NoRegisteredProviderFound"
 
 
-@contextlib.contextmanager
-def gpu_slots(at_least: int) -> Iterator[None]:
-    """At least ``at_least`` slots of the ``gpu`` limit while inside (a sweep earlier in the session may have
-    left it lower), as they were after."""
-    with get_client(sync_client=True) as client:
-        try:
-            before = client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
-        except ObjectNotFound:
-            before = None
-        if before is not None and before < at_least:
-            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, at_least)
-    try:
-        yield
-    finally:
-        if before is not None and before < at_least:
-            with get_client(sync_client=True) as client:
-                client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, before)
-
-
 @pytest.mark.slow
 def test_runs_side_by_side_share_the_promotion_and_a_terminated_one_leaves_it(
         prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], arm: tuple,
@@ -371,7 +350,7 @@ def test_runs_side_by_side_share_the_promotion_and_a_terminated_one_leaves_it(
               "train_pipeline.with_options(flow_run_name=sys.argv[2])(**json.loads(sys.argv[1]))")
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
     output = tmp_path / "flow.log"
-    with k8s as cluster, output.open("wb") as sink, gpu_slots(2):
+    with k8s as cluster, output.open("wb") as sink, operator_gpu_limit(2):
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-crash", overwrite=True)
         with running([sys.executable, "-c", script, json.dumps(params, default=_json_default), "terminated-run"],
                      env=env, cwd=PROJECT_ROOT, stdout=sink, stderr=subprocess.STDOUT) as flow_process:

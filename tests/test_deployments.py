@@ -430,3 +430,62 @@ def test_alerts_apply_once_each_and_a_failed_nightly_reaches_the_webhook_through
         flow_run_name = client.read_flow_run(failing.id).name
     assert flow_run_name in message["body"] and "no such file" in message["body"], message
     assert f"/runs/flow-run/{failing.id}" in message["body"], message
+
+
+# --- The Prefect server restarted (an upgrade) while a nightly trains ---------------------------------------
+
+#: Prefect keeps a deployment's concurrency lease of a running flow run by renewing it for 300 s every
+#: 0.75 x 300 s (prefect.flow_engine: maintain_concurrency_lease(lease_id, 300,
+#: raise_on_lease_renewal_failure=True); prefect.concurrency._leases: _RENEWAL_FRACTION = 0.75), the first
+#: time as the run starts. A renewal that fails terminates the run.
+DEPLOYMENT_LEASE_RENEWED_AFTER_S = 0.75 * 300
+
+
+def deployment_slots(client, name: str) -> int:
+    """Active slots of a deployment's concurrency limit, as the UI's deployment page shows them."""
+    deployment = client.read_deployment_by_name(name)
+    return client._client.get(f"/deployments/{deployment.id}").raise_for_status().json()[
+        "global_concurrency_limit"]["active_slots"]
+
+
+def test_a_server_restarted_while_a_nightly_trains_neither_aborts_it_nor_leaks_its_slots(
+        deployed: dict, session_server, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+    """The server goes down and comes back (same database) mid-training; the nightly's deployment lease is then
+    renewed on the restarted server, and when the run ends every slot it held is free again."""
+    from tasks.pruning import STOP_REQUEST, StopVerdict
+    from tests.gpu_limit import active_gpu_slots
+
+    archive, sha256 = synthetic_archive
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("nightly_retrain/nightly")
+        nightly = client.create_flow_run_from_deployment(deployment.id, parameters={
+            "source": {"artifacts": [{"url": archive.as_uri(), "sha256": sha256, "kind": "archive"}]},
+            "volume": "restarted", "epochs": 1000, "batch_size": 2, "loader_workers": 0, "snapshot": False})
+    runs = Path(deployed["LANEFLOW_HOME"]) / "volumes" / "restarted" / "runs"
+    log = tmp_path / "worker.log"
+    with log.open("wb") as sink, running_worker(deployed, sink) as worker:
+        def training() -> Path | None:
+            assert worker.poll() is None, log.read_text()[-3000:]
+            return next((metrics.parent for metrics in runs.glob("*/metrics.jsonl") if '"step"' in metrics.read_text()),
+                        None)
+
+        run_dir = wait_until("the nightly training", training, timeout_s=400)
+        with get_client(sync_client=True) as client:
+            assert (active_gpu_slots(), deployment_slots(client, "nightly_retrain/nightly")) == (1, 1)
+            started = client.read_flow_run(nightly.id).start_time.timestamp()
+        session_server.restart()
+        with get_client(sync_client=True) as client:
+            def renewed_after_restart() -> bool:
+                state = client.read_flow_run(nightly.id).state
+                assert not state.is_final(), f"nightly ended {state.name}: {state.message}\n{log.read_text()[-3000:]}"
+                return time.time() - started > DEPLOYMENT_LEASE_RENEWED_AFTER_S + 20
+
+            wait_until("the nightly's deployment lease renewed after the restart", renewed_after_restart,
+                       timeout_s=DEPLOYMENT_LEASE_RENEWED_AFTER_S + 120, every_s=2)
+            assert (active_gpu_slots(), deployment_slots(client, "nightly_retrain/nightly")) == (1, 1)
+            # Enough: stop the training the way a sweep's pruner does (the trainer checkpoints and exits 0).
+            (run_dir / STOP_REQUEST).write_bytes(StopVerdict("the test has seen enough", "Stopped").request(0))
+            final = wait_until("the nightly finished", lambda: (
+                state if (state := client.read_flow_run(nightly.id).state).is_final() else None), timeout_s=300)
+            assert final.is_completed(), f"{final.name}: {final.message}\n{log.read_text()[-3000:]}"
+            assert (active_gpu_slots(), deployment_slots(client, "nightly_retrain/nightly")) == (0, 0)

@@ -19,10 +19,11 @@ from flows.nightly import champion_variable, nightly_retrain
 from flows.predict import resolve_package
 from flows.restore import restore
 from flows.sweep import sweep
-from flows.train import train_pipeline
+from flows.train import GPU_LIMIT, train_pipeline
 from tasks.platforms import LocalPlatform
 from tasks.processes import run_to_end
 from tests.conftest import PROJECT_ROOT
+from tests.gpu_limit import operator_gpu_limit
 from tests.test_pipeline import params_for
 
 pytestmark = pytest.mark.slow
@@ -57,19 +58,37 @@ def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
     assert predicted.returncode == 0, predicted.stderr
     assert len((tmp_path / "champion" / "predictions.json").read_text().splitlines()) == 1
 
-    # The champion was a good model evaluated on a busy machine: every image over 200 ms, so its official
-    # accuracy is 0 while without the run-time rule it scored 0.99. A one-step challenger must not beat it,
-    # even when the promotion bar is lowered to "not clearly worse" (which 0 vs 0 would pass).
-    busy = {**champion, "metrics": {**champion["metrics"], "accuracy": 0.0, "fp": 0.0, "fn": 1.0,
-                                    "untimed_accuracy": 0.99, "over_time_limit": champion["metrics"]["images"]}}
+    # Decided on val, test reported: the record keeps both, each on its own split.
+    assert first["challenger"]["metrics"]["split"] == "test" and champion["val_metrics"]["split"] == "val"
+    true_val = champion["val_metrics"]["untimed_accuracy"]
+
+    # The champion was a good model on val, evaluated on a busy machine: every image over 200 ms, so its
+    # official val accuracy is 0 while without the run-time rule it scored 0.99; on test it scored nothing.
+    # A one-step challenger must not beat it, even when the promotion bar is lowered to "not clearly worse"
+    # (which 0 vs 0 would pass, and so would any test score against the champion's 0 on test).
+    busy = {**champion,
+            "metrics": {**champion["metrics"], "accuracy": 0.0, "untimed_accuracy": 0.0, "fp": 1.0, "fn": 1.0},
+            "val_metrics": {**champion["val_metrics"], "accuracy": 0.0, "fp": 0.0, "fn": 1.0, "untimed_accuracy": 0.99,
+                            "over_time_limit": champion["val_metrics"]["images"]}}
     Variable.set(champion_variable("nightly"), busy, overwrite=True)
     second = nightly_retrain(**params_for(synthetic_archive, volume="nightly", max_steps=1, snapshot=False),
                              min_improvement=-0.5)
-    assert second["challenger"]["metrics"]["untimed_accuracy"] < 0.49
+    assert second["challenger"]["val_metrics"]["untimed_accuracy"] < 0.49
+    assert second["challenger"]["val_metrics"]["split"] == "val" and second["challenger"]["metrics"]["split"] == "test"
     assert not second["promoted"] and "champion kept" in second["reason"]
     assert Variable.get(champion_variable("nightly"))["run"] == first["challenger"]["run"]
     decision = latest_artifact("champion-nightly")
-    assert f"`{first['challenger']['run']}`" in decision and "without the benchmark's 200 ms run-time rule" in decision
+    assert f"`{first['challenger']['run']}` (val 0.9900)" in decision
+    assert "without the benchmark's 200 ms run-time rule" in decision
+    assert "test is reported, never decided on" in decision
+
+    # Crowned on another dataset version: its recorded val score describes other images, so it is re-scored
+    # on the challenger's val images (here the same files, so the model's true val score comes back).
+    Variable.set(champion_variable("nightly"), {**busy, "dataset_version": "0" * 16}, overwrite=True)
+    third = nightly_retrain(**params_for(synthetic_archive, volume="nightly", max_steps=1, snapshot=False),
+                            min_improvement=1.0)
+    assert not third["promoted"]
+    assert f"`{first['challenger']['run']}` (val {true_val:.4f})" in latest_artifact("champion-nightly")
 
 
 def warnings_since(started: datetime) -> list[str]:
@@ -88,7 +107,12 @@ def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
     started = datetime.now(UTC)
     base = params_for(synthetic_archive, volume="sweep", workers=1, snapshot=False)
-    table = sweep(**base, grid={"lr": [0.05, 0.02]}, runs=[{"lr": 0.1, "batch_size": 4}], max_concurrent=1)
+    # The operator allows two trainings at once; this sweep asks for one at a time, and leaves the limit alone.
+    with operator_gpu_limit(2):
+        table = sweep(**base, grid={"lr": [0.05, 0.02]}, runs=[{"lr": 0.1, "batch_size": 4}], max_concurrent=1)
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        assert (limit.limit, limit.active_slots) == (2, 0)
     # Children run in worker threads: nothing laneflow configures may make Prefect warn about that.
     assert warnings_since(started) == []
 
@@ -100,7 +124,7 @@ def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
     assert table[0]["test accuracy"] is not None and all(row["test accuracy"] is None for row in table[1:])
     assert [row["run"] for row in json.loads(latest_artifact("sweep-leaderboard"))] == [row["run"] for row in table]
 
-    # At most one training at a time: the launcher records never overlap.
+    # At most one training at a time (the sweep's own bound, under a limit of 2): launcher records never overlap.
     spans = []
     for row in table:
         record = json.loads((laneflow_home / "volumes" / "sweep" / "runs" / row["run"] / "launcher.json").read_text())
@@ -210,9 +234,11 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
         metrics = found[0]
         killed.kill()  # no hook, no goodbye: trial 1 stays RUNNING in the journal; its training goes on
         killed.wait()
-    # The killed run's 'gpu' slot is held until Prefect's lease on it expires (minutes): a second slot lets
-    # the retry start now.
-    table = sweep(**{key: value for key, value in arguments.items() if key not in base}, **base, max_concurrent=2)
+    # The killed run's 'gpu' slot is held until Prefect's lease on it expires (minutes): a second slot (the
+    # operator's limit; a sweep never changes it) lets the retry start now.
+    with operator_gpu_limit(2):
+        table = sweep(**{key: value for key, value in arguments.items() if key not in base}, **base,
+                      max_concurrent=2)
     assert sorted(row["trial"] for row in table) == [0, 2]  # trial 1 interrupted; its retry is trial 2
     assert all(row["state"] == "Completed" for row in table), table
     retry = next(row for row in table if row["trial"] == 2)
@@ -228,6 +254,69 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
     assert record["attempts"] == 2 and resumed.state.is_completed()
     starts = [event for line in metrics.read_text().splitlines() if (event := json.loads(line))["event"] == "start"]
     assert [start["resumed"] for start in starts] == [False, True] and starts[1]["step"] > 0  # from its checkpoint
+
+
+def test_two_sweeps_of_one_study_never_share_it_the_second_is_refused_naming_the_first_or_waits(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    """A sweep holds its study; one started beside it is refused at once, naming it; one asked to wait runs
+    after it. Every trial in the journal then has its own parameters, score and run folder (as stock Optuna
+    reads the file)."""
+    import contextvars
+    import threading
+
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    from tasks.study_lock import parse_holder, record_key
+
+    base = params_for(synthetic_archive, volume="shared", workers=1, snapshot=False, max_steps=4)
+    arguments = {**base, "search": "random", "space": {"lr": {"low": 0.01, "high": 0.1, "log": True}},
+                 "trials": 2, "seed": 11, "study": "shared"}
+    platform, states = LocalPlatform(), {}
+
+    def run(name: str, **changes: object) -> threading.Thread:
+        context = contextvars.copy_context()
+        thread = threading.Thread(target=lambda: states.__setitem__(
+            name, context.run(sweep, **{**arguments, **changes}, return_state=True)))
+        thread.start()
+        return thread
+
+    def holder() -> object:
+        return parse_holder(platform.update_volume_record(platform.ensure_volume("shared"), record_key("shared"),
+                                                          lambda raw: raw))
+
+    first = run("first")
+    deadline = time.monotonic() + 300
+    while (held := holder()) is None:
+        assert first.is_alive() and time.monotonic() < deadline, states
+        time.sleep(0.2)
+    refused = sweep(**arguments, return_state=True)
+    assert refused.is_failed()
+    assert f"study 'shared' on volume 'shared' is held by sweep {held.name} (flow run {held.sweep}" in str(
+        refused.result(raise_on_failure=False))
+    waiting = run("waiting", trials=3, wait_for_study=True)
+    first.join(600)
+    waiting.join(600)
+    assert states["first"].is_completed() and states["waiting"].is_completed(), states
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(states["first"].state_details.flow_run_id).name == held.name
+    table = states["waiting"].result()
+    assert sorted(row["trial"] for row in table) == [0, 1, 2]  # the study's three, two by the first sweep
+    assert holder() is None  # let go when the last sweep ended
+
+    journal = laneflow_home / "volumes" / "shared" / "studies" / "shared.journal"
+    trials = optuna.load_study(study_name="shared", storage=optuna.storages.JournalStorage(
+        JournalFileBackend(str(journal)))).trials
+    assert [trial.state for trial in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    assert len({trial.params["lr"] for trial in trials}) == 3
+    results = [trial.user_attrs["result"] for trial in trials]
+    assert len({result["run"] for result in results}) == 3 and len({result["flow_run_id"] for result in results}) == 3
+    by_run, runs = {row["run"]: row for row in table}, laneflow_home / "volumes" / "shared" / "runs"
+    for trial, result in zip(trials, results, strict=True):  # each score is its own run's, on its own parameters
+        lineage = json.loads((runs / result["run"] / "lineage.json").read_text())
+        assert lineage["parameters"]["lr"] == pytest.approx(trial.params["lr"])
+        assert trial.value == pytest.approx(lineage["metrics"]["untimed_accuracy"])
+        assert by_run[result["run"]]["lr"] == pytest.approx(trial.params["lr"])
 
 
 def test_sweep_refuses_an_invalid_run_naming_it(prefect_server: dict, laneflow_home: Path,

@@ -4,6 +4,8 @@ key; appended through the cluster platform's Jobs as through the local platform'
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from optuna.trial import TrialState
 from flows.params import DataSource, TrainParams
 from flows.study import SweepStudy, journal_path
 from tasks.platforms import LocalPlatform, VolumeRef
+from tasks.study_lock import StudyBusy, StudyHolder, StudyLost, claimed, holding_study, record_key, released
 
 SPACE = {"lr": FloatDistribution(0.01, 0.2, log=True)}
 BASE = TrainParams(source=DataSource(url="https://m.example/train_set.zip", sha256="a" * 64), epochs=2)
@@ -74,17 +77,121 @@ def test_the_cluster_platform_appends_to_a_file_on_the_claim(emulator: tuple) ->
     assert platform.read_file(volume, "studies/s.journal") == b'{"a": 1}\n{"b": 2}\n'
 
 
-def test_a_journal_whose_last_line_has_no_newline_stays_readable_through_later_sweeps(laneflow_home: Path) -> None:
-    """A stop between a line's JSON and its newline (or a cluster append cut between chunks): the line is
-    dropped and marked, and the journal reads the same after every later flush."""
+def stock_optuna_values(path: Path) -> list[float | None]:
+    """The trials' values as stock Optuna reads the journal file (``JournalFileBackend``, which
+    optuna-dashboard uses too): no laneflow code involved."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    return [trial.value for trial in optuna.load_study(study_name="lanes", storage=storage).trials]
+
+
+def test_a_journal_whose_last_line_has_no_newline_stays_readable_by_stock_optuna_through_later_sweeps(
+        laneflow_home: Path) -> None:
+    """A stop between a line's JSON and its newline (or a cluster append cut between chunks): that operation
+    never was; the next sweep drops it from the file, and stock Optuna reads the journal at every point."""
     platform = LocalPlatform()
     volume = platform.ensure_volume("tusimple")
     _completed(_open(platform, volume), 0.5)
     path = Path(volume.location) / journal_path("lanes")
     path.write_bytes(path.read_bytes() + b'{"op_code": 4, "worker_id": "w", "study_id": 0}')  # whole, no newline
+    assert stock_optuna_values(path) == [0.5]  # torn: stock Optuna skips the unfinished line
     for value in (0.6, 0.7):
         _completed(_open(platform, volume), value)
+        assert stock_optuna_values(path) == pytest.approx([0.5, 0.6, 0.7][:int(value * 10) - 4])
     assert [t.value for t in _open(platform, volume).optuna_study.trials] == [0.5, 0.6, 0.7]
+    assert path.read_bytes().endswith(b"\n")
+
+
+def test_a_journal_an_earlier_laneflow_marked_torn_is_repaired_for_stock_optuna(laneflow_home: Path) -> None:
+    platform = LocalPlatform()
+    volume = platform.ensure_volume("tusimple")
+    _completed(_open(platform, volume), 0.5)
+    path = Path(volume.location) / journal_path("lanes")
+    mark = b'{"laneflow": "the line above was cut off when a sweep stopped; it is not part of the study"}'
+    path.write_bytes(path.read_bytes() + b'{"op_code": 4, "worker_id"\n' + mark + b"\n")
+    with pytest.raises(Exception):  # noqa: B017 - stock Optuna cannot read what the old mark left
+        stock_optuna_values(path)
+    _completed(_open(platform, volume), 0.6)
+    assert stock_optuna_values(path) == pytest.approx([0.5, 0.6])
+    assert mark not in path.read_bytes()
+
+
+# --- one sweep per study (tasks.study_lock) ---------------------------------------------------------------
+
+def _holder(sweep: str, renewed: float = 1000.0, ttl_s: float = 300.0) -> StudyHolder:
+    return StudyHolder(sweep=sweep, name=f"sweep-{sweep}", since=renewed, renewed=renewed, ttl_s=ttl_s)
+
+
+def test_a_study_is_taken_when_free_kept_by_its_holder_and_freed_by_a_holder_that_is_gone() -> None:
+    me, other = _holder("me", 2000.0), _holder("other", 1900.0)
+    alive = lambda holder: False  # noqa: E731
+    assert claimed(None, me, 2000.0, alive) == me
+    assert claimed(other, me, 2000.0, alive) is other  # a live holder keeps it
+    assert claimed(other, me, 1900.0 + 301, alive) == me  # silent past its lifetime
+    assert claimed(other, me, 2000.0, lambda holder: holder.sweep == "other") == me  # its process/run ended
+    renewed = claimed(_holder("me", 1500.0), me, 2000.0, alive)
+    assert (renewed.since, renewed.renewed) == (1500.0, 2000.0)  # mine: renewed, held since it was first taken
+    assert released(other, "me") is other and released(me, "me") is None and released(None, "me") is None
+
+
+def test_a_second_sweep_is_refused_naming_the_first_or_waits_for_it(laneflow_home: Path) -> None:
+    platform = LocalPlatform()
+    volume = platform.ensure_volume("tusimple")
+    said: list[str] = []
+    with holding_study(platform, volume, "lanes", "sweep-a-id", "sweep-a", False, said.append,
+                       gone=lambda holder: False):
+        refused = r"study 'lanes' on volume 'tusimple' is held by sweep sweep-a \(flow run sweep-a-id, holding it since"
+        with pytest.raises(StudyBusy, match=refused), holding_study(platform, volume, "lanes", "sweep-b-id", "sweep-b",
+                                                                    False, said.append, gone=lambda holder: False):
+            pass
+        waiting = threading.Event()
+        order: list[str] = []
+
+        def second() -> None:
+            with holding_study(platform, volume, "lanes", "sweep-b-id", "sweep-b", True,
+                               lambda line: (said.append(line), waiting.set()), ttl_s=4.0, gone=lambda holder: False):
+                order.append("b holds it")
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert waiting.wait(30)
+        order.append("a lets go")
+    thread.join(60)
+    assert order == ["a lets go", "b holds it"]
+    assert "study 'lanes' is held by sweep sweep-a (flow run sweep-a-id" in said[-1]
+    assert platform.update_volume_record(volume, record_key("lanes"), lambda raw: raw) is None  # released
+
+
+def test_a_dead_holder_is_taken_over_and_a_sweep_taken_for_dead_writes_nothing_more(laneflow_home: Path) -> None:
+    platform = LocalPlatform()
+    volume = platform.ensure_volume("tusimple")
+    said: list[str] = []
+    with holding_study(platform, volume, "lanes", "old-id", "old", False, said.append,
+                       gone=lambda holder: False) as old_lease:
+        study = SweepStudy.open("lanes", SPACE, BASE, platform, volume, old_lease)
+        _completed(study, 0.5)
+        # The old sweep's run ended (cancelled, crashed) without letting go: the next sweep takes the study over.
+        with holding_study(platform, volume, "lanes", "new-id", "new", False, said.append,
+                           gone=lambda holder: holder.sweep == "old-id") as new_lease:
+            assert "was held by sweep old (flow run old-id" in said[-1] and "which is gone" in said[-1]
+            journal = Path(volume.location) / journal_path("lanes")
+            before = journal.read_bytes()
+            with pytest.raises(StudyLost, match=r"study 'lanes' is now held by sweep new \(flow run new-id"):
+                _completed(study, 0.9)  # the old sweep, still running somewhere, writes nothing more
+            assert journal.read_bytes() == before
+            _completed(SweepStudy.open("lanes", SPACE, BASE, platform, volume, new_lease), 0.6)
+    assert stock_optuna_values(journal) == pytest.approx([0.5, 0.6])
+
+
+def test_a_volume_record_is_updated_atomically_by_writers_side_by_side(laneflow_home: Path) -> None:
+    platform = LocalPlatform()
+    volume = platform.ensure_volume("tusimple")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: platform.update_volume_record(
+            volume, "counter", lambda raw: str(int(raw or 0) + 1)), range(200)))
+    assert platform.update_volume_record(volume, "counter", lambda raw: raw) == "200"
 
 
 def test_a_study_is_continued_only_over_the_same_space_and_base_run(laneflow_home: Path) -> None:
@@ -108,3 +215,40 @@ def test_a_study_is_continued_only_over_the_same_space_and_base_run(laneflow_hom
     _open(platform, volume, base=base)
     with pytest.raises(ValueError, match=r"study 'lanes' was run with other max_steps"):
         _open(platform, volume, base=base.model_copy(update={"max_steps": 5}))
+
+
+def test_on_a_cluster_a_failed_read_is_retried_never_taken_for_a_missing_journal(emulator: tuple) -> None:
+    """An API that fails every try of one reader Job (the platform's own retries exhausted): the read is tried
+    again; one that keeps failing is an error naming the file, and no fresh study is written over the old."""
+    from tasks.platforms.base import VolumeReadFailed
+    from tests.cluster import Fault
+    from tests.cluster_platform_helpers import cluster_platform
+
+    emu, cluster = emulator
+    platform = cluster_platform(emu, api_attempts=2, api_retry_delay_s=0.1)
+    volume = platform.ensure_volume("data")
+    platform.ensure_shared_access(volume)
+    with pytest.raises(FileNotFoundError, match=r"studies/lanes\.journal does not exist on volume 'data'"):
+        platform.read_file(volume, journal_path("lanes"))
+    _completed(SweepStudy.open("lanes", SPACE, BASE, platform, volume), 0.5)
+    journal = cluster.claim_dir("lanes", "data") / journal_path("lanes")
+    written = journal.read_bytes()
+
+    cluster.inject("POST", "jobs", *[Fault(503)] * 2)  # one reader Job never gets created
+    assert [t.value for t in SweepStudy.open("lanes", SPACE, BASE, platform, volume).optuna_study.trials] == [0.5]
+
+    cluster.inject("POST", "jobs", *[Fault(503)] * 6)  # every try fails
+    with pytest.raises(VolumeReadFailed, match=r"studies/lanes.journal on volume 'data' could not be read .* it may "
+                                               r"well be there, so nothing was assumed about it"):
+        SweepStudy.open("lanes", SPACE, BASE, platform, volume)
+    assert journal.read_bytes() == written
+    cluster.faults.clear()
+
+    # Who holds a study: a PV annotation written with a resourceVersion precondition.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: platform.update_volume_record(
+            volume, "counter", lambda raw: str(int(raw or 0) + 1)), range(12)))
+    assert platform.update_volume_record(volume, "counter", lambda raw: raw) == "12"
+    platform.replace_file(volume, journal_path("lanes"), b'{"a": 1}\n')
+    assert journal.read_bytes() == b'{"a": 1}\n'
+    assert [p.name for p in journal.parent.iterdir()] == ["lanes.journal"]  # nothing left beside it

@@ -30,6 +30,11 @@ class TransientPlatformError(RuntimeError):
     """Worth retrying: the same call can succeed later (preemption, lost worker, 429/5xx, reset)."""
 
 
+class VolumeReadFailed(TransientPlatformError):
+    """A file on the volume could not be read — which says nothing about whether it is there (a
+    ``FileNotFoundError`` says it is not). Worth retrying; never to be taken as "missing"."""
+
+
 class TrainingInterrupted(TransientPlatformError):
     """The training job stopped before finishing but can resume from its newest checkpoint."""
 
@@ -186,7 +191,9 @@ class Platform(Block):
 
     @abc.abstractmethod
     def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
-        """A file from the volume (metrics, eval results, images for artifacts)."""
+        """A file from the volume (metrics, eval results, images for artifacts). ``FileNotFoundError`` only
+        when the file is not there; a read that failed (an API blip, a reader that never ran) raises
+        ``VolumeReadFailed`` after retrying, so no caller mistakes it for a missing file."""
 
     @abc.abstractmethod
     def write_text(self, volume: VolumeRef, relative_path: str, text: str) -> None:
@@ -197,6 +204,19 @@ class Platform(Block):
     def append_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
         """``data`` added to the end of a file on the volume (made with its folders when missing), flushed to
         the volume before this returns (a sweep's study journal)."""
+
+    @abc.abstractmethod
+    def replace_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
+        """A file on the volume replaced whole by ``data`` (written beside it, then renamed over it): readers
+        see the old content or the new, never a mix (a study journal repaired after a torn write)."""
+
+    @abc.abstractmethod
+    def update_volume_record(self, volume: VolumeRef, key: str,
+                             change: Callable[[str | None], str | None]) -> str | None:
+        """Replace the small text record ``key`` kept with the volume by ``change(record)`` (None: no record),
+        atomically: no other writer's update is lost between the read and the write, on this machine or any
+        other (``change`` may be called again after a lost race). Returns the record as written. Who holds a
+        study is one (``tasks.study_lock``)."""
 
     # --- launcher ----------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -156,6 +156,13 @@ class ClusterPlatform(Platform):
     def append_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
         jobs.append_file(self, volume, relative_path, data)
 
+    def replace_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
+        jobs.replace_file(self, volume, relative_path, data)
+
+    def update_volume_record(self, volume: VolumeRef, key: str,
+                             change: Callable[[str | None], str | None]) -> str | None:
+        return volumes.update_volume_record(self, volume, key, change)
+
     def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
         return jobs.evaluate(self, volume, run_dir, data_dir, split, log)
 

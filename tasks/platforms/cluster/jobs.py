@@ -23,7 +23,14 @@ from tasks.k8s.logs import LogCursor
 from tasks.k8s.manifests import MOUNT_PATH, render_data_job
 from tasks.launch import LOG_TAIL, parse_output_line
 from tasks.names import validate_name
-from tasks.platforms.base import LogSink, StageBlocked, StageDeadlineExceeded, VolumeRef, paths_in
+from tasks.platforms.base import (
+    LogSink,
+    StageBlocked,
+    StageDeadlineExceeded,
+    VolumeReadFailed,
+    VolumeRef,
+    paths_in,
+)
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt, wait_deleted
 from tasks.platforms.cluster.pod_logs import follow_log
 from tasks.platforms.cluster.problems import check_pods, problem_clock
@@ -34,6 +41,8 @@ if TYPE_CHECKING:
 
 #: Bytes per appending Job: the data travels base64-encoded as one argument (Linux caps one at 128 KiB).
 APPEND_CHUNK = 64 * 1024
+#: Reader Jobs one ``read_file`` runs before it calls the read failed.
+READ_ATTEMPTS = 3
 
 
 # --- running a Job ----------------------------------------------------------------------------------
@@ -110,14 +119,15 @@ def delete_job(platform: ClusterPlatform, batch: kubernetes.client.BatchV1Api, n
         wait_deleted(platform, "jobs", lambda: batch.read_namespaced_job(name, namespace), f"job {namespace}/{name}")
 
 
-def last_event(lines: list[str], kind: str, what: str) -> dict[str, Any]:
-    """The last event of ``kind`` a Job printed: its result."""
+def last_event(lines: list[str], kind: str | tuple[str, ...], what: str) -> dict[str, Any]:
+    """The last event of ``kind`` (or of any of several kinds) a Job printed: its result."""
+    kinds = (kind,) if isinstance(kind, str) else kind
     for line in reversed(lines):
         event = parse_output_line(line).event
-        if event and event.get("event") == kind:
+        if event and event.get("event") in kinds:
             return dict(event)
-    tail = "\n".join(lines[-LOG_TAIL:])
-    raise RuntimeError(f"{what} finished without reporting '{kind}'; its log ends:\n{tail}")
+    tail, named = "\n".join(lines[-LOG_TAIL:]), "' or '".join(kinds)
+    raise RuntimeError(f"{what} finished without reporting '{named}'; its log ends:\n{tail}")
 
 
 def stays_on(volume: VolumeRef, relative_path: str) -> None:
@@ -150,14 +160,36 @@ def file_job(platform: ClusterPlatform, kind: str, volume: VolumeRef, relative_p
 
 
 def read_file(platform: ClusterPlatform, volume: VolumeRef, relative_path: str) -> bytes:
-    script = ("import base64, json, sys\n"
+    """The file, read by a Job on the claim. The reader itself says when the file is not there (the only
+    ``FileNotFoundError``); a reader that failed — an API call that kept failing, a pod that did not run —
+    is tried again, and then is a ``VolumeReadFailed``: a failed read is never an absent file (a study
+    journal taken for absent would be started afresh over the old one)."""
+    script = ("import base64, json, os, sys\n"
+              "if not os.path.isfile(sys.argv[1]):\n"
+              "    print(json.dumps({'event': 'missing', 'exists': os.path.exists(sys.argv[1])}))\n"
+              "    sys.exit(0)\n"
               "data = open(sys.argv[1], 'rb').read()\n"
               "print(json.dumps({'event': 'file', 'base64': base64.b64encode(data).decode()}))\n")
-    try:
-        lines = file_job(platform, "read", volume, relative_path, script)
-    except RuntimeError as exc:
-        raise FileNotFoundError(f"{relative_path} could not be read from volume '{volume.name}': {exc}") from None
-    return base64.b64decode(last_event(lines, "file", f"reader job for {relative_path}")["base64"])
+    failure: Exception | None = None
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        try:
+            lines = file_job(platform, "read", volume, relative_path, script)
+            answer = last_event(lines, ("file", "missing"), f"reader job for {relative_path}")
+        except (StageBlocked, StageDeadlineExceeded) as exc:  # waited out its grace already: no quick retry
+            failure = exc
+            break
+        except RuntimeError as exc:  # a failed Job, an API that kept failing (TransientPlatformError)
+            failure = exc
+            if attempt < READ_ATTEMPTS:
+                time.sleep(platform.poll_interval_s * attempt)
+            continue
+        if answer["event"] == "missing":
+            what = "is not a file" if answer.get("exists") else "does not exist"
+            raise FileNotFoundError(f"{relative_path} {what} on volume '{volume.name}'")
+        return base64.b64decode(answer["base64"])
+    raise VolumeReadFailed(f"{relative_path} on volume '{volume.name}' could not be read ({failure}); it may well be "
+                           "there, so nothing was assumed about it. Check the claim and the reader Jobs "
+                           "(kubectl get jobs -l app.kubernetes.io/managed-by=laneflow), then run again")
 
 
 def append_file(platform: ClusterPlatform, volume: VolumeRef, relative_path: str, data: bytes) -> None:
@@ -172,6 +204,23 @@ def append_file(platform: ClusterPlatform, volume: VolumeRef, relative_path: str
         chunk = base64.b64encode(data[start:start + APPEND_CHUNK]).decode()
         last_event(file_job(platform, "append", volume, relative_path, script, chunk), "appended",
                    f"appending job for {relative_path}")
+
+
+def replace_file(platform: ClusterPlatform, volume: VolumeRef, relative_path: str, data: bytes) -> None:
+    """Appended in chunks to a file of its own beside the target, then renamed over it by one more Job: a
+    reader sees the old file or the new one."""
+    stays_on(volume, relative_path)
+    folder, _, name = relative_path.rpartition("/")
+    partial = f"{folder + '/' if folder else ''}.{name}.{uuid.uuid4().hex[:8]}.partial"
+    if data:
+        append_file(platform, volume, partial, data)
+    else:
+        write_text(platform, volume, partial, "")
+    script = ("import json, os, sys\n"
+              "os.replace(sys.argv[1], sys.argv[2])\n"
+              "print(json.dumps({'event': 'replaced', 'bytes': os.path.getsize(sys.argv[2])}))\n")
+    last_event(file_job(platform, "replace", volume, partial, script, f"{MOUNT_PATH}/{relative_path}"), "replaced",
+               f"replacing job for {relative_path}")
 
 
 def write_text(platform: ClusterPlatform, volume: VolumeRef, relative_path: str, text: str) -> None:

@@ -43,6 +43,7 @@ _LOG = logging.getLogger("laneflow.cluster")
 LEVEL_RECORD_ANNOTATION = "laneflow.io/service-level"
 #: How often a record update that lost a race (409 Conflict) is read and made again before giving up.
 _UPDATE_RACES = 50
+_ANNOTATION_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 #: Trident's CSI driver, and the PV attribute naming the ANF volume it provisioned for a claim (NetApp/trident
 #: frontend/csi/controller_server.go getCSIVolumeFromTridentVolume: ``internalID`` is the volume's Azure resource
 #: id, storage_drivers/azure/azure_anf.go Create; Trident >= 23.01). The id's last part is the volume's name,
@@ -111,25 +112,58 @@ def ensure_shared_access(platform: ClusterPlatform, volume: VolumeRef) -> str:
 def update_level_record(platform: ClusterPlatform, volume: VolumeRef,
                         change: Callable[[LevelRecord | None], LevelRecord | None]) -> LevelRecord | None:
     """Read the record on the claim's PV, apply ``change``, and write the result only if nobody wrote the PV in
-    between: the patch carries the ``resourceVersion`` it was read at, which the API server checks before it
-    applies a patch (409 Conflict otherwise; Kubernetes API concepts, "Resource versions" / conflicts: every
-    update and patch that names a resourceVersion is a precondition on it). A lost race reads again. A change
-    that changes nothing writes nothing."""
+    between (``_update_pv_annotation``). A change that changes nothing writes nothing."""
+    def change_text(raw: str | None, pv_name: str) -> str | None:
+        record = _record_of(pv_name, raw)
+        updated = change(record)
+        if updated == record:
+            return raw
+        return updated.model_dump_json() if updated is not None else None
+
+    written = _update_pv_annotation(platform, volume, LEVEL_RECORD_ANNOTATION, change_text,
+                                    "it has no service level to hold", "the service-level record")
+    return _record_of("", written)
+
+
+def record_annotation(key: str) -> str:
+    """The PV annotation that keeps record ``key``: ``laneflow.io/<key>`` (a qualified name: its part after
+    the prefix at most 63 characters of letters, digits, '-', '_' and '.')."""
+    if not _ANNOTATION_NAME.match(key):
+        raise ValueError(f"record key {key!r} cannot name an annotation: at most 63 letters, digits, '-', '_' or '.', "
+                         "starting and ending with a letter or digit")
+    return f"laneflow.io/{key}"
+
+
+def update_volume_record(platform: ClusterPlatform, volume: VolumeRef, key: str,
+                         change: Callable[[str | None], str | None]) -> str | None:
+    """Record ``key`` as an annotation of the claim's PV (``_update_pv_annotation``): on the PV, whose patch
+    the flows' service account already has (deployments/workloads/rbac.yaml grants no more than the calls
+    made)."""
+    annotation = record_annotation(key)
+    return _update_pv_annotation(platform, volume, annotation, lambda raw, _: change(raw), "it keeps no records",
+                                 f"annotation {annotation}")
+
+
+def _update_pv_annotation(platform: ClusterPlatform, volume: VolumeRef, annotation: str,
+                          change: Callable[[str | None, str], str | None], unbound: str, what: str) -> str | None:
+    """Replace annotation ``annotation`` of the claim's PV by ``change(value, pv name)``, only if nobody wrote
+    the PV since it was read: the patch carries the ``resourceVersion`` it was read at, which the API server
+    checks before it applies a patch (409 Conflict otherwise; Kubernetes API concepts, "Resource versions" /
+    conflicts: every update and patch that names a resourceVersion is a precondition on it). A lost race
+    reads again. Returns the value as written (None: no annotation)."""
     core, _, _ = apis(platform)
     namespace = platform.effective_namespace()
     for _ in range(_UPDATE_RACES):
         claim = call(platform, "get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim,
                      volume.name, namespace)
         if not claim.spec.volume_name:
-            raise VolumeNotBound(f"PVC {namespace}/{volume.name} is not bound to a volume yet: it has no service "
-                                 "level to hold")
+            raise VolumeNotBound(f"PVC {namespace}/{volume.name} is not bound to a volume yet: {unbound}")
         pv = call(platform, "get", "persistentvolumes", core.read_persistent_volume, claim.spec.volume_name)
-        record = _record_of(pv.metadata.name, (pv.metadata.annotations or {}).get(LEVEL_RECORD_ANNOTATION))
-        updated = change(record)
-        if updated == record:
-            return record
-        patch = {"metadata": {"resourceVersion": pv.metadata.resource_version, "annotations": {
-            LEVEL_RECORD_ANNOTATION: updated.model_dump_json() if updated is not None else None}}}
+        current = (pv.metadata.annotations or {}).get(annotation)
+        updated = change(current, pv.metadata.name)
+        if updated == current:
+            return current
+        patch = {"metadata": {"resourceVersion": pv.metadata.resource_version, "annotations": {annotation: updated}}}
         try:
             call(platform, "patch", "persistentvolumes", core.patch_persistent_volume, pv.metadata.name, patch,
                  field_validation=STRICT)
@@ -138,8 +172,8 @@ def update_level_record(platform: ClusterPlatform, volume: VolumeRef,
                 continue
             raise
         return updated
-    raise TransientPlatformError(f"the service-level record on the PV of {namespace}/{volume.name} kept changing "
-                                 f"under laneflow ({_UPDATE_RACES} conflicts in a row)")
+    raise TransientPlatformError(f"{what} on the PV of {namespace}/{volume.name} kept changing under laneflow "
+                                 f"({_UPDATE_RACES} conflicts in a row)")
 
 
 def _record_of(pv_name: str, raw: str | None) -> LevelRecord | None:

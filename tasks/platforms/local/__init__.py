@@ -15,16 +15,19 @@ operations), and the other ``Platform`` operations, each handed to the module of
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from tasks.launch import prepare_args
-from tasks.names import validate_name
+from tasks.names import validate_name, validate_subdomain
 from tasks.platforms.base import (
     EventSink,
     LogSink,
@@ -42,6 +45,8 @@ from training.data.sources import Artifact
 
 __all__ = ["LocalPlatform"]
 
+#: Where a volume's records (``update_volume_record``) live on it.
+RECORDS_DIR = ".laneflow/records"
 #: Deadlines of the stages that run a module of their own (a training run has its own, a parameter).
 PREPARE_TIMEOUT_S = 12 * 3600
 EVALUATE_TIMEOUT_S = 6 * 3600
@@ -116,6 +121,37 @@ class LocalPlatform(Platform):
             sink.write(data)
             sink.flush()
             os.fsync(sink.fileno())
+
+    def replace_file(self, volume: VolumeRef, relative_path: str, data: bytes) -> None:
+        path = self.inside(volume, relative_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+        with partial.open("wb") as sink:
+            sink.write(data)
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(partial, path)
+
+    def update_volume_record(self, volume: VolumeRef, key: str,
+                             change: Callable[[str | None], str | None]) -> str | None:
+        """Under an exclusive ``flock`` of the record's lock file: every process of this machine (the only one
+        that reaches a local volume) takes turns, and a holder that dies drops its lock with its descriptor."""
+        validate_subdomain(key, "record key")
+        folder = self.volume_path(volume) / RECORDS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{key}.json"
+        with (folder / f".{key}.lock").open("a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            current = path.read_text() if path.is_file() else None
+            updated = change(current)
+            if updated != current:
+                if updated is None:
+                    path.unlink()
+                else:
+                    partial = path.with_name(path.name + ".partial")
+                    partial.write_text(updated)
+                    os.replace(partial, path)
+            return updated
 
     # --- launcher ------------------------------------------------------------------------------------
     def submit_training(self, spec: TrainingSpec) -> TrainingHandle:
