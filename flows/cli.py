@@ -299,9 +299,13 @@ def run_worker_until_interrupted(env: dict[str, str], port: int) -> int:
     its group after that. One line says what stopped; the server is left running for the UI.
     """
     prefect = str(Path(sys.executable).parent / "prefect")
+    # Ctrl-C and SIGTERM stop this, whatever was inherited: a parent that ignored SIGINT (a script's
+    # `trap '' INT`, a background job of a shell) or blocked it would leave both this and the worker deaf.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     worker = subprocess.Popen([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"], env=env,
                               start_new_session=True)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = worker.wait()
     except KeyboardInterrupt:
@@ -309,6 +313,7 @@ def run_worker_until_interrupted(env: dict[str, str], port: int) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_process(worker, PREFECT_WORKER_SIGNALS, grace_s=20)
+        signal.signal(signal.SIGINT, previous_int)
     if code is not None:  # the worker ended by itself
         print(f"laneflow serve: the worker exited with code {code}; the Prefect server keeps running on "
               f"127.0.0.1:{port}", flush=True)

@@ -211,6 +211,7 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
     import signal
     import subprocess
 
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     from tasks.processes import running
@@ -239,6 +240,8 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
     with operator_gpu_limit(2):
         table = sweep(**{key: value for key, value in arguments.items() if key not in base}, **base,
                       max_concurrent=2)
+        with get_client(sync_client=True) as client:  # the killed run's slot freed as an operator does (UI: reset)
+            client.update_global_concurrency_limit(GPU_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=0))
     assert sorted(row["trial"] for row in table) == [0, 2]  # trial 1 interrupted; its retry is trial 2
     assert all(row["state"] == "Completed" for row in table), table
     retry = next(row for row in table if row["trial"] == 2)

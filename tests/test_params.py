@@ -64,7 +64,7 @@ def test_flows_take_the_fields_of_train_params_as_their_own_top_level_parameters
     fields = list(TrainParams.model_fields)
     for flow, extras in ((train_pipeline, ["run_key"]), (nightly_retrain, ["min_improvement"]),
                          (sweep, ["grid", "runs", "max_concurrent", "search", "space", "trials", "seed", "study",
-                                  "pruner"])):
+                                  "pruner", "wait_for_study"])):
         schema = flow.parameters.model_dump_for_openapi()
         assert list(schema["properties"]) == fields + extras, flow.name
         assert all(schema["properties"][name].get("description") for name in fields )
