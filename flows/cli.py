@@ -307,7 +307,7 @@ def run_worker_until_interrupted(env: dict[str, str], port: int) -> int:
     worker = subprocess.Popen([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"], env=env,
                               start_new_session=True)
     try:
-        code = worker.wait()
+        code = _wait_interruptibly(worker)
     except KeyboardInterrupt:
         code = None
     finally:
@@ -325,6 +325,18 @@ def run_worker_until_interrupted(env: dict[str, str], port: int) -> int:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _wait_interruptibly(process: subprocess.Popen) -> int:
+    """``process.wait()`` in short waits. A signal may be delivered to any thread that does not block it (the
+    Prefect client's log and event threads are some): the main thread, blocked in one long ``waitpid``, is then
+    never interrupted and runs the Python handler only once the worker exits, so Ctrl-C would do nothing. Each
+    short wait returns to the interpreter, which runs a pending handler within half a second."""
+    while True:
+        try:
+            return process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,3 +138,30 @@ def test_only_multiprocessing_helpers_of_this_interpreter_are_left_to_it() -> No
     survivors = [leaks.Survivor(1, ours, "S", helper), leaks.Survivor(2, ours, "S", tracker),
                  leaks.Survivor(3, other, "S", helper), leaks.Survivor(4, ours, "S", "sleep 600")]
     assert [s.pid for s in leaks.outliving(survivors)] == [3, 4]
+
+
+def test_ctrl_c_reaches_laneflow_serve_s_wait_when_another_thread_takes_the_signal() -> None:
+    """The kernel delivers a process's SIGINT to any thread that does not block it (laneflow serve has the
+    Prefect client's threads). Here the main thread blocks it, so a helper thread always takes it: the wait for
+    the worker must still end in KeyboardInterrupt, not only once the worker exits."""
+    waiter = python(f"""
+        import signal, subprocess, sys, threading, time
+        sys.path.insert(0, {str(PROJECT_ROOT)!r})
+        from flows.cli import _wait_interruptibly
+        threading.Thread(target=lambda: time.sleep(600), daemon=True).start()  # takes the signal
+        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("ready", flush=True)
+        try:
+            _wait_interruptibly(worker)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        worker.kill()
+        worker.wait()
+    """)
+    try:
+        os.kill(waiter.pid, signal.SIGINT)
+        assert waiter.stdout.readline().strip() == "interrupted"
+        assert waiter.wait(timeout=60) == 0
+    finally:
+        stop_process(waiter)
