@@ -8,9 +8,10 @@ in memory; new lines go to the volume when the sweep asks for trials and when it
 sweep flow touches the study, one sweep per study at a time (held, ``tasks.study_lock``), and only through
 ``SweepStudy`` (open, recover, ask, tell, rows): the journal's I/O stays behind it.
 
-A trial still ``RUNNING`` in the journal was left by a sweep that crashed or was cancelled: it is marked
-failed (``interrupted``) and its parameters are asked for again first, under the same run key, so the
-retry's ``train_pipeline`` finds the interrupted run's folder and resumes from its checkpoint.
+A trial a sweep did not finish is asked for again first by the next sweep, under the same run key, so the
+retry's ``train_pipeline`` finds the interrupted run's folder and resumes from its checkpoint: a cancelled
+or crashed sweep's hook marks its running trials failed and ``interrupted`` (``record_interrupted``); one
+killed outright leaves them ``RUNNING``, and the next sweep marks them so first.
 """
 
 from __future__ import annotations
@@ -115,6 +116,33 @@ class VolumeJournal(BaseJournalBackend):
             self._unwritten = []
 
 
+def mark_interrupted(study: optuna.Study, why: str) -> list[int]:
+    """Every trial still RUNNING marked failed and ``interrupted`` (``why`` kept beside it): the next sweep of
+    the study asks for each again, under its run key. Returns their numbers."""
+    marked = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
+        study._storage.set_trial_user_attr(trial._trial_id, "interrupted_because", why)
+        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        marked.append(trial.number)
+    return marked
+
+
+def record_interrupted(platform: Platform, volume: VolumeRef, name: str, lease: StudyLease, why: str) -> list[int]:
+    """For a sweep that was stopped from outside (its cancellation or crash hook, holding the study as that
+    sweep): the trials it left running recorded as interrupted in the journal on ``volume``, so the study
+    says what happened to them and the next sweep asks for them again. Returns their numbers."""
+    optuna.logging.set_verbosity(logging.WARNING)
+    journal = VolumeJournal(platform, volume, journal_path(name), lease.confirm)
+    try:
+        study = optuna.load_study(study_name=name, storage=optuna.storages.JournalStorage(journal))
+    except KeyError:  # stopped before it wrote its study: nothing ran
+        return []
+    marked = mark_interrupted(study, why)
+    journal.flush()
+    return marked
+
+
 #: The state a pruned trial's flow run ends in (a Completed state of that name).
 PRUNED = "Pruned"
 #: Child run states of a trial stopped from outside: its next sweep runs it again from its checkpoint.
@@ -184,9 +212,7 @@ class SweepStudy:
         their numbers."""
         study = self.optuna_study
         with self.lock:
-            for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
-                study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            mark_interrupted(study, "its sweep stopped without ending it")
             trials = study.get_trials(deepcopy=False)
             already = {trial.user_attrs.get("retry_of") for trial in trials}  # a finished trial cannot be marked
             retried = []

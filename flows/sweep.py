@@ -25,10 +25,11 @@ import threading
 from contextlib import ExitStack
 from typing import Annotated, Any, Literal
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_client, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
+from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import deployment
 from prefect.runtime import flow_run as current_run
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -44,12 +45,12 @@ from flows.search import (
     check_space,
     distributions,
 )
-from flows.study import PRUNED, AskedTrial, SweepStudy, journal_path
+from flows.study import PRUNED, AskedTrial, SweepStudy, journal_path, record_interrupted
 from flows.train import GPU_LIMIT, train_pipeline
 from tasks.champion import selection_accuracy
 from tasks.names import DNS_LABEL, run_name
 from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset, read_dataset_index
-from tasks.platforms import load_platform
+from tasks.platforms import VolumeRef, load_platform
 from tasks.pruning import StopVerdict, judged_by
 from tasks.report import data_uri
 from tasks.study_lock import StudyLease, holding_study
@@ -105,7 +106,78 @@ def leaderboard(rows: list[dict[str, Any]], varied: list[str]) -> list[dict]:
     return table
 
 
-@flow(name="sweep", task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHILDREN_IN_FLIGHT))
+#: Child runs a stopped sweep leaves to themselves: they ended on their own.
+_ENDED_ON_THEIR_OWN = ("COMPLETED", "FAILED")
+
+
+def trial_runs(client: Any, sweep_run_id: Any) -> list[Any]:
+    """The sweep's child ``train_pipeline`` flow runs (every trial it started), a page at a time."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    found, page = [], 200
+    while True:
+        batch = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_run_id])), limit=page, offset=len(found))
+        found.extend(batch)
+        if len(batch) < page:
+            return found
+
+
+def stop_trials(flow: Any, flow_run: Any, state: Any) -> None:
+    """Cancellation/crash hook: every trial the sweep left running is stopped — its training (the local
+    ``horovodrun`` or the MPIJob), its hold on the volume's level and its ``gpu`` slot — and ends Cancelled,
+    and a kept study records those trials as interrupted, so the next sweep of it asks for them again.
+
+    A sweep cancelled from the UI is ended by its worker: SIGTERM, then SIGKILL, to the process its trials run
+    in, so their own hooks never run; this hook runs after that (in the worker), as the sweep's."""
+    from prefect.states import Cancelled
+
+    from flows.train import stop_run
+
+    logger = flow_run_logger(flow_run, flow)
+    ended = "cancelled" if state.is_cancelling() or state.is_cancelled() else state.name.lower()
+    why = f"its sweep {flow_run.name} was {ended}"
+    with get_client(sync_client=True) as client:
+        left = [child for child in trial_runs(client, flow_run.id)
+                if child.state is None or child.state.type.value not in _ENDED_ON_THEIR_OWN]
+        for child in left:  # each stopped first (nothing trains on), then told how it ended
+            stop_run(child, why, logger)
+        for child in left:
+            if child.state is None or not child.state.is_final():
+                client.set_flow_run_state(child.id, Cancelled(message=f"Cancelled: {why}"), force=True)
+        logger.info("sweep %s %s: %d trial run(s) stopped", flow_run.name, ended, len(left))
+        _record_interrupted_trials(client, flow_run, why, logger)
+
+
+def _record_interrupted_trials(client: Any, flow_run: Any, why: str, logger: Any) -> None:
+    """The stopped sweep's kept study (if it had one) told which trials were interrupted, holding the study as
+    that sweep (its process is gone; a sweep that took the study over has them in hand already)."""
+    parameters = flow_run.parameters or {}
+    if parameters.get("search", "grid") == "grid":
+        return
+    try:
+        params = TrainParams.from_flow_parameters(parameters)
+        deployment_name = client.read_deployment(flow_run.deployment_id).name if flow_run.deployment_id else None
+        kept = study_name_of(parameters.get("study"), deployment_name)
+    except Exception as exc:  # it never ran a study it could name
+        logger.info("no kept study to update (%s)", exc)
+        return
+    if kept is None:
+        return
+    try:
+        platform = load_platform(params.platform)
+        volume = VolumeRef(name=params.volume, location="")  # it exists: the sweep prepared its dataset there
+        with holding_study(platform, volume, kept, str(flow_run.id), str(flow_run.name), False, logger.info) as lease:
+            marked = record_interrupted(platform, volume, kept, lease, why)
+        logger.info("study %s: trial(s) %s recorded as interrupted; the next sweep of it runs them again from their "
+                    "checkpoints", kept, ", ".join(map(str, marked)) or "none")
+    except Exception as exc:  # the next sweep of the study finds them still running and does the same
+        logger.warning("study %s: could not record its interrupted trials (%s); the next sweep of it still runs "
+                       "them again", kept, exc)
+
+
+@flow(name="sweep", task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHILDREN_IN_FLIGHT),
+      on_cancellation=[stop_trials], on_crashed=[stop_trials])
 @takes_train_params
 def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: list[dict[str, Any]] | None = None,
           max_concurrent: Annotated[int, Field(ge=1)] = 1, search: SearchStrategy = "grid",

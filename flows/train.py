@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
-from prefect.concurrency.sync import concurrency
 from prefect.events import emit_event
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_run
@@ -23,6 +22,7 @@ from prefect.states import Completed, State
 from pydantic import Field
 
 from flows.params import TrainParams, takes_train_params
+from tasks.gpu_slot import GPU_LIMIT, gpu_slot, release_slot_of
 from tasks.lineage import build_lineage, code_version
 from tasks.names import DNS_LABEL, MAX_RUN_KEY, run_name, snapshot_name
 from tasks.pipeline import (
@@ -45,29 +45,37 @@ from tasks.pipeline import (
 from tasks.platforms import TrainingOutcome, TrainingSpec, VolumeRef, load_platform
 from tasks.service_level import ThroughputNeed
 
-GPU_LIMIT = "gpu"
 RunKey = Annotated[str | None, Field(None, max_length=MAX_RUN_KEY, pattern=DNS_LABEL.pattern)]
+
+
+def stop_run(flow_run: Any, why: str, logger: Any) -> None:
+    """Stop a ``train_pipeline`` flow run's training and hand back what it held (the volume's level, its
+    ``gpu`` slot), for a run whose own code no longer runs (cancelled, crashed, or its sweep's process
+    killed). Each step is tried whatever the one before did: a failure is logged and the next goes on."""
+    try:
+        params = TrainParams.from_flow_parameters(flow_run.parameters)
+        name = run_name(flow_run.id, key=flow_run.parameters.get("run_key"))
+    except Exception:  # parameters or a run key the run refused: nothing was started under them
+        return
+    platform = load_platform(params.platform)
+    volume = VolumeRef(name=params.volume, location="")
+    try:
+        stopped = platform.cancel_training(name, volume)
+        logger.info("training job %s %s (%s)", name, "stopped" if stopped else "was not running", why)
+    except Exception as exc:  # the volume and the slot below must still go back
+        logger.error("could not stop training job %s (%s): %s", name, why, exc)
+    release_service_level(platform, volume, str(flow_run.id), name, why, logger=logger)
+    try:
+        if release_slot_of(flow_run.id):
+            logger.info("run %s: its '%s' slot is free again", name, GPU_LIMIT)
+    except Exception as exc:
+        logger.warning("run %s: could not release its '%s' slot (%s); Prefect frees it when the lease expires "
+                       "(5 minutes)", name, GPU_LIMIT, exc)
 
 
 def stop_training(flow: Any, flow_run: Any, state: Any) -> None:
     """Cancellation/crash hook: stop the run's training job so nothing keeps running unobserved."""
-    try:
-        params = TrainParams.from_flow_parameters(flow_run.parameters)
-    except Exception:  # parameters never validated: nothing was started
-        return
-    platform = load_platform(params.platform)
-    try:
-        name = run_name(flow_run.id, key=flow_run.parameters.get("run_key"))
-    except ValueError:  # a key the run refused: nothing was started under it
-        return
-    try:
-        stopped = platform.cancel_training(name, VolumeRef(name=params.volume, location=""))
-        print(f"laneflow: training job {name} {'stopped' if stopped else 'was not running'} ({state.name})")
-    except Exception as exc:  # the volume below must still go back
-        print(f"laneflow: could not stop training job {name} ({state.name}): {exc}")
-    # The flow's own code did not get to leave its hold on the volume's level: do it here, or say how.
-    release_service_level(platform, VolumeRef(name=params.volume, location=""), str(flow_run.id), name,
-                          f"flow run {state.name.lower()}", logger=flow_run_logger(flow_run, flow))
+    stop_run(flow_run, f"flow run {state.name.lower()}", flow_run_logger(flow_run, flow))
 
 
 @flow(name="train_pipeline", on_cancellation=[stop_training], on_crashed=[stop_training])
@@ -127,7 +135,7 @@ def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: Throu
     spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
                         preset=params.preset, workers=params.workers, settings=params.trainer_settings(),
                         labels={"flow-run": holder, "dataset-version": dataset["dataset_version"]})
-    with concurrency(GPU_LIMIT, occupy=1):
+    with gpu_slot(holder, logger.warning):
         # The volume's level is held for as long as the slot: a run queued for a slot holds no costlier level
         # meanwhile, and one that has trained no longer adds its reads to those of the run that trains next.
         promote_service_level(platform, volume, params.promote, need, run, holder)

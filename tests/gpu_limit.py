@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from uuid import UUID
 
 from prefect import get_client
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
 from flows.train import GPU_LIMIT
 
@@ -35,3 +36,16 @@ def operator_gpu_limit(slots: int) -> Iterator[None]:
                 client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
             else:
                 client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, before)
+
+
+def lease_released(lease_id: str) -> bool:
+    """Whether the server has let go of a ``gpu`` lease: renewing it is refused with 410 Gone, as Prefect's
+    API answers for a lease that was revoked or has expired (a live one is renewed, for one minute)."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.renew_concurrency_lease(UUID(lease_id), lease_duration=60)
+        except PrefectHTTPStatusError as exc:
+            if exc.response.status_code == 410:
+                return True
+            raise
+    return False

@@ -380,7 +380,7 @@ def test_runs_side_by_side_share_the_promotion_and_a_terminated_one_leaves_it(
     assert lineage["service_level"] == {"training": "Ultra", "home": "Standard", "quota_tib": 2.0}
     said = output.read_text()
     # The crash hook ran; the MPIJob is gone (above) whether the interrupted wait or the hook deleted it.
-    assert re.search(r"laneflow: training job train-\w+ (stopped|was not running) \(Crashed\)", said), said[-3000:]
+    assert re.search(r"training job train-\w+ (stopped|was not running) \(flow run crashed\)", said), said[-3000:]
     assert state.volumes["tusimple"]["pool"] == "pool-standard"
     assert [level for _, _, level in state.levels] == ["Premium", "Ultra", "Premium", "Standard"]
     with get_client(sync_client=True) as client:

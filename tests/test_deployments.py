@@ -18,11 +18,13 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from flows.cli import WORK_POOL, apply_deployments, deployment_environment, ensure_local_setup
+from tasks.gpu_slot import GPU_LEASE_LABEL
 from tasks.names import run_name, snapshot_name
 from tasks.processes import PREFECT_WORKER_SIGNALS, running
 from tests import leaks
 from tests.browser import Browser, find_chromium
 from tests.conftest import PROJECT_ROOT, SESSION_MARKER, TEST_OUTPUT
+from tests.gpu_limit import active_gpu_slots, lease_released, operator_gpu_limit
 from tests.test_anf import anf_volume, on_anf
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deployments")]
@@ -203,12 +205,102 @@ def test_cancelling_a_flow_run_stops_its_training_process_group(deployed: dict) 
         pgid = json.loads((run_dir / "launcher.json").read_text())["pgid"]
         assert group_alive(pgid)
         with get_client(sync_client=True) as client:
+            lease = client.read_flow_run(flow_run.id).labels[GPU_LEASE_LABEL]  # it trains in a 'gpu' slot
             client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
             deadline = time.monotonic() + 180
             while not (state := client.read_flow_run(flow_run.id).state).is_final() or group_alive(pgid):
                 assert time.monotonic() < deadline, f"still {state.name}; group alive: {group_alive(pgid)}"
                 time.sleep(1)
         assert state.is_cancelled()
+        assert lease_released(lease)  # its slot is free now, not when the killed process's lease expires
+
+
+def trial_starts(run_dir: Path) -> list[dict]:
+    """The ``start`` events a trial's training wrote (one per attempt), as the run's metrics file has them."""
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    return [event for line in lines if line.endswith("}") and (event := json.loads(line))["event"] == "start"]
+
+
+def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_sweep_runs_them_again(
+        deployed: dict, tmp_path: Path) -> None:
+    """Two trials of a kept study train side by side; the sweep is cancelled from the API (as from the UI) and
+    its worker kills the sweep's process. Both trainings stop, both trial runs end Cancelled, their 'gpu'
+    slots are free, and the study says they were interrupted; the same sweep again runs both from their
+    checkpoints, under their run keys."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    from optuna.trial import TrialState
+    from prefect.states import Cancelling
+
+    from flows.sweep import trial_runs
+    from tasks.processes import group_alive
+    from tasks.pruning import STOP_REQUEST, StopVerdict
+
+    volume = Path(deployed["LANEFLOW_HOME"]) / "volumes" / "cancel-sweep"
+    parameters = {"grid": None, "search": "random", "space": {"lr": {"low": 0.01, "high": 0.1, "log": True}},
+                  "trials": 2, "seed": 5, "study": "cxl", "max_concurrent": 2, "volume": "cancel-sweep",
+                  "epochs": 500, "batch_size": 2, "loader_workers": 0}
+    log = tmp_path / "worker.log"
+    with operator_gpu_limit(2), log.open("wb") as sink, running_worker(deployed, sink) as worker, \
+            get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("sweep/sweep")
+        first = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+
+        def both_training() -> list[Path] | None:
+            assert worker.poll() is None, log.read_text()[-3000:]
+            state = client.read_flow_run(first.id).state
+            assert not state.is_final(), f"sweep ended {state.name}: {state.message}\n{log.read_text()[-3000:]}"
+            dirs = [metrics.parent for metrics in (volume / "runs").glob("train-cxl-*/metrics.jsonl")
+                    if '"step"' in metrics.read_text()]
+            return sorted(dirs) if len(dirs) == 2 else None
+
+        trial_dirs = wait_until("both trials training", both_training, timeout_s=600)
+        groups = [json.loads((run_dir / "launcher.json").read_text())["pgid"] for run_dir in trial_dirs]
+        leases = [child.labels[GPU_LEASE_LABEL] for child in trial_runs(client, first.id)]
+        slots_in_use = active_gpu_slots()
+        assert len(leases) == 2 and slots_in_use >= 2
+        client.set_flow_run_state(first.id, Cancelling(), force=True)
+        cancelled = wait_until("the sweep cancelled", lambda: (
+            state if (state := client.read_flow_run(first.id).state).is_final() else None), timeout_s=300)
+        assert cancelled.is_cancelled(), f"{cancelled.name}: {cancelled.message}\n{log.read_text()[-3000:]}"
+        assert not [pgid for pgid in groups if group_alive(pgid)], "a trial's training still runs"
+        trials = trial_runs(client, first.id)
+        assert sorted(child.state.name for child in trials) == ["Cancelled", "Cancelled"], [
+            (child.name, child.state.name, child.state.message) for child in trials]
+        assert all(lease_released(lease) for lease in leases)
+        assert active_gpu_slots() <= slots_in_use - 2  # (another test's slot may expire meanwhile: at most)
+        journal = str(volume / "studies" / "cxl.journal")
+        study = optuna.load_study(study_name="cxl", storage=JournalStorage(JournalFileBackend(journal)))
+        assert [(trial.state, trial.user_attrs.get("interrupted")) for trial in study.trials] == [
+            (TrialState.FAIL, True), (TrialState.FAIL, True)], study.trials
+        keys = {trial.number: trial.user_attrs["run_key"] for trial in study.trials}
+
+        # The same sweep again: it asks for both trials first, and each resumes from its checkpoint; once it has,
+        # the test stops it as a pruner would (the trials' own 500 epochs are not the point).
+        again = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+        asked_to_stop: set[Path] = set()
+
+        def rerun_over():
+            assert worker.poll() is None, log.read_text()[-3000:]
+            for run_dir in set(trial_dirs) - asked_to_stop:
+                if len(trial_starts(run_dir)) == 2:
+                    (run_dir / STOP_REQUEST).write_bytes(StopVerdict("the test has seen enough", "Stopped").request(0))
+                    asked_to_stop.add(run_dir)
+            state = client.read_flow_run(again.id).state
+            return state if state.is_final() else None
+
+        ended = wait_until("the sweep run again", rerun_over, timeout_s=600)
+        assert ended.is_completed(), f"{ended.name}: {ended.message}\n{log.read_text()[-3000:]}"
+        reruns = trial_runs(client, again.id)
+    assert sorted(child.parameters["run_key"] for child in reruns) == sorted(keys.values())
+    for run_dir in trial_dirs:
+        starts = trial_starts(run_dir)
+        assert [start["resumed"] for start in starts] == [False, True] and starts[1]["step"] > 0, starts
+    study = optuna.load_study(study_name="cxl", storage=JournalStorage(JournalFileBackend(journal)))
+    retries = {trial.user_attrs.get("retry_of"): trial.user_attrs["run_key"] for trial in study.trials[2:]}
+    assert retries == keys  # trial 2 runs trial 0 again, trial 3 trial 1, each under its own run key
 
 
 def test_cancelling_a_cluster_run_that_promoted_its_volume_stops_the_mpijob_and_returns_the_volume(
@@ -460,7 +552,6 @@ def test_a_server_restarted_while_a_nightly_trains_neither_aborts_it_nor_leaks_i
     """The server goes down and comes back (same database) mid-training; the nightly's deployment lease is then
     renewed on the restarted server, and when the run ends every slot it held is free again."""
     from tasks.pruning import STOP_REQUEST, StopVerdict
-    from tests.gpu_limit import active_gpu_slots
 
     archive, sha256 = synthetic_archive
     with get_client(sync_client=True) as client:
