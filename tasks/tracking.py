@@ -13,7 +13,9 @@ What a run logs, in experiment ``laneflow-<volume>`` under the laneflow run name
   (``train/loss``, ``train/lr``, ``train/images_per_second``, ``train/input_stall``, ``val/accuracy``,
   ``val/untimed_accuracy``, ``val/fp``, ``val/fn``);
 - the evaluation as ``<split>/accuracy`` etc. at the run's last step, and ``training/duration_s``;
-- ``lineage.json`` and, where the volume is a folder on this machine, the model package under ``package/``;
+- ``lineage.json`` and the model package under ``package/``, uploaded from where the volume is (a process
+  on this machine; on a cluster a Job on the claim, in the training image, so the tracking server must be
+  reachable from pods): a registered version ``runs:/<id>/package`` is the loadable package;
 - tags ``laneflow.run``, ``laneflow.volume``, ``laneflow.dataset_version``, ``prefect.flow_run_id``, ... and
   the lineage markdown as the run's description.
 
@@ -32,8 +34,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -274,11 +275,15 @@ def _metric_entities(points: Iterable[tuple[str, float, int]]) -> list[Any]:
 
 
 def log_training_run(client: Any, uri: str, lineage: Mapping[str, Any], events: list[dict[str, Any]],
-                     package_dir: Path | None, prefect_ui_url: str | None = None) -> dict[str, Any]:
-    """One finished MLflow run for a laneflow run (see the module docstring for what it holds).
+                     publish: Callable[[str], None] | None, prefect_ui_url: str | None = None,
+                     warn: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """One finished MLflow run for a laneflow run (see the module docstring for what it holds); ``publish``
+    puts the run's package under the run's ``package`` artifacts (given the MLflow run id), None: it has none.
 
-    A retried flow run finds the run its first try finished (same laneflow run, same flow run id) and
-    logs nothing twice; one its first try left unfinished is deleted and logged again.
+    A package that cannot be published costs a warning, not the run: it is tracked without it (and a version
+    registered from it points at its lineage). A retried flow run finds the run its first try finished (same
+    laneflow run, same flow run id) and logs nothing twice; one its first try left unfinished is deleted and
+    logged again.
     """
     from mlflow.entities import Param
 
@@ -300,25 +305,37 @@ def log_training_run(client: Any, uri: str, lineage: Mapping[str, Any], events: 
                          params=[Param(key, value) for key, value in
                                  flatten_params(lineage.get("parameters") or {}).items()])
         client.log_dict(run_id, dict(lineage), LINEAGE_ARTIFACT)
-        if package_dir is not None:
-            client.log_artifacts(run_id, str(package_dir), PACKAGE_ARTIFACT)
     except BaseException:
         with contextlib.suppress(Exception):  # shown failed, not running forever; the first error is reported
             client.set_terminated(run_id, "FAILED")
         raise
+    published = False
+    if publish is not None:
+        try:
+            publish(run_id)
+            published = True
+        except Exception as exc:
+            warn(f"the model package of {run} could not be put into MLflow run {run_id} ({short_error(exc)}): the "
+                 "run is tracked without it")
     client.set_terminated(run_id, "FINISHED")
-    return _tracked(uri, experiment_id, run_id, package_dir is not None)
+    return _tracked(uri, experiment_id, run_id, published)
 
 
-def local_package_dir(platform: Any, volume: Any, lineage: Mapping[str, Any]) -> Path | None:
-    """The run's package folder as a path on this machine, when the platform's volume is a folder here (the
-    local platform's ``volume_path``); None on a cluster, whose volume this process cannot read as files."""
+def package_publisher(platform: Any, volume: Any, lineage: Mapping[str, Any], uri: str, logger: Any
+                      ) -> Callable[[str], None] | None:
+    """How the run's package gets into its MLflow run: uploaded from where the volume is (a process on this
+    machine, a Job on a cluster's claim: ``Platform.publish_package``); None when the run has no package."""
     package = lineage.get("package")
-    volume_path = getattr(platform, "volume_path", None)
-    if not package or volume_path is None:
+    if not package:
         return None
-    folder = Path(volume_path(volume)) / str(package)
-    return folder if folder.is_dir() else None
+    settings = {name: os.environ[name] for name in HTTP_DEFAULTS if name in os.environ}
+
+    def publish(run_id: str) -> None:
+        summary = platform.publish_package(volume, str(package), uri, run_id, PACKAGE_ARTIFACT, settings,
+                                           logger.debug)
+        logger.info("package %s is in MLflow run %s (%s)", package, run_id, ", ".join(summary.get("files", [])))
+
+    return publish
 
 
 def _run_events(platform: Any, volume: Any, run_dir: str, run: str, logger: Any) -> list[dict[str, Any]]:
@@ -349,9 +366,8 @@ def track_in_mlflow(platform: Any, volume: Any, run_dir: str, lineage: dict[str,
 
     Never raises and is never retried: a tracking server that is down or errors costs one warning and a
     few seconds. Step metrics come from the run's ``metrics.jsonl`` read through the platform (local or
-    cluster); the package folder is uploaded only where the volume is a folder on this machine (the local
-    platform). On a cluster the MLflow run holds the parameters, metrics and lineage, and its
-    ``laneflow.package`` tag says where the package is.
+    cluster); the package is uploaded from where the volume is (``package_publisher``), and the run's
+    ``laneflow.package`` tag also says where it is on the volume.
     """
     logger = get_run_logger()
     run = lineage["run"]
@@ -362,12 +378,10 @@ def track_in_mlflow(platform: Any, volume: Any, run_dir: str, lineage: dict[str,
         return None
     uri, client = connected
     events = _run_events(platform, volume, run_dir, run, logger)
-    package_dir = local_package_dir(platform, volume, lineage)
-    if lineage.get("package") and package_dir is None:
-        logger.info("package %s is not on this machine: MLflow gets %s's parameters, metrics and lineage, not "
-                    "its files", lineage["package"], run)
     try:
-        tracked = log_training_run(client, uri, lineage, events, package_dir, _prefect_ui_url())
+        tracked = log_training_run(client, uri, lineage, events, package_publisher(platform, volume, lineage, uri,
+                                                                                   logger),
+                                   _prefect_ui_url(), logger.warning)
     except Exception as exc:
         logger.warning("MLflow tracking server %s failed (%s): run %s is not tracked there; training is unaffected",
                        uri, short_error(exc), run)
@@ -419,8 +433,8 @@ def champion_run(client: Any, uri: str, platform: Any, volume: Any, record: Mapp
     logger.info("champion %s has no MLflow run on %s: logging it now from %s", record["run"], uri, run_dir)
     lineage = json.loads(platform.read_file(volume, f"{run_dir}/lineage.json"))
     events = _run_events(platform, volume, run_dir, str(record["run"]), logger)
-    return log_training_run(client, uri, lineage, events, local_package_dir(platform, volume, lineage),
-                            _prefect_ui_url())
+    return log_training_run(client, uri, lineage, events, package_publisher(platform, volume, lineage, uri, logger),
+                            _prefect_ui_url(), logger.warning)
 
 
 @task(name="sync_champion_in_mlflow", task_run_name="mlflow-champion-{record[run]}", retries=0,

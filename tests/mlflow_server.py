@@ -1,5 +1,5 @@
 """A real MLflow tracking server for the tests: ``mlflow server`` (SQLite backend, proxied artifacts) on a free
-loopback port, run from its own virtualenv.
+port (of loopback, or of the pod network for pods to reach), run from its own virtualenv.
 
 Why its own: the server is the full ``mlflow`` package, whose pins (SQLAlchemy, Flask, alembic) disagree
 with Prefect's server, so laneflow's environment holds only the client (``mlflow-skinny``) and
@@ -62,15 +62,18 @@ def _log_tail(log: Path, lines: int = 30) -> str:
 
 @contextmanager
 def mlflow_server(root: Path, venv: Path = SERVER_VENV, timeout_s: float = STARTUP_TIMEOUT_S,
-                  wait: bool = True) -> Iterator[MlflowServer]:
-    """``mlflow server`` with its store and artifacts under ``root``, healthy on entry (with ``wait=False``,
-    still starting: call ``wait_until_healthy`` before use, so its start-up overlaps other work); on the way
-    out its whole process group is stopped (SIGTERM, then SIGKILL after a grace period) and reaped."""
+                  wait: bool = True, host: str = "127.0.0.1") -> Iterator[MlflowServer]:
+    """``mlflow server`` with its store and artifacts under ``root``, listening on ``host`` (the pod network's
+    node address for a server that emulated pods reach), healthy on entry (with ``wait=False``, still
+    starting: call ``wait_until_healthy`` before use, so its start-up overlaps other work); on the way out its
+    whole process group is stopped (SIGTERM, then SIGKILL after a grace period) and reaped."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv = [str(venv / "bin" / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+            "--artifacts-destination", str(root / "artifacts"), "--host", host, "--port", str(port),
             "--workers", "1"]
+    if host != "127.0.0.1":  # MLflow refuses Host headers outside loopback and RFC 1918 ranges (DNS rebinding
+        argv += ["--allowed-hosts", f"{host},{host}:{port}"]  # guard); the pod network is in 198.18.0.0/15
     # Job execution (GenAI evaluation jobs) starts a job runner and eight huey consumers: seconds of CPU at
     # start-up on two cores, and children that outlive a SIGTERM. Nothing here uses it.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -78,6 +81,6 @@ def mlflow_server(root: Path, venv: Path = SERVER_VENV, timeout_s: float = START
     log = root / "server.log"
     with log.open("ab") as sink, running(argv, (signal.SIGTERM,), grace_s=10.0, stdout=sink,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env) as process:
-        server = MlflowServer(uri=f"http://127.0.0.1:{port}", root=root, log=log, process=process,
+        server = MlflowServer(uri=f"http://{host}:{port}", root=root, log=log, process=process,
                               timeout_s=timeout_s)
         yield server.wait_until_healthy() if wait else server

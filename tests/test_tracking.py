@@ -323,3 +323,52 @@ def test_a_registry_that_was_down_at_a_promotion_follows_the_champion_the_next_n
     package = load_package(downloaded)
     on_volume = load_package(laneflow_home / "volumes" / "resync" / second["challenger"]["package"])
     assert package.manifest["files"] == on_volume.manifest["files"]
+
+
+@pytest.mark.slow
+def test_a_cluster_run_puts_its_package_into_mlflow_from_a_pod_so_the_registered_version_loads(
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], emulator: tuple,
+        short_http: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The package is on the claim, which only pods read: a Job in the training image uploads it to the MLflow
+    server as pods reach it, and the version registered from the run is the package, loadable as it was built."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.train import train_pipeline
+    from tasks.platforms import ClusterPlatform
+    from tests.cluster.network import node_address
+    from tests.cluster_platform_helpers import saved
+    from training.package import load_package
+
+    if server_missing() is not None:
+        pytest.skip(server_missing())
+    emu, cluster = emulator
+    uploads: list[tuple[str, str]] = []  # (the uploading pod's image, a line it printed), as the kubelet logs it
+
+    def seen(state, namespace: str, pod: str, line: str) -> None:
+        if pod.startswith("mlflow-"):
+            spec = state.objects["pods"].get((namespace, pod), {}).get("spec", {})
+            uploads.append(((spec.get("containers") or [{}])[0].get("image", "<pod gone>"), line))
+
+    cluster.on_log_line = seen
+    with mlflow_server(tmp_path / "mlflow", host=node_address()) as server:
+        monkeypatch.setenv(TRACKING_URI_ENV, server.uri)
+        platform = saved(emu, "emu-mlflow")
+        result = train_pipeline(**params_for(served_archive, platform=platform, volume="tusimple", package=True,
+                                             snapshot=False))
+        tracked = result["mlflow"]
+        assert tracked is not None, flow_run_warnings(UUID(result["flow_run_id"]))
+        client = MlflowClient(tracking_uri=server.uri)
+        run_id = tracked["run_id"]
+        assert tracked["model_uri"] == f"runs:/{run_id}/package"
+        # Uploaded by a pod of the training image, from the claim.
+        published = [image for image, line in uploads if '"event": "published"' in line]
+        assert published == [ClusterPlatform.load(platform).image], uploads
+        on_claim = cluster.claim_dir("lanes", "tusimple") / result["package"]
+        uploaded = {Path(item.path).name for item in client.list_artifacts(run_id, "package")}
+        assert uploaded == {path.name for path in on_claim.iterdir() if path.is_file()}
+
+        version = tracking.register_model_version(client, tracked, registered_model_name("tusimple"), result["run"])
+        registered = client.get_model_version(registered_model_name("tusimple"), version["version"])
+        assert registered.source == f"runs:/{run_id}/package"
+        package = load_package(Path(client.download_artifacts(run_id, "package", str(tmp_path / "download"))))
+    assert package.manifest["files"] == load_package(on_claim).manifest["files"]

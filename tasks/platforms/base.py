@@ -251,6 +251,13 @@ class Platform(Block):
                 log: LogSink) -> dict[str, Any]:
         """Run a package on images or a video on the volume (paths relative to it); the prediction summary."""
 
+    @abc.abstractmethod
+    def publish_package(self, volume: VolumeRef, package: str, tracking_uri: str, run_id: str, artifact_path: str,
+                        env: dict[str, str], log: LogSink) -> dict[str, Any]:
+        """Check a package on the volume (a path on it) and log its folder to MLflow run ``run_id`` under
+        ``artifact_path``, from where the volume is (so from a pod on a cluster): ``tracking_uri`` must be
+        reachable from there; ``env`` are MLflow client settings for the uploader. Its summary (the files)."""
+
     # --- snapshots ---------------------------------------------------------------------------------
     @abc.abstractmethod
     def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,

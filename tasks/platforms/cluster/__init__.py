@@ -174,6 +174,10 @@ class ClusterPlatform(Platform):
                 log: LogSink) -> dict[str, Any]:
         return jobs.predict(self, volume, package, inputs, out_dir, backend, log)
 
+    def publish_package(self, volume: VolumeRef, package: str, tracking_uri: str, run_id: str, artifact_path: str,
+                        env: dict[str, str], log: LogSink) -> dict[str, Any]:
+        return jobs.publish_package(self, volume, package, tracking_uri, run_id, artifact_path, env, log)
+
     # --- launcher ------------------------------------------------------------------------------------
     def submit_training(self, spec: TrainingSpec) -> TrainingHandle:
         return training.submit(self, spec)

@@ -234,14 +234,19 @@ def write_text(platform: ClusterPlatform, volume: VolumeRef, relative_path: str,
 
 # --- stages on one GPU ------------------------------------------------------------------------------
 def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, labels: dict[str, str],
-             args: list[str], event: str, log: LogSink, timeout_s: float = 6 * 3600) -> dict[str, Any]:
-    """``python -m <args>`` as a Job in the training image on one GPU, the claim at /data; its event."""
+             args: list[str], event: str, log: LogSink, timeout_s: float = 6 * 3600, gpus: int = 1,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python -m <args>`` as a Job in the training image on ``gpus`` GPUs (one by default), the claim at
+    /data, ``env`` in its environment; its event."""
     name = validate_name(name[:63].rstrip("-"), "job")
     body = render_data_job(name, platform.layout(), volume.name, [], platform.job_labels(run, labels))
     container = body["spec"]["template"]["spec"]["containers"][0]
     container["image"] = platform.image
     container["command"] = ["python", "-m", *args]
-    container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    if gpus:
+        container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
+    if env:
+        container["env"] = [{"name": key, "value": value} for key, value in sorted(env.items())]
     lines = run_job(platform, body, log, timeout_s=timeout_s, delete_after=True)
     result = last_event(lines, event, f"job {name}")
     result.pop("event", None)
@@ -264,6 +269,17 @@ def package_model(platform: ClusterPlatform, volume: VolumeRef, run_dir: str, da
                         f"{MOUNT_PATH}/{data_dir}", "--split", split, "--lineage", json.dumps(lineage)],
                        "packaged", log)
     return paths_in(run_dir, summary, ("package", "archive"))
+
+
+def publish_package(platform: ClusterPlatform, volume: VolumeRef, package: str, tracking_uri: str, run_id: str,
+                    artifact_path: str, env: dict[str, str], log: LogSink) -> dict[str, Any]:
+    """The package logged to MLflow by a Job in the training image (no GPU) with the claim mounted: only a pod
+    reads the claim's files, so the pod uploads them, to the tracking server as pods reach it."""
+    run = package.rstrip("/").split("/")[1] if package.startswith("runs/") else "package"
+    return _gpu_job(platform, f"mlflow-{run}-{run_id[:8]}", volume, run, {"step": "mlflow"},
+                    ["training.publish_package", "--package", f"{MOUNT_PATH}/{package}", "--tracking-uri",
+                     tracking_uri, "--run-id", run_id, "--artifact-path", artifact_path], "published", log,
+                    timeout_s=3600, gpus=0, env=env)
 
 
 def predict(platform: ClusterPlatform, volume: VolumeRef, package: str, inputs: str, out_dir: str, backend: str,

@@ -185,6 +185,13 @@ class LocalPlatform(Platform):
                                        log, f"prediction with {package} on {inputs}", timeout_s=PREDICT_TIMEOUT_S)
         return paths_in(out_dir, summary, ("predictions", "overlay"))
 
+    def publish_package(self, volume: VolumeRef, package: str, tracking_uri: str, run_id: str, artifact_path: str,
+                        env: dict[str, str], log: LogSink) -> dict[str, Any]:
+        return processes.run_module(self, ["-m", "training.publish_package", "--package",
+                                           str(self.inside(volume, package)), "--tracking-uri", tracking_uri,
+                                           "--run-id", run_id, "--artifact-path", artifact_path], log,
+                                    f"publishing {package} to MLflow", timeout_s=EVALUATE_TIMEOUT_S, env=env)
+
     # --- snapshots -----------------------------------------------------------------------------------
     def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
                         lineage: dict[str, Any]) -> SnapshotRef:

@@ -128,7 +128,8 @@ def cancel(platform: LocalPlatform, job_name: str, volume: VolumeRef) -> bool:
 
 
 # --- the other stages -------------------------------------------------------------------------------
-def run_module(platform: LocalPlatform, args: list[str], log: LogSink, what: str, timeout_s: float) -> dict[str, Any]:
+def run_module(platform: LocalPlatform, args: list[str], log: LogSink, what: str, timeout_s: float,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
     """``python <args>`` (``-m module ...``) on all cores in its own process group: what it prints goes
     to ``log`` as it comes, its last JSON event on stdout is the result.
 
@@ -136,9 +137,10 @@ def run_module(platform: LocalPlatform, args: list[str], log: LogSink, what: str
     interrupted, the whole group is stopped. Exit code 2 (the module refused its input) raises
     ValueError, not retried; anything else RuntimeError.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() or 1)), "PYTHONUNBUFFERED": "1"}
+    settings = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(max(1, os.cpu_count() or 1)),
+                "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([platform.interpreter(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, bufsize=1, env=env, start_new_session=True)
+                               text=True, bufsize=1, env=settings, start_new_session=True)
     output = JobOutput(on_event=lambda _: None, on_log=log)  # events are kept; the last is the result
     try:
         for stream, raw in _merged_lines(process, deadline=time.monotonic() + timeout_s):
