@@ -7,7 +7,7 @@ STAMP := $(VENV)/.laneflow-installed
 DEMO_DIR ?= .laneflow/demo
 PORT ?= 4200
 
-.PHONY: demo serve stop-server test lint bench bench-accuracy bench-overhead bench-sweep install clean
+.PHONY: demo serve stop-server test image lint bench bench-accuracy bench-overhead bench-sweep install clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt scripts/versions.env
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -24,7 +24,13 @@ serve: $(STAMP)
 stop-server: $(STAMP)
 	$(VENV)/bin/laneflow stop-server --home $(DEMO_DIR)
 
+# The images deployments/Dockerfile.* build (CPU flavour; cached by content, so an unchanged tree builds
+# nothing). The emulated cluster's pods run from them, so the tests build them first where they can.
+image: $(STAMP)
+	$(PY) scripts/images.py build
+
 test: $(STAMP)
+	$(PY) scripts/images.py build --if-possible
 	$(PY) -m pytest
 
 lint: $(STAMP)

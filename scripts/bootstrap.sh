@@ -57,6 +57,14 @@ if as_root_with_apt &&
         echo "bootstrap: warning: could not install OpenMPI/OpenSSH; Horovod gets Gloo only and the cluster training tests skip" >&2
 fi
 
+# buildah and debootstrap build the images (scripts/images.py, `make image`): the emulated cluster's pods run
+# from them. Debian packages, installed when we may.
+if as_root_with_apt && ! { command -v buildah && command -v debootstrap; } >/dev/null 2>&1; then
+    echo "bootstrap: installing buildah debootstrap (Debian packages, to build the images)"
+    apt_install buildah debootstrap ||
+        echo "bootstrap: warning: could not install buildah/debootstrap; make image fails and the cluster tests skip" >&2
+fi
+
 echo "bootstrap: installing horovod"
 scripts/install_horovod.sh "$VENV/bin/python"
 

@@ -11,7 +11,6 @@ from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCr
 
 from tasks.platforms import ClusterPlatform, TrainingSpec, VolumeRef
 from tests.cluster import KubernetesEmulator
-from tests.conftest import PROJECT_ROOT
 from training.data.sources import Artifact
 
 TRAIN_IMAGE = "registry.example.org/laneflow-train:0.1.0"
@@ -20,13 +19,15 @@ DATA_IMAGE = "registry.example.org/laneflow-data:0.1.0"
 
 def cluster_platform(emulator: KubernetesEmulator, **changes: object) -> ClusterPlatform:
     """A platform block on the emulator; the images it names exist there, built from the project's
-    Dockerfiles (any other image fails to pull)."""
+    Dockerfiles (any other image fails to pull). An image given in ``changes`` must have been added to the
+    emulator's registry already."""
     credentials = KubernetesCredentials(cluster_config=KubernetesClusterConfig(
         config=emulator.kubeconfig(), context_name="emulator"))
     fields = {"credentials": credentials, "namespace": "lanes", "poll_interval_s": 0.3,
               "image": TRAIN_IMAGE, "data_image": DATA_IMAGE, **changes}
-    emulator.cluster.images.add(fields["image"], PROJECT_ROOT / "deployments" / "Dockerfile.train")
-    emulator.cluster.images.add(fields["data_image"], PROJECT_ROOT / "deployments" / "Dockerfile.data")
+    for field, default, image in (("image", TRAIN_IMAGE, "train"), ("data_image", DATA_IMAGE, "data")):
+        if fields[field] == default:
+            emulator.cluster.images.add(default, image)
     return ClusterPlatform(**fields)
 
 

@@ -23,7 +23,6 @@ from tests.cluster import KubernetesEmulator
 from tests.cluster.network import node_address
 from tests.cluster.runtime import memory_limits_missing
 from tests.cluster_platform_helpers import DATA_IMAGE, TRAIN_IMAGE, client_apis, cluster_platform, spec_for
-from tests.conftest import PROJECT_ROOT
 from tests.http_server import Fault, RunningServer
 from training.data.sources import Artifact
 
@@ -223,13 +222,9 @@ def test_a_worker_whose_sshd_cannot_start_fails_training_naming_it_instead_of_wa
     """An image without sshd's privilege separation directory: each worker's ``sshd -De`` exits at once;
     the operator waits for Ready workers before it creates the launcher, and never replaces them."""
     emu, cluster = emulator
-    dockerfile = (PROJECT_ROOT / "deployments" / "Dockerfile.train").read_text()
-    without = "\n".join(line for line in dockerfile.splitlines() if "mkdir -p /var/run/sshd" not in line)
-    assert without != dockerfile
-    (tmp_path / "Dockerfile.train").write_text(without)
     image = "registry.example.org/laneflow-train:no-sshd-dir"
+    cluster.images.derive(image, "train", ["RUN rmdir /run/sshd"])
     platform = cluster_platform(emu, image=image, pod_problem_grace_s=2)
-    cluster.images.add(image, tmp_path / "Dockerfile.train")
     volume = platform.ensure_volume("data")
     handle = platform.submit_training(spec_for(volume.name, workers=2))
     # Either the operator never starts the launcher (the workers are gone before both were Ready) and
@@ -241,6 +236,25 @@ def test_a_worker_whose_sshd_cannot_start_fails_training_naming_it_instead_of_wa
     worker_log = (cluster.root / "pods" / "lanes" / "train-0123456789ab-worker-0" / "c0" / "output.log").read_text()
     assert "Missing privilege separation directory" in worker_log  # what sshd itself said
     if isinstance(caught.value, StageBlocked):  # laneflow stopped the waiting job; a failed one is kept
+        cluster.wait_empty("mpijobs")
+
+
+def test_a_training_image_without_openssh_server_fails_the_launch_naming_the_worker_and_what_it_said(
+        emulator: tuple) -> None:
+    """The training image built without the openssh-server package: each worker's laneflow-sshd cannot exec
+    sshd, exits 127, and the wait names that worker and its exit at once instead of waiting for it."""
+    emu, cluster = emulator
+    image = "registry.example.org/laneflow-train:no-openssh-server"
+    cluster.images.derive(image, "train", ["RUN apt-get purge -y openssh-server"])
+    platform = cluster_platform(emu, image=image, pod_problem_grace_s=2)
+    volume = platform.ensure_volume("data")
+    handle = platform.submit_training(spec_for(volume.name, workers=2))
+    with pytest.raises((StageBlocked, TrainingFailed), match=r"train-0123456789ab-worker-\d.*exit (code )?127") \
+            as caught:
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
+    worker_log = (cluster.root / "pods" / "lanes" / "train-0123456789ab-worker-0" / "c0" / "output.log").read_text()
+    assert "/usr/sbin/sshd: not found" in worker_log, worker_log  # what the worker's shell said
+    if isinstance(caught.value, StageBlocked):
         cluster.wait_empty("mpijobs")
 
 

@@ -19,7 +19,7 @@ from tests.cluster_platform_helpers import (
     prepared_claim,  # noqa: F401  (the fixture "prepared")
     spec_for,
 )
-from tests.conftest import PROJECT_ROOT
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -130,12 +130,9 @@ def test_an_image_without_the_ssh_client_settings_fails_with_host_key_verificati
     StrictHostKeyChecking=no). The shipped image carries deployments/ssh/ssh_config.conf for this."""
     emu, cluster = emulator
     _, volume, data_dir = prepared
-    dockerfile = (PROJECT_ROOT / "deployments" / "Dockerfile.train").read_text()
-    without = "\n".join(line for line in dockerfile.splitlines() if "ssh_config.conf" not in line)
-    assert without != dockerfile
-    (tmp_path / "Dockerfile.train").write_text(without)
+    cluster.images.derive("registry.example.org/laneflow-train:no-ssh-config", "train",
+                          ["RUN rm /etc/ssh/ssh_config.d/laneflow.conf"])
     platform = cluster_platform(emu, image="registry.example.org/laneflow-train:no-ssh-config")
-    cluster.images.add("registry.example.org/laneflow-train:no-ssh-config", tmp_path / "Dockerfile.train")
     handle = platform.submit_training(spec_for(volume.name, data_dir=data_dir, workers=2))
     with pytest.raises(TrainingFailed, match="Host key verification failed"):
         platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
@@ -157,3 +154,54 @@ def test_the_workers_see_the_claim_only_where_their_mount_path_says(
     with pytest.raises(TrainingFailed) as failed:
         platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
     assert "training refused its configuration or data (exit code 2) on rank" in str(failed.value), str(failed.value)
+
+
+def test_each_worker_makes_its_own_host_keys_and_sshd_takes_the_operators_key_from_its_secret_volume(
+        emulator: tuple) -> None:
+    """Two workers of one job, each running laneflow-sshd from the built training image: the launcher logs in
+    to both with the operator's key, which the kubelet put on a tmpfs Secret volume whose root is 1777 (sshd
+    takes it only because the image says `StrictModes no`), and finds two different host keys — made when
+    each worker started, never baked into the image."""
+    emu, cluster = emulator
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    lines = log_in_to_each_worker(emu, cluster, platform, volume)
+    assert lines.count("mode=1777 fs=tmpfs") == 2, lines
+    keys = [line.split()[1] for line in lines if line.startswith("ssh-ed25519 ")]
+    assert len(keys) == 2 and keys[0] != keys[1], lines
+
+
+def test_sshd_with_its_strict_modes_refuses_the_operators_key_on_the_kubelets_secret_volume(emulator: tuple) -> None:
+    """Why the training image turns StrictModes off: with it on, sshd refuses a key in a 1777 folder."""
+    emu, cluster = emulator
+    image = "registry.example.org/laneflow-train:strict-modes"
+    cluster.images.derive(image, "train", ["RUN sed -i '/^StrictModes no/d' /etc/ssh/sshd_config.d/laneflow.conf"])
+    platform = cluster_platform(emu, image=image)
+    volume = platform.ensure_volume("data")
+    with pytest.raises(AssertionError, match="Permission denied"):
+        log_in_to_each_worker(emu, cluster, platform, volume)
+
+
+def log_in_to_each_worker(emu, cluster: Cluster, platform: ClusterPlatform, volume: VolumeRef) -> list[str]:
+    """An MPIJob of two workers whose launcher logs in to each over ssh, as mpirun would, and prints the mode
+    and file system of the key folder it reached, and that worker's host key: the launcher's log lines."""
+    body = mpijob_body(platform, spec_for(volume.name, job="keys-0123456789ab", workers=2))
+    launcher = body["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    launcher["command"] = ["sh", "-c", 'for host in $(cut -d" " -f1 /etc/mpi/hostfile); do '
+                                       'ssh -o ConnectionAttempts=10 "$host" '
+                                       '"echo mode=\\$(stat -c %a /root/.ssh) fs=\\$(stat -f -c %T /root/.ssh); '
+                                       'cat /etc/ssh/ssh_host_ed25519_key.pub" || exit 1; done']
+    _, custom = client_apis(emu)
+    custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", body)
+
+    def launcher_done() -> dict | None:
+        with cluster.lock:
+            pods = [pod for (_, name), pod in cluster.objects["pods"].items()
+                    if name.startswith("keys-0123456789ab-launcher")]
+            return pods[0] if pods and pods[0]["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    pod = wait_until("the launcher finished", launcher_done, timeout_s=180, every_s=0.5)
+    log = cluster.logs[("lanes", pod["metadata"]["name"])]
+    lines = [text.strip() for _, text in log.lines]
+    assert pod["status"]["phase"] == "Succeeded", lines
+    return lines

@@ -26,6 +26,7 @@ from tests.browser import Browser, find_chromium
 from tests.conftest import PROJECT_ROOT, SESSION_MARKER, TEST_OUTPUT
 from tests.gpu_limit import active_gpu_slots, lease_released, operator_gpu_limit
 from tests.test_anf import anf_volume, on_anf
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deployments")]
 
@@ -391,14 +392,6 @@ def nightly_runs(client) -> list:
     deployment = client.read_deployment_by_name("nightly_retrain/nightly")
     runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
     return [run for run in runs if not run.auto_scheduled]
-
-
-def wait_until(what: str, check, timeout_s: float = 300, every_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
-        time.sleep(every_s)
-    return found
 
 
 def publish(index: Path, version: str, published: str, artifacts: list[dict]) -> None:

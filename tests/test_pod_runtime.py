@@ -5,6 +5,7 @@ their mountPath — and nothing that is not in the pod spec or the image."""
 from __future__ import annotations
 
 import base64
+import sys
 import time
 from pathlib import Path
 
@@ -12,25 +13,28 @@ import kubernetes
 import pytest
 
 from tests.cluster import Cluster, KubernetesEmulator
-from tests.cluster.images import container_argv, read_image
+from tests.cluster.images import container_argv
 from tests.cluster.quantities import quantity_bytes
 from tests.cluster.runtime import expand_references
 from tests.cluster_platform_helpers import TRAIN_IMAGE, client_apis, create_rwo_claim
 from tests.conftest import PROJECT_ROOT
 
 pytestmark = pytest.mark.slow
-TRAIN_DOCKERFILE = PROJECT_ROOT / "deployments" / "Dockerfile.train"
 
 
-def test_the_training_image_is_read_from_its_dockerfile() -> None:
-    image = read_image(TRAIN_IMAGE, TRAIN_DOCKERFILE, PROJECT_ROOT)
-    assert image.workdir == "/opt/laneflow" and image.venvs == ["/opt/venv"]
+def test_the_training_image_is_the_one_its_dockerfile_builds(cluster: tuple) -> None:
+    """The registry's training image is the built one: its config as the Dockerfile set it, its files as its
+    COPY and RUN lines made them — and no host key (each worker makes its own)."""
+    _, state = cluster
+    image = state.images.pull(TRAIN_IMAGE)
+    assert image is not None and image.workdir == "/opt/laneflow"
     assert image.env["PATH"].startswith("/opt/venv/bin:") and image.env["PYTHONUNBUFFERED"] == "1"
-    assert (PROJECT_ROOT / "deployments" / "ssh" / "ssh_config.conf", "/etc/ssh/ssh_config.d/laneflow.conf") \
-        in image.files
-    assert (PROJECT_ROOT / "training", "/opt/laneflow/training") in image.files
-    assert "/var/run/sshd" in image.made_dirs
-    # Kubernetes: command replaces ENTRYPOINT, args replace CMD (no ENTRYPOINT/CMD in this image).
+    assert (image.rootfs / "etc/ssh/ssh_config.d/laneflow.conf").read_text() == \
+        (PROJECT_ROOT / "deployments" / "ssh" / "ssh_config.conf").read_text()
+    assert (image.rootfs / "opt/laneflow/training/train.py").is_file()
+    assert (image.rootfs / "usr/sbin/sshd").is_file() and (image.rootfs / "usr/bin/mpirun").exists()
+    assert not list((image.rootfs / "etc/ssh").glob("ssh_host_*"))
+    # Kubernetes: command replaces ENTRYPOINT, args replace CMD (no ENTRYPOINT in this image; the base's CMD).
     assert container_argv(image, ["python", "-V"], None) == ["python", "-V"]
     assert container_argv(image, None, ["-V"]) == ["-V"]
 
@@ -46,7 +50,7 @@ def test_references_and_quantities_as_kubernetes_reads_them() -> None:
 @pytest.fixture
 def cluster(emulator: tuple[KubernetesEmulator, Cluster]) -> tuple[KubernetesEmulator, Cluster]:
     """The emulated cluster with the training image built from its Dockerfile."""
-    emulator[1].images.add(TRAIN_IMAGE, TRAIN_DOCKERFILE)
+    emulator[1].images.add(TRAIN_IMAGE, "train")
     return emulator
 
 
@@ -78,8 +82,12 @@ def test_a_container_gets_its_env_its_working_directory_and_nothing_of_this_mach
     emulator, state = cluster
     pod, log = run_job(emulator, state, "env", {
         "command": ["sh", "-c", 'echo "greeting=$GREETING home=$HOME_DIR"; pwd; hostname; echo "path=$PATH"; '
-                                'echo "session=${PREFECT_API_URL:-unset}"; echo "tmp=$(ls -A /tmp)"'],
-        "env": [{"name": "GREETING", "value": "hello"}, {"name": "HOME_DIR", "value": "$(GREETING)-world"}],
+                                'echo "session=${PREFECT_API_URL:-unset}"; echo "tmp=$(ls -A /tmp)"; '
+                                'echo "api=$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT"; echo "$PATH_COPY"; '
+                                f'ls -d {PROJECT_ROOT} /etc/ssh/ssh_host_ed25519_key {sys.prefix} 2>&1; '
+                                'ls /dev; df -k /dev/shm | tail -1'],
+        "env": [{"name": "GREETING", "value": "hello"}, {"name": "HOME_DIR", "value": "$(GREETING)-world"},
+                {"name": "PATH_COPY", "value": "[$(PATH)]"}],
         "workingDir": "/opt/laneflow/tasks"})
     assert exit_code(pod) == 0, log
     lines = log.splitlines()
@@ -88,10 +96,15 @@ def test_a_container_gets_its_env_its_working_directory_and_nothing_of_this_mach
     assert lines[2] == pod["metadata"]["name"]  # the pod's host name
     assert lines[3].startswith("path=/opt/venv/bin:")  # the image's ENV PATH
     assert lines[4] == "session=unset"  # this machine's environment does not leak into containers
-    # A private /tmp: nothing of this machine's, only the mount point of the project's own folder when it
-    # lives under /tmp (a CI clone: it is bound at its path, where the editable install points).
-    inside_tmp = {PROJECT_ROOT.parts[2]} if PROJECT_ROOT.parts[1] == "tmp" else set()
-    assert set(lines[5].removeprefix("tmp=").split()) == inside_tmp
+    assert lines[5] == "tmp="  # the image's empty /tmp
+    assert lines[6] == "api=10.96.0.1:443"  # the kubernetes Service, as every pod gets it
+    assert lines[7] == "[$(PATH)]"  # the image's ENV is not the kubelet's: $(PATH) stays as written
+    # Nothing of this machine: not the checkout, not its host keys, not the project's environment.
+    assert lines[8:11] == [f"ls: cannot access '{path}': No such file or directory"
+                           for path in (PROJECT_ROOT, "/etc/ssh/ssh_host_ed25519_key", sys.prefix)]
+    devices = set(lines[11:-1])
+    assert {"null", "zero", "urandom", "pts", "shm"} <= devices and not devices & {"vda", "sda", "kmsg", "mem"}
+    assert " 65536 " in lines[-1]  # a private 64 MiB /dev/shm (containerd's default)
 
 
 def test_a_missing_env_var_is_missing_in_the_container(cluster: tuple) -> None:
@@ -106,18 +119,23 @@ def test_volumes_are_where_their_mount_path_says_read_only_where_marked(emulator
     pod, log = run_job(emulator, state, "mounts", {
         "command": ["sh", "-c", "cat /mnt/work/in.txt && echo written > /mnt/work/out.txt && ls /data 2>&1; "
                                 "echo x > /mnt/ro/y 2>&1 || echo read-only refused; "
-                                "stat -L -c '%a' /etc/creds/token; df -k /dev/shm | tail -1"],
+                                "stat -L -c '%a' /etc/creds/token; df -k /dev/shm | tail -1; "
+                                "echo creds $(stat -c '%a' /etc/creds) $(stat -f -c '%T' /etc/creds); "
+                                "echo creds-write $(touch /etc/creds/x 2>&1 | grep -o 'Read-only file system')"],
         "volumeMounts": [{"name": "work", "mountPath": "/mnt/work"}, {"name": "work", "mountPath": "/mnt/ro",
                                                                       "readOnly": True},
                          {"name": "creds", "mountPath": "/etc/creds"}, {"name": "shm", "mountPath": "/dev/shm"}]},
         volumes=[{"name": "work", "persistentVolumeClaim": {"claimName": "c"}},
                  {"name": "creds", "secret": {"secretName": "creds", "defaultMode": 0o400}},
-                 {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}}])
+                 {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Mi"}}])
     assert exit_code(pod) == 0, log
     assert log.startswith("from the claim\n") and (claim_dir / "out.txt").read_text() == "written\n"
     assert "ls: cannot access '/data': No such file or directory" in log  # only what the pod spec mounts
     assert "read-only refused" in log and "400" in log.split()
-    assert " 65536 " in log  # the emptyDir's sizeLimit, in 1 KiB blocks
+    assert " 32768 " in log  # the emptyDir's sizeLimit, in 1 KiB blocks: the volume, not the default /dev/shm
+    # A Secret volume as the kubelet makes it: a tmpfs whose root is 1777 (sshd's StrictModes refuses such a
+    # folder: hence `StrictModes no` in the training image), mounted read-only.
+    assert "creds 1777 tmpfs" in log and "creds-write Read-only file system" in log
 
 
 @pytest.fixture

@@ -109,6 +109,10 @@ def render_data_job(name: str, layout: ClusterLayout, claim: str, artifacts: lis
                                   "spec": _pod_spec(layout, container, volumes, restart="Never")}}}
 
 
+#: Each MPI worker's command, in the training image (deployments/ssh/laneflow-sshd).
+WORKER_COMMAND = "/usr/local/bin/laneflow-sshd"
+
+
 def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, workers: int, data_dir: str,
                   run_dir: str, settings: dict[str, str], labels: dict[str, str]) -> dict:
     """The Horovod MPIJob (kubeflow.org/v2beta1): a launcher running horovodrun, GPU workers, the claim mounted.
@@ -131,7 +135,9 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
     volumes, mounts = _volume_mounts(claim, layout.shm_size)
     launcher = {"name": "launcher", "image": layout.image, "command": command,
                 "resources": {"requests": {"cpu": "1", "memory": "2Gi"}}}
-    worker = {"name": "worker", "image": layout.image, "volumeMounts": mounts,
+    # Not the operator's default `/usr/sbin/sshd -De`: the image keeps no host keys (every worker of every job
+    # would share them), and laneflow-sshd makes the worker's own before it becomes that sshd.
+    worker = {"name": "worker", "image": layout.image, "command": [WORKER_COMMAND], "volumeMounts": mounts,
               "resources": {"limits": {"nvidia.com/gpu": str(layout.gpus_per_worker)}}}
     role_labels = {role: {**labels, "training.kubeflow.org/job-role": role} for role in ("launcher", "worker")}
     return {

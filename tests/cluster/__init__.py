@@ -35,13 +35,14 @@ module models one component and cites the file it follows.
 - ``runtime.py``: the container runtime: each container's real command in namespaces of its own, a memory
   cgroup for ``limits.memory``.
 - ``podinit.py``: a container's PID 1, which builds its file system and execs its command.
-- ``images.py``: an image, read from the Dockerfile that builds it.
+- ``images.py``: the image registry: laneflow's images as ``scripts/images.py`` builds them (buildah).
 - ``network.py``: the pod network: a network namespace and address per pod on a bridge.
 
-Containers really run here, through the pod runtime (``runtime.py``): each container's command, resolved
-against its image (read from the Dockerfile that builds it), with its env, working directory, host name
-and volumes, in namespaces of its own. The MPI operator's launcher reaches its workers' real ``sshd`` with
-the operator's key and runs the real ``mpirun``. Nothing here knows laneflow's commands or paths.
+Containers really run here, through the pod runtime (``runtime.py``): each container's command, from the root
+file system of the image it names (built from ``deployments/Dockerfile.*``; nothing of this machine is
+visible inside), with its env, working directory, host name and volumes, in namespaces of its own. The MPI
+operator's launcher reaches its workers' real ``sshd`` (the image's) with the operator's key and runs the
+image's real ``mpirun``. Nothing here knows laneflow's commands or paths.
 """
 
 from tests.cluster.apiserver import JOB_DELETE_WARNING

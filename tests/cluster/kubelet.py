@@ -25,7 +25,7 @@ from tests.cluster.podlogs import append_log
 from tests.cluster.quantities import quantity_bytes
 from tests.cluster.runtime import container_env, container_spec, hosts_file, memory_limits_missing
 from tests.cluster.scheduler import schedule
-from tests.cluster.state import PROJECT_ROOT, ContainerLog
+from tests.cluster.state import ContainerLog
 from tests.leaks import MARKER as SESSION_MARKER
 
 if TYPE_CHECKING:
@@ -120,11 +120,10 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
     try:
         if mount_error is not None:
             raise mount_error
-        env = container_env(image, container, pod, hostname, ip, _lookup_key(cluster, namespace))
+        env = container_env(container, pod, ip, _lookup_key(cluster, namespace))
         env[SESSION_MARKER] = os.environ.get(SESSION_MARKER, "")  # bookkeeping of the test suite, not the pod's
-        spec = container_spec(image, container, pod, sandbox=folder / instance / "fs", hostname=hostname,
-                              hosts=hosts_file(ip, hostname, _fqdn(pod), others), env=env,
-                              mounts=mounts, project_paths=[PROJECT_ROOT])
+        spec = container_spec(image, container, sandbox=folder / instance / "fs", hostname=hostname,
+                              hosts=hosts_file(ip, hostname, _fqdn(pod), others), env=env, mounts=mounts)
     except (LookupError, ValueError) as exc:
         message = f"Error: {exc}"
         set_container_state(pod, {"waiting": {"reason": "CreateContainerConfigError", "message": message}}, False)

@@ -2,7 +2,8 @@
 ``pkg/volume``): a container's ``volumeMounts`` made concrete before it starts, as host folders the
 container runtime binds (``runtime.Mount``). PVCs are their PV's folder (``readOnly`` honoured); Secret
 and ConfigMap volumes are files laid out as the kubelet's atomic writer lays them out, with their modes,
-mounted read-only; ``emptyDir`` is a folder of the pod, or a tmpfs of ``sizeLimit`` for ``medium: Memory``.
+mounted read-only (a Secret's on a tmpfs whose root is 1777, a ConfigMap's in a 0777 folder, as the kubelet's
+emptyDir makes them); ``emptyDir`` is a folder of the pod, or a tmpfs of ``sizeLimit`` for ``medium: Memory``.
 A Secret or ConfigMap that does not exist, or an NFS export that refuses the node, fails the mount
 (``MountFailure``: the pod stays ContainerCreating with a ``FailedMount`` event, retried).
 """
@@ -70,7 +71,11 @@ def container_mounts(cluster: Cluster, pod: dict, container: dict, folder: Path)
                                      source.get("defaultMode", 0o644))
             except KeyError as exc:
                 raise MountFailure(mount["name"], str(exc.args[0])) from None
-            mounts.append(Mount(target, staged, readonly=True))  # the kubelet mounts these read-only
+            if kind == "secrets":  # pkg/volume/secret: an emptyDir of medium Memory, a tmpfs (root mode 1777)
+                mounts.append(Mount(target, staged, readonly=True, tmpfs_copy=True))
+            else:  # pkg/volume/configmap: an emptyDir on the node's disk, made 0777 (emptydir ``setupDir``)
+                os.chmod(staged, 0o777)
+                mounts.append(Mount(target, staged, readonly=True))  # the kubelet mounts these read-only
         elif "emptyDir" in volume:
             empty = volume["emptyDir"] or {}
             if empty.get("medium") == "Memory":

@@ -1,15 +1,16 @@
-"""A container's first process, run by the pod runtime as ``unshare --pid --fork --mount --uts --propagation
-private python podinit.py SPEC``: it becomes PID 1 of a PID namespace of its own, builds the container's
-file system and then execs the container's command, which stays PID 1 (as under containerd: when it ends,
-the kernel kills everything else in the container, sshd sessions and MPI ranks included).
+"""A container's first process, run by the pod runtime as ``unshare --pid --fork --mount --uts --ipc
+--propagation private python podinit.py SPEC``: it becomes PID 1 of a PID namespace of its own, builds the
+container's file system and then execs the container's command, which stays PID 1 (as under containerd: when
+it ends, the kernel kills everything else in the container, sshd sessions and MPI ranks included).
 
-The file system: an overlay whose lower layer is this machine's ``/`` (the project's environment stands
-for the image's contents; see ``images.py``) and whose upper layer is a private tmpfs, so nothing a
-container writes outside its volumes reaches the host. Into it go the image's files (read-only binds of
-the project's ``COPY`` sources and virtual environment), the pod's volumes at their ``mountPath``
-(``readOnly`` honoured), a private ``/tmp``, an empty ``/run``, ``/proc`` of the new PID namespace,
-``/dev``, ``/etc/hosts`` and the host name. Then ``chroot``, ``chdir`` to the working directory,
-``execvpe`` with exactly the container's environment.
+The file system: an overlay whose lower layer is the image's root file system (``images.py``: built from the
+project's Dockerfile) and whose upper layer is a private tmpfs, so nothing a container writes outside its
+volumes reaches the image or the host. Into it go the pod's volumes at their ``mountPath`` (``readOnly``
+honoured; a Secret's files copied onto a tmpfs of their own), ``/proc`` of the new PID namespace, a ``/dev``
+with only the devices runc gives a container (``null zero full random urandom tty``, a private ``devpts``) and
+a private 64 MiB ``/dev/shm`` (containerd's default for a pod, ``defaultShmSize``) unless a volume is mounted
+there, ``/sys`` read-only, ``/etc/hosts`` and the host name. Then ``chroot``, ``chdir`` to the working
+directory, ``execvpe`` with exactly the container's environment.
 
 Only the standard library: this file runs before anything is set up.
 """
@@ -65,6 +66,33 @@ def make_target(target: Path, like_file: bool) -> None:
         target.mkdir(parents=True, exist_ok=True)
 
 
+#: The device nodes runc creates in a container's /dev (runc libcontainer/specconv ``AllowedDevices``, the
+#: OCI runtime spec's default devices), bound here from this machine's.
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+#: containerd's /dev/shm for a pod sandbox (internal/cri/server ``defaultShmSize``).
+SHM_BYTES = 64 * 2**20
+
+
+def make_dev(root: Path, shm_from_volume: bool) -> None:
+    """A container's /dev: a tmpfs with the allowed devices, ``/dev/pts`` of its own, the standard links, and a
+    private ``/dev/shm`` unless the pod mounts a volume there."""
+    dev = root / "dev"
+    mount("-t", "tmpfs", "-o", "mode=755,size=65536k,nosuid", "tmpfs", str(dev))
+    for name in DEVICES:
+        (dev / name).touch()
+        mount("--bind", f"/dev/{name}", str(dev / name))
+    (dev / "pts").mkdir()
+    mount("-t", "devpts", "-o", "newinstance,ptmxmode=0666,mode=620", "devpts", str(dev / "pts"))
+    (dev / "ptmx").symlink_to("pts/ptmx")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        (dev / name).symlink_to(target)
+    (dev / "shm").mkdir()
+    if not shm_from_volume:
+        mount("-t", "tmpfs", "-o", f"mode=1777,size={SHM_BYTES},nosuid,nodev,noexec", "shm", str(dev / "shm"))
+    (dev / "mqueue").mkdir()
+
+
 def build(spec: dict) -> Path:
     sandbox = Path(spec["sandbox"])
     sandbox.mkdir(parents=True, exist_ok=True)
@@ -72,18 +100,16 @@ def build(spec: dict) -> Path:
     for part in ("upper", "work", "root"):
         (sandbox / part).mkdir()
     root = sandbox / "root"
-    mount("-t", "overlay", "overlay", "-o", f"lowerdir=/,upperdir={sandbox / 'upper'},workdir={sandbox / 'work'}",
-          str(root))
-    mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(root / "tmp"))
-    # /run as an image has it: empty. What this machine's services made there at run time (sshd's
-    # privilege separation directory, say) is not in an image; the Dockerfile must make it.
-    mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", str(root / "run"))
-    mount("--rbind", "/dev", str(root / "dev"))
+    mount("-t", "overlay", "overlay", "-o",
+          f"lowerdir={spec['rootfs']},upperdir={sandbox / 'upper'},workdir={sandbox / 'work'}", str(root))
+    for folder in ("proc", "sys", "dev", "tmp", "run"):
+        inside(root, folder).mkdir(parents=True, exist_ok=True)
     mount("-t", "proc", "proc", str(root / "proc"))
     mount("--rbind", "-o", "ro", "/sys", str(root / "sys"))
-    for directory in spec.get("dirs", []):
-        inside(root, directory).mkdir(parents=True, exist_ok=True)
-    for item in spec.get("binds", []):  # in order: image files first, then the pod's volumes
+    volume_targets = {item["target"].rstrip("/") for key in ("binds", "tmpfs", "tmpfs_copies")
+                      for item in spec.get(key, [])}
+    make_dev(root, shm_from_volume="/dev/shm" in volume_targets)
+    for item in spec.get("binds", []):  # the pod's volumes
         source, target = Path(item["source"]), inside(root, item["target"])
         make_target(target, source.is_file())
         mount("--bind", str(source), str(target))
@@ -94,6 +120,19 @@ def build(spec: dict) -> Path:
         target.mkdir(parents=True, exist_ok=True)
         options = "mode=1777" + (f",size={item['size']}" if item.get("size") else "")
         mount("-t", "tmpfs", "-o", options, "tmpfs", str(target))
+    for item in spec.get("tmpfs_copies", []):
+        # A Secret volume (pkg/volume/secret wraps an emptyDir of medium Memory): a tmpfs mounted with no mode
+        # option, so its root is 1777 (pkg/volume/emptydir ``setupTmpfs``), the atomic writer's files on it,
+        # then read-only, as the kubelet mounts Secret volumes into containers.
+        target = inside(root, item["target"])
+        target.mkdir(parents=True, exist_ok=True)
+        mount("-t", "tmpfs", "tmpfs", str(target))
+        done = subprocess.run(["cp", "-a", "--no-preserve=ownership", f"{item['source']}/.", str(target)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"copying {item['source']} onto {target}: {done.stderr.strip()}")
+        os.chmod(target, 0o1777)
+        mount("-o", "remount,ro", str(target))
     for path, text in spec.get("files", {}).items():  # written into the private upper layer
         target = inside(root, path)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,30 +1,35 @@
 """The container runtime of the emulated cluster, which the kubelet (``kubelet.py``) starts containers
-through: each pod's container runs its real command, with its image's configuration, its env, its working
-directory, its host name and every volume at its ``mountPath`` (laid out by ``kubelet_volumes.py``), in
-namespaces of its own (``podinit.py`` builds the file system and execs the command).
+through: each pod's container runs its real command from its image's root file system, with the image's
+configuration, its env, its working directory, its host name and every volume at its ``mountPath`` (laid out
+by ``kubelet_volumes.py``), in namespaces of its own (``podinit.py`` builds the file system and execs the
+command).
 
 What runs for real and what is modelled:
 
-- real: the container's process tree (PID 1 of its own PID namespace; mount and UTS namespaces; a private
-  overlay root), its ``limits.memory`` as a memory cgroup of the kernel (whose OOM killer decides, as it
-  does under runc; ``MemoryCgroup``), bind-mounted PVC folders, Secret and ConfigMap files with their
-  modes (read-only, as the kubelet mounts them), ``emptyDir`` (``medium: Memory`` as a tmpfs of
-  ``sizeLimit``), the container's exit code and its output as the pod log;
-- modelled: the image (``images.py``: the project's environment plus the Dockerfile's facts), the pod
-  network (``network.py``: a network namespace per pod with an address of its own on a bridge of this
-  machine, as the reference CNI ``bridge`` plugin sets a node up; no NetworkPolicy, no Services but the
-  headless ones' DNS), cluster DNS (every pod's ``/etc/hosts`` names the pods of its namespace that have a
-  subdomain, as the headless Service's DNS records would, as of the container's start), Ready = the
-  container runs (no probes, as the kubelet reports a container without a readiness probe). The API server
-  is not reachable from pods (nothing laneflow runs in a pod calls it), so ``KUBERNETES_SERVICE_*`` is not set.
+- real: the image (``images.py``: built from ``deployments/Dockerfile.*`` by buildah; its root file system is
+  the container's lower layer, so nothing of this machine is visible but what the pod mounts), the
+  container's process tree (PID 1 of its own PID namespace; mount, UTS and IPC namespaces; a private overlay
+  root), its ``limits.memory`` as a memory cgroup of the kernel (whose OOM killer decides, as it does under
+  runc; ``MemoryCgroup``), bind-mounted PVC folders, Secret volumes on a tmpfs and ConfigMap volumes with the
+  kubelet's modes (read-only, as the kubelet mounts them), ``emptyDir`` (``medium: Memory`` as a tmpfs of
+  ``sizeLimit``), a private 64 MiB ``/dev/shm``, the container's exit code and its output as the pod log;
+- modelled: the pod network (``network.py``: a network namespace per pod with an address of its own on a
+  bridge of this machine, as the reference CNI ``bridge`` plugin sets a node up; no NetworkPolicy, no
+  Services but the headless ones' DNS), cluster DNS (every pod's ``/etc/hosts`` names the pods of its
+  namespace that have a subdomain, as the headless Service's DNS records would, as of the container's
+  start), Ready = the container runs (no probes, as the kubelet reports a container without a readiness
+  probe). ``KUBERNETES_SERVICE_*`` name the ``kubernetes`` Service's address as on a cluster; the emulated
+  API server does not listen there (nothing laneflow runs in a pod calls it yet).
 
 Kubernetes behaviour followed: command replaces ENTRYPOINT and args replace CMD
 (``images.container_argv``); ``$(VAR)`` references in command, args and env values are expanded from the
-container's env, ``$$`` escapes (pkg/kubelet/kuberuntime ``kubecontainer.ExpandContainerCommandAndArgs``,
-third_party/forked/golang/expansion); the kubelet adds ``HOSTNAME``; Secret and ConfigMap files default to
-mode 0644 (``defaultMode``), ``items`` map keys to paths with their own ``mode`` (``kubelet_volumes.py``);
-a container is stopped with SIGTERM to its PID 1, then SIGKILL after the pod's
-``terminationGracePeriodSeconds`` (default 30); an exit by signal reports code 128 + signal.
+container's own env and the service variables — never the image's ``ENV``, which the kubelet does not know —
+and ``$$`` escapes (pkg/kubelet/kuberuntime ``kubecontainer.ExpandContainerCommandAndArgs``,
+pkg/kubelet/kubelet_pods.go ``makeEnvironmentVariables``, third_party/forked/golang/expansion); the runtime
+adds ``HOSTNAME``; Secret and ConfigMap files default to mode 0644 (``defaultMode``), ``items`` map keys to
+paths with their own ``mode`` (``kubelet_volumes.py``); a container is stopped with SIGTERM to its PID 1, then
+SIGKILL after the pod's ``terminationGracePeriodSeconds`` (default 30); an exit by signal reports code 128 +
+signal.
 """
 
 from __future__ import annotations
@@ -41,35 +46,34 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster.images import ImageConfig, container_argv, read_image
+from scripts import images as builder
+from tests.cluster.images import ImageConfig, container_argv
 
 PODINIT = Path(__file__).with_name("podinit.py")
-#: The interpreter the project's environment is: bound wherever an image has its virtual environment.
-PROJECT_ENV = Path(sys.prefix)
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][-._A-Za-z0-9]*)\)")
+#: The ``kubernetes`` Service in ``default`` (the API server's ClusterIP: the first address of the service CIDR,
+#: 10.96.0.0/12 by kubeadm's default) and its HTTPS port.
+KUBERNETES_SERVICE = ("10.96.0.1", 443)
 
 
 @functools.cache
 def pod_runtime_missing() -> str | None:
     """Why the emulated cluster cannot run pods here, or None: namespaces (root, util-linux, iproute2), and
-    what the training image runs (sshd, mpirun, Horovod with MPI)."""
+    the images pods run from (buildah, debootstrap)."""
     if os.geteuid() != 0:
         return "the pod runtime needs root (mount, UTS, PID and network namespaces; CI runs as root)"
     for tool, package in (("unshare", "util-linux"), ("nsenter", "util-linux"), ("ip", "iproute2")):
         if shutil.which(tool) is None:
             return f"the pod runtime needs {tool} (Debian's {package})"
-    done = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--uts", "--net", "true"], capture_output=True)
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--net", "true"],
+                          capture_output=True)
     if done.returncode != 0:
         return f"namespaces are refused here: {done.stderr.decode(errors='replace').strip()}"
-    if not Path("/usr/sbin/sshd").exists() or shutil.which("mpirun") is None:
-        return "needs Debian's openssh-server and openmpi-bin (scripts/bootstrap.sh installs them as root)"
-    check = subprocess.run([str(Path(sys.executable).parent / "horovodrun"), "--check-build"], capture_output=True,
-                           text=True)
-    if "[X] MPI" not in check.stdout:
-        return "Horovod was built without MPI (install libopenmpi-dev, then scripts/install_horovod.sh rebuilds it)"
+    if missing := builder.missing_tools():
+        return f"pods run from laneflow's images, which cannot be built here: {missing}"
     return None
 
 
@@ -83,27 +87,6 @@ def expand_references(value: str, env: dict[str, str]) -> str:
     return _REF.sub(replace, value)
 
 
-@dataclass
-class ImageRegistry:
-    """The images that exist: each built from one of the project's Dockerfiles, by the names the platform
-    block configures. Anything else cannot be pulled."""
-
-    context: Path
-    dockerfiles: dict[str, Path] = field(default_factory=dict)
-    _read: dict[str, ImageConfig] = field(default_factory=dict)
-
-    def add(self, reference: str, dockerfile: Path) -> None:
-        self.dockerfiles[reference] = dockerfile
-        self._read.pop(reference, None)
-
-    def pull(self, reference: str) -> ImageConfig | None:
-        if reference not in self.dockerfiles:
-            return None
-        if reference not in self._read:
-            self._read[reference] = read_image(reference, self.dockerfiles[reference], self.context)
-        return self._read[reference]
-
-
 @dataclass(frozen=True)
 class Mount:
     """One volumeMount made concrete: a host folder or file bound there, or a tmpfs."""
@@ -113,6 +96,8 @@ class Mount:
     readonly: bool = False
     tmpfs_bytes: int | None = None
     tmpfs: bool = False
+    #: The source folder's contents copied onto a fresh tmpfs there (a Secret volume: memory, never disk).
+    tmpfs_copy: bool = False
 
 
 def hosts_file(ip: str, hostname: str, fqdn: str | None, others: list[tuple[str, str]]) -> str:
@@ -265,12 +250,24 @@ class ContainerProcess:
         return 128 - returncode if returncode < 0 else returncode
 
 
-def container_env(image: ImageConfig, container: dict, pod: dict, hostname: str, ip: str,
+def service_env() -> dict[str, str]:
+    """The variables every container gets for the ``kubernetes`` Service in ``default``, whatever its
+    ``enableServiceLinks`` (pkg/kubelet/kubelet_pods.go ``getServiceEnvVarMap``: the master service is always
+    included; pkg/kubelet/envvars ``FromServices``)."""
+    host, port = KUBERNETES_SERVICE
+    url = f"tcp://{host}:{port}"
+    return {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": str(port),
+            "KUBERNETES_SERVICE_PORT_HTTPS": str(port), "KUBERNETES_PORT": url,
+            f"KUBERNETES_PORT_{port}_TCP": url, f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
+            f"KUBERNETES_PORT_{port}_TCP_PORT": str(port), f"KUBERNETES_PORT_{port}_TCP_ADDR": host}
+
+
+def container_env(container: dict, pod: dict, ip: str,
                   lookup: Callable[[str, str, str], str | None]) -> dict[str, str]:
-    """Image ENV, then what the kubelet adds, then the container's ``env`` in order (``$(VAR)`` expanded
-    from what came before). ``lookup(kind, name, key)`` reads a Secret or ConfigMap key."""
-    env = dict(image.env)
-    env["HOSTNAME"] = hostname
+    """The env the kubelet gives the runtime: the service variables, then the container's ``env`` in order,
+    ``$(VAR)`` expanded from what came before — the image's ``ENV`` is not part of it (the runtime merges that
+    in later: ``process_env``). ``lookup(kind, name, key)`` reads a Secret or ConfigMap key."""
+    env = service_env()
     fields = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
               "status.podIP": ip, "spec.nodeName": pod["spec"].get("nodeName", ""),
               "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default")}
@@ -293,26 +290,33 @@ def container_env(image: ImageConfig, container: dict, pod: dict, hostname: str,
     return env
 
 
-def container_spec(image: ImageConfig, container: dict, pod: dict, *, sandbox: Path, hostname: str,
-                   hosts: str, env: dict[str, str], mounts: list[Mount],
-                   project_paths: list[Path]) -> dict:
-    """What ``podinit.py`` needs to build the container and exec its command."""
+def process_env(image: ImageConfig, kubelet_env: dict[str, str], hostname: str) -> dict[str, str]:
+    """The container process's environment, as containerd builds the OCI spec: the image's ``Env``, then
+    ``HOSTNAME``, then the kubelet's env over both (containerd ``internal/cri/server``
+    ``containerSpecOpts``: ``WithEnv(image env)``, ``WithEnv(HOSTNAME)``, ``WithEnv(config envs)``)."""
+    return {**image.env, "HOSTNAME": hostname, **kubelet_env}
+
+
+def container_spec(image: ImageConfig, container: dict, *, sandbox: Path, hostname: str, hosts: str,
+                   env: dict[str, str], mounts: list[Mount]) -> dict:
+    """What ``podinit.py`` needs to build the container and exec its command; ``env`` is the kubelet's
+    (``container_env``), which alone ``$(VAR)`` in command and args is expanded from."""
     argv = [expand_references(arg, env) for arg in container_argv(image, container.get("command"),
                                                                   container.get("args"))]
     if not argv:
         raise ValueError("no command specified: the image has no ENTRYPOINT or CMD and the container sets none")
-    binds = [{"source": str(path), "target": str(path), "readonly": True} for path in project_paths]
-    binds += [{"source": str(source), "target": target, "readonly": True} for source, target in image.files]
-    binds += [{"source": str(PROJECT_ENV), "target": venv, "readonly": True} for venv in image.venvs]
-    tmpfs = []
+    binds, tmpfs, copies = [], [], []
     for mount in mounts:
         if mount.tmpfs:
             tmpfs.append({"target": mount.target, "size": mount.tmpfs_bytes})
+        elif mount.tmpfs_copy:
+            copies.append({"source": str(mount.source), "target": mount.target})
         else:
             binds.append({"source": str(mount.source), "target": mount.target, "readonly": mount.readonly})
-    return {"sandbox": str(sandbox), "hostname": hostname, "binds": binds, "tmpfs": tmpfs,
-            "dirs": list(image.made_dirs), "files": {"/etc/hosts": hosts, "/etc/hostname": hostname + "\n"},
-            "cwd": container.get("workingDir") or image.workdir, "env": env, "argv": argv}
+    return {"sandbox": str(sandbox), "rootfs": str(image.rootfs), "hostname": hostname, "binds": binds,
+            "tmpfs": tmpfs, "tmpfs_copies": copies, "files": {"/etc/hosts": hosts, "/etc/hostname": hostname + "\n"},
+            "cwd": container.get("workingDir") or image.workdir, "env": process_env(image, env, hostname),
+            "argv": argv}
 
 
 #: What util-linux 2.38's unshare prints, exiting 1, when its child (the container's PID 1) was killed by
@@ -332,7 +336,7 @@ def start(spec: dict, folder: Path, netns: str, grace_s: float, on_line: Callabl
     sandbox = Path(spec["sandbox"])
     sandbox.mkdir(parents=True, exist_ok=True)
     argv = ["nsenter", f"--net=/run/netns/{netns}",
-            "unshare", "--pid", "--kill-child=SIGKILL", "--mount", "--uts", "--propagation", "private",
+            "unshare", "--pid", "--kill-child=SIGKILL", "--mount", "--uts", "--ipc", "--propagation", "private",
             sys.executable, "-I", str(PODINIT), str(spec_file)]
     memory = None
     if memory_limit is not None:

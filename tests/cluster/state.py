@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.cluster.admission import check
+from tests.cluster.images import ImageRegistry
 from tests.cluster.objects import resource_of
-from tests.cluster.runtime import ContainerProcess, ImageRegistry
+from tests.cluster.runtime import ContainerProcess
 
 #: The emulated cluster's one node.
 NODE_NAME = "emulated-node"
@@ -73,7 +74,7 @@ class Cluster:
     #: Containers being stopped (in their grace period), so the node's shutdown can finish them.
     terminating: list[ContainerProcess] = field(default_factory=list)
     #: Images that exist (by reference); any other cannot be pulled.
-    images: ImageRegistry = field(default_factory=lambda: ImageRegistry(PROJECT_ROOT))
+    images: ImageRegistry = field(default_factory=ImageRegistry)
     #: Each pod's network namespace and IP (from its first container start to its deletion), by (namespace, pod).
     pod_networks: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
