@@ -150,9 +150,10 @@ def test_ctrl_c_reaches_laneflow_serve_s_wait_when_another_thread_takes_the_sign
         from flows.cli import _wait_interruptibly
         threading.Thread(target=lambda: time.sleep(600), daemon=True).start()  # takes the signal
         signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})
-        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        print("ready", flush=True)
-        try:
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                  stdout=subprocess.DEVNULL)
+        try:  # from "ready" on: the test's SIGINT may land on any line after it
+            print("ready", flush=True)
             _wait_interruptibly(worker)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
