@@ -294,12 +294,11 @@ def build(name: str, log=print) -> str:
 
 
 def build_derived(parent: str, lines: list[str], tag: str, log=print) -> str:
-    """An image made from ``parent`` (an image of ``IMAGES`` or a reference) by a few more Dockerfile lines
-    (no build context): how a test gets, say, the training image without openssh-server."""
-    parent_ref = IMAGES[parent].tag if parent in IMAGES else parent
-    parent_id = build(parent, log) if parent in IMAGES else image_id(parent_ref)
+    """An image made from the local image ``parent`` (a reference or an ID) by a few more Dockerfile lines (no
+    build context): how a test gets, say, the training image without openssh-server. Its image ID."""
+    parent_id = image_id(parent)
     if parent_id is None:
-        raise ImageBuildError(f"no image {parent_ref} to build {tag} from")
+        raise ImageBuildError(f"no image {parent} to build {tag} from")
     with locked(), tempfile.TemporaryDirectory() as folder:
         dockerfile = Path(folder) / "Dockerfile"
         dockerfile.write_text("\n".join([f"FROM {parent_id}", *lines]) + "\n")

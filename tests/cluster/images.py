@@ -90,9 +90,7 @@ class ImageRegistry:
         """Make ``reference`` pullable as laneflow's image ``parent`` changed by a few Dockerfile lines (the
         training image without openssh-server, say), built now (cached by content)."""
         local = f"localhost/laneflow-{parent}:{reference.rsplit(':', 1)[-1]}"
-        built(parent)
-        builder.build_derived(parent, lines, local)
-        return self.add(reference, local)
+        return self.add(reference, builder.build_derived(built(parent), lines, local))
 
     def pull(self, reference: str) -> ImageConfig | None:
         with self._lock:
