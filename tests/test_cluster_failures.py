@@ -217,44 +217,31 @@ def test_the_emulator_refuses_quantities_the_api_server_cannot_parse(tmp_path: P
         assert cluster.count("persistentvolumeclaims") == 0 and cluster.count("mpijobs") == 0
 
 
+@pytest.mark.parametrize(("broken", "change", "code", "said"), [
+    # sshd's privilege separation directory gone: sshd exits at once, saying so.
+    ("no-sshd-dir", "RUN rmdir /run/sshd", 255, "Missing privilege separation directory"),
+    # the image built without the openssh-server package: laneflow-sshd cannot exec sshd.
+    ("no-openssh-server", "RUN apt-get purge -y openssh-server", 127, "/usr/sbin/sshd: not found"),
+])
 def test_a_worker_whose_sshd_cannot_start_fails_training_naming_it_instead_of_waiting(
-        emulator: tuple, tmp_path: Path) -> None:
-    """An image without sshd's privilege separation directory: each worker's ``sshd -De`` exits at once;
-    the operator waits for Ready workers before it creates the launcher, and never replaces them."""
+        emulator: tuple, broken: str, change: str, code: int, said: str) -> None:
+    """A training image whose workers cannot run sshd: each worker exits at once; the operator waits for Ready
+    workers before it creates the launcher, and never replaces them. The wait names the worker and its exit."""
     emu, cluster = emulator
-    image = "registry.example.org/laneflow-train:no-sshd-dir"
-    cluster.images.derive(image, "train", ["RUN rmdir /run/sshd"])
+    image = f"registry.example.org/laneflow-train:{broken}"
+    cluster.images.derive(image, "train", [change])
     platform = cluster_platform(emu, image=image, pod_problem_grace_s=2)
     volume = platform.ensure_volume("data")
     handle = platform.submit_training(spec_for(volume.name, workers=2))
     # Either the operator never starts the launcher (the workers are gone before both were Ready) and
     # laneflow names the exited worker, or the launcher was created in the moment both ran and fails on
     # ssh: both end the wait at once, naming the worker's exit.
-    with pytest.raises((StageBlocked, TrainingFailed), match=r"train-0123456789ab-worker-\d.*exit (code )?255") \
+    with pytest.raises((StageBlocked, TrainingFailed), match=rf"train-0123456789ab-worker-\d.*exit (code )?{code}") \
             as caught:
         platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
     worker_log = (cluster.root / "pods" / "lanes" / "train-0123456789ab-worker-0" / "c0" / "output.log").read_text()
-    assert "Missing privilege separation directory" in worker_log  # what sshd itself said
+    assert said in worker_log, worker_log  # what the worker itself said
     if isinstance(caught.value, StageBlocked):  # laneflow stopped the waiting job; a failed one is kept
-        cluster.wait_empty("mpijobs")
-
-
-def test_a_training_image_without_openssh_server_fails_the_launch_naming_the_worker_and_what_it_said(
-        emulator: tuple) -> None:
-    """The training image built without the openssh-server package: each worker's laneflow-sshd cannot exec
-    sshd, exits 127, and the wait names that worker and its exit at once instead of waiting for it."""
-    emu, cluster = emulator
-    image = "registry.example.org/laneflow-train:no-openssh-server"
-    cluster.images.derive(image, "train", ["RUN apt-get purge -y openssh-server"])
-    platform = cluster_platform(emu, image=image, pod_problem_grace_s=2)
-    volume = platform.ensure_volume("data")
-    handle = platform.submit_training(spec_for(volume.name, workers=2))
-    with pytest.raises((StageBlocked, TrainingFailed), match=r"train-0123456789ab-worker-\d.*exit (code )?127") \
-            as caught:
-        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
-    worker_log = (cluster.root / "pods" / "lanes" / "train-0123456789ab-worker-0" / "c0" / "output.log").read_text()
-    assert "/usr/sbin/sshd: not found" in worker_log, worker_log  # what the worker's shell said
-    if isinstance(caught.value, StageBlocked):
         cluster.wait_empty("mpijobs")
 
 
