@@ -148,6 +148,8 @@ def test_ctrl_c_reaches_laneflow_serve_s_wait_when_another_thread_takes_the_sign
         import signal, subprocess, sys, threading, time
         sys.path.insert(0, {str(PROJECT_ROOT)!r})
         from flows.cli import _wait_interruptibly
+        # As laneflow serve does, whatever it inherited: a shell's background job starts with SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Thread(target=lambda: time.sleep(600), daemon=True).start()  # takes the signal
         signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
