@@ -32,6 +32,7 @@ from tasks.level_holds import (
     without,
 )
 from tasks.platforms.base import NoServiceLevel, Platform, ServiceLevelBusy, VolumeRef
+from tasks.renewal import renew_until
 
 _LOG = logging.getLogger("laneflow.service_level")
 #: Tries one settle makes at most: each move (or refusal of one) is followed by a fresh read, so more means
@@ -113,7 +114,8 @@ def settle(platform: Platform, volume: VolumeRef, why: str, logger: Any, me: str
 
 
 class _Renewals:
-    """One thread per hold this process has, renewing it every quarter of its lifetime until it leaves."""
+    """One thread per hold this process has, renewing it every quarter of its lifetime until it leaves
+    (``tasks.renewal``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -136,16 +138,15 @@ class _Renewals:
 
     def _renew(self, platform: Platform, volume: VolumeRef, holder: str, key: tuple[str, str],
                stop: threading.Event, every: float) -> None:
-        while not stop.wait(every):
-            try:
-                record = platform.update_level_record(volume, lambda r: renewed(r, holder, time.time()))
-            except Exception as exc:  # the next renewal may get through; the hold lasts four periods
-                _LOG.warning("could not renew the hold on %s's service level: %s", volume.name, exc)
-                continue
+        def still_held() -> bool:
+            record = platform.update_level_record(volume, lambda r: renewed(r, holder, time.time()))
             if record is None or holder not in record.holds:
                 _LOG.warning("the hold on %s's service level was dropped by another run (this one was taken for "
                              "dead); it no longer keeps the volume promoted", volume.name)
-                break
+                return False
+            return True
+
+        renew_until(stop, every, still_held, f"the hold on {volume.name}'s service level", _LOG)
         with self._lock:  # a later join of the same holder starts renewing again
             if self._stops.get(key) is stop:
                 del self._stops[key]

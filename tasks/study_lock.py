@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.holding import flow_run_ended
 from tasks.platforms.base import Platform, VolumeRef
+from tasks.renewal import renew_until
 
 _LOG = logging.getLogger("laneflow.study")
 #: How long a holder's claim lasts without renewal; it renews every quarter of that.
@@ -157,17 +158,16 @@ class StudyLease:
                             "nothing more to it")
 
     def _renew_until_released(self) -> None:
-        while not self._stop.wait(self.me.ttl_s / 4):
-            try:
-                holder = self._update()
-            except Exception as exc:  # the next renewal may get through: the hold lasts four periods
-                _LOG.warning("could not renew this sweep's hold on study %s: %s", self.study, exc)
-                continue
+        def still_held() -> bool:
+            holder = self._update()
             if holder is None or holder.sweep != self.me.sweep:
                 self._lost = holder
                 _LOG.warning("study %s was taken over by %s: this sweep writes nothing more to it", self.study,
                              holder.describe() if holder else "nobody")
-                return
+                return False
+            return True
+
+        renew_until(self._stop, self.me.ttl_s / 4, still_held, f"this sweep's hold on study {self.study}", _LOG)
 
     def release(self) -> None:
         """Stop renewing and remove the record if it is still this sweep's. Never raises: a record left behind
