@@ -5,6 +5,7 @@ their mountPath — and nothing that is not in the pod spec or the image."""
 from __future__ import annotations
 
 import base64
+import os
 import sys
 import time
 from pathlib import Path
@@ -85,7 +86,7 @@ def test_a_container_gets_its_env_its_working_directory_and_nothing_of_this_mach
                                 'echo "session=${PREFECT_API_URL:-unset}"; echo "tmp=$(ls -A /tmp)"; '
                                 'echo "api=$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT"; echo "$PATH_COPY"; '
                                 f'ls -d {PROJECT_ROOT} /etc/ssh/ssh_host_ed25519_key {sys.prefix} 2>&1; '
-                                'ls /dev; df -k /dev/shm | tail -1'],
+                                'ls /dev; df -k /dev/shm | tail -1; readlink /proc/self/ns/ipc'],
         "env": [{"name": "GREETING", "value": "hello"}, {"name": "HOME_DIR", "value": "$(GREETING)-world"},
                 {"name": "PATH_COPY", "value": "[$(PATH)]"}],
         "workingDir": "/opt/laneflow/tasks"})
@@ -102,9 +103,10 @@ def test_a_container_gets_its_env_its_working_directory_and_nothing_of_this_mach
     # Nothing of this machine: not the checkout, not its host keys, not the project's environment.
     assert lines[8:11] == [f"ls: cannot access '{path}': No such file or directory"
                            for path in (PROJECT_ROOT, "/etc/ssh/ssh_host_ed25519_key", sys.prefix)]
-    devices = set(lines[11:-1])
+    devices = set(lines[11:-2])
     assert {"null", "zero", "urandom", "pts", "shm"} <= devices and not devices & {"vda", "sda", "kmsg", "mem"}
-    assert " 65536 " in lines[-1]  # a private 64 MiB /dev/shm (containerd's default)
+    assert " 65536 " in lines[-2]  # a private 64 MiB /dev/shm (containerd's default)
+    assert lines[-1].startswith("ipc:[") and lines[-1] != os.readlink("/proc/self/ns/ipc")  # its own IPC namespace
 
 
 def test_a_missing_env_var_is_missing_in_the_container(cluster: tuple) -> None:
