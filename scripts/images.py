@@ -89,13 +89,12 @@ def missing_tools() -> str | None:
     return None
 
 
-def run(argv: list[str], what: str, *, capture: bool = True, **kwargs) -> str:
-    done = subprocess.run(argv, text=True, stdout=subprocess.PIPE if capture else None,
-                          stderr=subprocess.PIPE if capture else None, **kwargs)
+def run(argv: list[str], what: str) -> str:
+    """``argv``'s output; an ``ImageBuildError`` naming ``what`` and ending with its stderr when it fails."""
+    done = subprocess.run(argv, text=True, capture_output=True)
     if done.returncode != 0:
-        detail = (done.stderr or "").strip()[-4000:] if capture else "see the output above"
-        raise ImageBuildError(f"{what} failed (exit {done.returncode}): {detail}")
-    return (done.stdout or "").strip()
+        raise ImageBuildError(f"{what} failed (exit {done.returncode}): {done.stderr.strip()[-4000:]}")
+    return done.stdout.strip()
 
 
 @contextlib.contextmanager

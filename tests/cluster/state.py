@@ -23,7 +23,6 @@ from tests.cluster.runtime import ContainerProcess
 #: The emulated cluster's one node.
 NODE_NAME = "emulated-node"
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 #: What an administrator installed before laneflow ran (deployments/base): the ANF storage and snapshot
 #: classes, and the MPI operator (its controller's name, the component of its events).
 STORAGE_CLASS = "azure-netapp-files"
