@@ -41,8 +41,9 @@ quiet_pip install -q "$TORCH_SPEC" || die "could not install $TORCH_SPEC"
 
 # Debian packages, installed when we may (root + apt): OpenMPI (Horovod is built with it, so
 # `horovodrun --hostfile` runs mpirun as the MPI operator's launcher does), OpenSSH (the emulated
-# cluster's launcher reaches its workers' real sshd) and iproute2 (each emulated pod gets a network
-# namespace of its own). Without them Horovod is built with Gloo only and the
+# cluster's launcher reaches its workers' real sshd), iproute2 (each emulated pod gets a network
+# namespace of its own) and iptables (a pod reaches the emulated API server at the `kubernetes` Service's
+# address, as kube-proxy routes it). Without them Horovod is built with Gloo only and the
 # cluster training tests skip, saying why.
 apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
@@ -51,9 +52,10 @@ apt_install() {
 }
 as_root_with_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
 if as_root_with_apt &&
-        ! { command -v mpicc && command -v mpirun && [ -x /usr/sbin/sshd ] && command -v ip; } >/dev/null 2>&1; then
-    echo "bootstrap: installing openmpi-bin libopenmpi-dev openssh-server openssh-client iproute2 (Debian packages)"
-    apt_install openmpi-bin libopenmpi-dev openssh-server openssh-client iproute2 ||
+        ! { command -v mpicc && command -v mpirun && [ -x /usr/sbin/sshd ] && command -v ip &&
+            command -v iptables; } >/dev/null 2>&1; then
+    echo "bootstrap: installing openmpi-bin libopenmpi-dev openssh-server openssh-client iproute2 iptables (Debian packages)"
+    apt_install openmpi-bin libopenmpi-dev openssh-server openssh-client iproute2 iptables ||
         echo "bootstrap: warning: could not install OpenMPI/OpenSSH; Horovod gets Gloo only and the cluster training tests skip" >&2
 fi
 

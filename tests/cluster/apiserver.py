@@ -31,13 +31,17 @@ from typing import Any
 
 from tests.cluster.admission import apply_crd_defaults, check, check_resize
 from tests.cluster.apierrors import Rejection, invalid, invalid_status, not_supported, status_body
-from tests.cluster.authorization import authorize, forbidden
+from tests.cluster.authentication import Identity, authenticate
+from tests.cluster.authorization import authorize, authorize_path, forbidden
 from tests.cluster.controller_manager import CONTROLLERS
+from tests.cluster.discovery import document
 from tests.cluster.garbage_collector import delete
 from tests.cluster.objects import RESOURCES, stamp_metadata
 from tests.cluster.podlogs import PodLogEndpoint
+from tests.cluster.selectors import field_selector, label_selector
 from tests.cluster.state import Cluster, Fault, Request
 from tests.cluster.updates import apply_patch, check_update
+from tests.cluster.watch import WatchStream
 
 _ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
                     r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log))?$")
@@ -64,20 +68,7 @@ def _propagation_policy(resource: str, query: dict, body: Any) -> tuple[str, lis
     return policy, []
 
 
-def _selector_matches(labels: dict, selector: str) -> bool:
-    for part in filter(None, selector.split(",")):
-        key, _, value = part.partition("=")
-        if labels.get(key) != value:
-            return False
-    return True
-
-
-_EVENT_FIELDS = {"involvedObject.kind": ("involvedObject", "kind"), "involvedObject.name": ("involvedObject", "name"),
-                 "involvedObject.namespace": ("involvedObject", "namespace"),
-                 "involvedObject.uid": ("involvedObject", "uid"), "reason": ("reason",), "type": ("type",)}
-
-
-class Handler(PodLogEndpoint, BaseHTTPRequestHandler):
+class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
     cluster: Cluster
     protocol_version = "HTTP/1.1"
 
@@ -105,6 +96,15 @@ class Handler(PodLogEndpoint, BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         parsed = urllib.parse.urlsplit(self.path)
+        try:
+            who = authenticate(self.cluster, self.headers.get("Authorization"))
+        except Rejection as rejection:
+            self._send(rejection.code, rejection.body)
+            return
+        if method == "GET" and (found := document(parsed.path)) is not None:
+            denied = authorize_path(self.cluster, who, parsed.path.rstrip("/") or "/")
+            self._send(403, denied) if denied else self._send(200, found)
+            return
         match = _ROUTE.match(parsed.path)
         resource = None
         if match:
@@ -115,18 +115,22 @@ class Handler(PodLogEndpoint, BaseHTTPRequestHandler):
             return
         namespace, name = match["ns"], match["name"]
         query = urllib.parse.parse_qs(parsed.query)
+        watching = (query.get("watch") or [""])[0] in ("true", "1") and name is None
         verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method) or \
-            ("watch" if query.get("watch") == ["true"] else "get" if name else "list")
+            ("watch" if watching else "get" if name else "list")
         cluster = self.cluster
-        cluster.requests.append(Request(method, resource, namespace, name, verb))
-        queue = cluster.faults.get((method, resource))
+        cluster.requests.append(Request(method, resource, namespace, name, verb, who.user))
+        queue = cluster.faults.get((method if not watching else "WATCH", resource))
         fault = queue.pop(0) if queue else None
         if fault and not fault.after_effect:
-            self._fault(fault, resource, verb, namespace)
+            self._fault(fault, who, resource, verb, namespace)
             return
-        denied = authorize(self.cluster, verb, resource, namespace, name)
+        denied = authorize(self.cluster, who, verb, resource, namespace, name)
         if denied:
             self._send(403, denied)
+            return
+        if watching:
+            self._watch(resource, namespace, query)
             return
         try:  # a PATCH body is read by its media type (updates.apply_patch), after that is checked
             body = json.loads(raw) if raw and method != "PATCH" else None
@@ -138,17 +142,20 @@ class Handler(PodLogEndpoint, BaseHTTPRequestHandler):
             return
         self._raw = raw
         with cluster.lock:
+            cluster.watch_cache.sync(cluster)  # what controllers changed gets its resourceVersion first
             try:
                 status, answer, warnings = self._apply(method, resource, namespace, name, query, body)
             except Rejection as rejection:
                 status, answer, warnings = rejection.code, rejection.body, []
+            cluster.watch_cache.sync(cluster)
+            answer = copy.deepcopy(answer)
             cluster.changed.notify_all()
         if fault and fault.after_effect:
             self._reset()
             return
         self._send(status, answer, headers=[("Warning", f'299 - {json.dumps(w)}') for w in warnings])
 
-    def _fault(self, fault: Fault, resource: str, verb: str, namespace: str | None) -> None:
+    def _fault(self, fault: Fault, who: Identity, resource: str, verb: str, namespace: str | None) -> None:
         if fault.hang is not None:
             fault.hang.wait()
             self._reset()
@@ -158,7 +165,7 @@ class Handler(PodLogEndpoint, BaseHTTPRequestHandler):
             return
         headers = [("Retry-After", str(fault.retry_after))] if fault.retry_after is not None else None
         if fault.status == 403:
-            self._send(403, forbidden(self.cluster, verb, resource, namespace, None))
+            self._send(403, forbidden(who, verb, resource, namespace, None))
             return
         reason = {429: "TooManyRequests"}.get(fault.status, "InternalError")
         self._send(fault.status, status_body(fault.status, reason, f"injected {fault.status}"), headers=headers)
@@ -293,26 +300,12 @@ class Handler(PodLogEndpoint, BaseHTTPRequestHandler):
 
     def _list(self, resource: str, namespace: str | None, query: dict) -> dict:
         store = self.cluster.objects[resource]
-        labels = query.get("labelSelector", [""])[0]
-        fields = query.get("fieldSelector", [""])[0]
-        wanted = []
-        for part in filter(None, fields.split(",")):
-            key, _, value = part.partition("=")
-            if resource != "events" or key not in _EVENT_FIELDS:
-                raise Rejection(400, status_body(400, "BadRequest", f'field label not supported: {key}'))
-            wanted.append((_EVENT_FIELDS[key], value))
-
-        def field_value(obj: dict, path: tuple[str, ...]) -> Any:
-            for part in path:
-                obj = (obj or {}).get(part)
-            return obj
-
-        items = [copy.deepcopy(o) for (ns, _), o in store.items() if namespace is None or ns == namespace
-                 if _selector_matches(o["metadata"].get("labels") or {}, labels)
-                 and all(str(field_value(o, path)) == value for path, value in wanted)]
-        _, version, kind, _ = RESOURCES[resource]
-        api_version = f"{RESOURCES[resource][0]}/{version}" if RESOURCES[resource][0] else version
-        return {"kind": f"{kind}List", "apiVersion": api_version,
+        labels = label_selector((query.get("labelSelector") or [""])[0])
+        fields = field_selector(resource, (query.get("fieldSelector") or [""])[0])
+        items = [copy.deepcopy(o) for (ns, _), o in store.items()
+                 if (namespace is None or ns == namespace) and labels(o) and fields(o)]
+        group, version, kind, _ = RESOURCES[resource]
+        return {"kind": f"{kind}List", "apiVersion": f"{group}/{version}" if group else version,
                 "metadata": {"resourceVersion": str(self.cluster.version)}, "items": items}
 
 

@@ -1,7 +1,10 @@
 """RBAC as kube-apiserver authorizes a request (kubernetes ``plugin/pkg/auth/authorizer/rbac``): allowed when
 any rule of any Role or ClusterRole bound to the caller's service account covers its verb, resource, API
 group and name; otherwise 403 Forbidden, worded as the API server words it. Enforced once ``Cluster.load``
-brought RBAC objects.
+brought RBAC objects; the anonymous caller (no token) is granted nothing then. Discovery paths are open to
+every authenticated caller (the bootstrap ClusterRole ``system:discovery``, bound to
+``system:authenticated``), ``/version`` and the health paths to anyone (``system:public-info-viewer``)
+(``plugin/pkg/auth/authorizer/rbac/bootstrappolicy/policy.go``).
 """
 
 from __future__ import annotations
@@ -12,24 +15,36 @@ from tests.cluster.apierrors import status_body
 from tests.cluster.objects import RESOURCES
 
 if TYPE_CHECKING:
+    from tests.cluster.authentication import Identity
     from tests.cluster.state import Cluster
 
+PUBLIC_PATHS = ("/version", "/healthz", "/livez", "/readyz")
 
-def forbidden(cluster: Cluster, verb: str, resource: str, namespace: str | None, name: str | None) -> dict:
+
+def forbidden(who: Identity, verb: str, resource: str, namespace: str | None, name: str | None) -> dict:
     group = RESOURCES[resource][0]
-    who = f"system:serviceaccount:{cluster.user[0]}:{cluster.user[1]}"
     what = f'{resource.split("/")[0]} "{name}"' if name else resource.split("/")[0]
     where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
-    return status_body(403, "Forbidden", f'{what} is forbidden: User "{who}" cannot {verb} resource '
+    return status_body(403, "Forbidden", f'{what} is forbidden: User "{who.user}" cannot {verb} resource '
                                          f'"{resource}" in API group "{group}"{where}')
 
 
-def authorize(cluster: Cluster, verb: str, resource: str, namespace: str | None, name: str | None) -> dict | None:
+def authorize_path(cluster: Cluster, who: Identity, path: str) -> dict | None:
+    """A non-resource path (discovery, /version): None when allowed, else the 403 Status."""
+    if not cluster.rbac_enforced or who.account is not None or path in PUBLIC_PATHS:
+        return None
+    return status_body(403, "Forbidden", f'forbidden: User "{who.user}" cannot get path "{path}"')
+
+
+def authorize(cluster: Cluster, who: Identity, verb: str, resource: str, namespace: str | None,
+              name: str | None) -> dict | None:
     """RBAC as kube-apiserver evaluates it: any rule of any Role/ClusterRole bound to the caller."""
     if not cluster.rbac_enforced:
         return None
+    if who.account is None:
+        return forbidden(who, verb, resource, namespace, name)
     group = RESOURCES[resource][0]
-    sa_namespace, sa_name = cluster.user
+    sa_namespace, sa_name = who.account
 
     def bound(binding: dict) -> bool:
         return any(s.get("kind") == "ServiceAccount" and s.get("name") == sa_name
@@ -58,4 +73,4 @@ def authorize(cluster: Cluster, verb: str, resource: str, namespace: str | None,
                     cluster.objects["clusterroles"].get(("", ref["name"]))
                 if allows(role):
                     return None
-    return forbidden(cluster, verb, resource, namespace, name)
+    return forbidden(who, verb, resource, namespace, name)

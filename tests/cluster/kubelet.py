@@ -36,7 +36,10 @@ def _pod_network(cluster: Cluster, namespace: str, name: str) -> tuple[str, str]
     """The pod's network namespace and IP, made when its first container starts (the CNI plugin's ADD)."""
     key = (namespace, name)
     if key not in cluster.pod_networks:
-        cluster.pod_networks[key] = PodNetwork.shared().attach()
+        netns, ip = PodNetwork.shared().attach()
+        cluster.pod_networks[key] = (netns, ip)
+        if cluster.service_endpoint is not None:  # the ``kubernetes`` Service, as kube-proxy routes it
+            PodNetwork.route_service(netns, runtime.KUBERNETES_SERVICE, cluster.service_endpoint)
     return cluster.pod_networks[key]
 
 

@@ -76,6 +76,12 @@ def container_mounts(cluster: Cluster, pod: dict, container: dict, folder: Path)
             else:  # pkg/volume/configmap: an emptyDir on the node's disk, made 0777 (emptydir ``setupDir``)
                 os.chmod(staged, 0o777)
                 mounts.append(Mount(target, staged, readonly=True))  # the kubelet mounts these read-only
+        elif "projected" in volume:
+            data, items = projected_payload(cluster, pod, volume["name"], volume["projected"])
+            staged = stage_files(folder / "volumes" / mount["name"], data, items,
+                                 volume["projected"].get("defaultMode", 0o644))
+            # pkg/volume/projected: an emptyDir of medium Memory (a tmpfs), mounted read-only like a Secret's.
+            mounts.append(Mount(target, staged, readonly=True, tmpfs_copy=True))
         elif "emptyDir" in volume:
             empty = volume["emptyDir"] or {}
             if empty.get("medium") == "Memory":
@@ -88,6 +94,46 @@ def container_mounts(cluster: Cluster, pod: dict, container: dict, folder: Path)
         else:
             raise LookupError(f'volume "{mount["name"]}": {sorted(volume)} is not emulated')
     return mounts
+
+
+def projected_payload(cluster: Cluster, pod: dict, volume: str, projected: dict) -> tuple[dict[str, bytes], list]:
+    """A projected volume's files (pkg/volume/projected ``collectData``): a service-account token the
+    kubelet requests for the pod (TokenRequest, bound to it), ConfigMap keys and downward-API fields. A
+    ConfigMap that does not exist fails the mount, unless the source is ``optional``."""
+    # Imported here: authentication imports the state this module's callers hold.
+    from tests.cluster.authentication import issue_token
+
+    namespace = pod["metadata"]["namespace"]
+    data: dict[str, bytes] = {}
+    items: list[dict] = []
+    for source in projected.get("sources") or []:
+        if "serviceAccountToken" in source:
+            token = source["serviceAccountToken"]
+            account = pod["spec"].get("serviceAccountName", "default")
+            data[token["path"]] = issue_token(cluster, namespace, account, pod=pod,
+                                              seconds=token.get("expirationSeconds", 3600)).encode()
+            items.append({"key": token["path"], "path": token["path"]})
+        elif "configMap" in source:
+            ref = source["configMap"]
+            obj = cluster.objects["configmaps"].get((namespace, ref["name"]))
+            if obj is None:
+                if ref.get("optional"):
+                    continue
+                raise MountFailure(volume, f'configmap "{ref["name"]}" not found')
+            values = configmap_bytes(obj)
+            for item in ref.get("items") or [{"key": key, "path": key} for key in values]:
+                data[item["path"]] = values[item["key"]]
+                items.append({"key": item["path"], "path": item["path"], **({"mode": item["mode"]}
+                                                                             if "mode" in item else {})})
+        elif "downwardAPI" in source:
+            fields = {"metadata.namespace": namespace, "metadata.name": pod["metadata"]["name"],
+                      "metadata.uid": pod["metadata"]["uid"]}
+            for item in source["downwardAPI"].get("items") or []:
+                data[item["path"]] = fields[item["fieldRef"]["fieldPath"]].encode()
+                items.append({"key": item["path"], "path": item["path"]})
+        else:
+            raise LookupError(f'volume "{volume}": projected source {sorted(source)} is not emulated')
+    return data, items
 
 
 def stage_files(folder: Path, data: dict[str, bytes], items: list[dict] | None, default_mode: int) -> Path:

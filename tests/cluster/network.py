@@ -8,7 +8,8 @@ per pod both hold as they do on a cluster: ``eth0`` with the pod IP, ``lo``, a d
 bridge (the node), from which a pod reaches this machine's addresses (the test HTTP servers bind
 ``0.0.0.0``; the bridge's address stands for the node).
 
-Needs root and iproute2 (``ip``); util-linux ``nsenter`` enters the namespace to start the container.
+Needs root and iproute2 (``ip``); util-linux ``nsenter`` enters the namespace to start the container;
+``iptables`` routes the ``kubernetes`` Service's address to the emulated API server (``route_service``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,15 @@ class PodNetwork:
         _ip(*inside, "link", "set", "lo", "up")
         _ip(*inside, "route", "add", "default", "via", self.gateway)
         return namespace, address
+
+    @staticmethod
+    def route_service(namespace: str, service: tuple[str, int], endpoint: tuple[str, int]) -> None:
+        """Connections from the pod to a Service's ClusterIP and port go to its endpoint, as kube-proxy's
+        iptables mode makes them go (pkg/proxy/iptables: ``KUBE-SERVICES`` → ``KUBE-SVC-*`` → a ``KUBE-SEP-*``
+        DNAT to the endpoint). Here the rule is in the pod's own namespace, so each test process's emulator
+        routes its pods to its own API server."""
+        _ip("netns", "exec", namespace, "iptables", "-w", "-t", "nat", "-A", "OUTPUT", "-d", f"{service[0]}/32",
+            "-p", "tcp", "--dport", str(service[1]), "-j", "DNAT", "--to-destination", f"{endpoint[0]}:{endpoint[1]}")
 
     @staticmethod
     def detach(namespace: str) -> None:

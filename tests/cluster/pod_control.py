@@ -8,6 +8,7 @@ make their pods here.
 from __future__ import annotations
 
 import copy
+import secrets
 from typing import TYPE_CHECKING
 
 from tests.cluster.admission import limit_range_defaults
@@ -17,6 +18,31 @@ from tests.cluster.state import OPERATOR
 
 if TYPE_CHECKING:
     from tests.cluster.state import Cluster
+
+
+#: Where the ServiceAccount admission plugin mounts a pod's API credentials (plugin/pkg/admission/serviceaccount
+#: admission.go ``DefaultAPITokenMountPath``), and what in-cluster clients read there.
+TOKEN_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def mount_token(cluster: Cluster, namespace: str, spec: dict, account: str) -> None:
+    """The ServiceAccount admission plugin's projected volume (``kube-api-access-<random>``: a bound token
+    of 3607 s, the cluster's CA from the ``kube-root-ca.crt`` ConfigMap, the pod's namespace; defaultMode
+    0644), mounted read-only in every container — unless the pod or its service account sets
+    ``automountServiceAccountToken: false``, or a container already mounts something there."""
+    sa = cluster.objects["serviceaccounts"].get((namespace, account)) or {}
+    if spec.get("automountServiceAccountToken", sa.get("automountServiceAccountToken", True)) is False:
+        return
+    name = f"kube-api-access-{secrets.token_hex(3)[:5]}"
+    spec.setdefault("volumes", []).append({"name": name, "projected": {"defaultMode": 420, "sources": [
+        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"},
+                                    "path": "namespace"}]}}]}})
+    for container in spec.get("containers") or []:
+        mounts = container.setdefault("volumeMounts", [])
+        if not any(mount.get("mountPath") == TOKEN_MOUNT_PATH for mount in mounts):
+            mounts.append({"name": name, "readOnly": True, "mountPath": TOKEN_MOUNT_PATH})
 
 
 def make_pod(cluster: Cluster, owner: dict, name: str, template: dict, extra_labels: dict) -> dict | None:
@@ -33,6 +59,7 @@ def make_pod(cluster: Cluster, owner: dict, name: str, template: dict, extra_lab
                      f'Error creating: pods "{name}" is forbidden: error looking up service account '
                      f'{namespace}/{account}: serviceaccount "{account}" not found', component)
         return None
+    mount_token(cluster, namespace, spec, account)
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": name, "namespace": namespace,
                         "labels": {**((template.get("metadata") or {}).get("labels") or {}), **extra_labels},

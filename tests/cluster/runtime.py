@@ -18,8 +18,8 @@ What runs for real and what is modelled:
   Services but the headless ones' DNS), cluster DNS (every pod's ``/etc/hosts`` names the pods of its
   namespace that have a subdomain, as the headless Service's DNS records would, as of the container's
   start), Ready = the container runs (no probes, as the kubelet reports a container without a readiness
-  probe). ``KUBERNETES_SERVICE_*`` name the ``kubernetes`` Service's address as on a cluster; the emulated
-  API server does not listen there (nothing laneflow runs in a pod calls it yet).
+  probe). ``KUBERNETES_SERVICE_*`` name the ``kubernetes`` Service's address as on a cluster, and a
+  connection there reaches the emulated API server over TLS (``network.PodNetwork.route_service``).
 
 Kubernetes behaviour followed: command replaces ENTRYPOINT and args replace CMD
 (``images.container_argv``); ``$(VAR)`` references in command, args and env values are expanded from the
@@ -65,7 +65,8 @@ def pod_runtime_missing() -> str | None:
     the images pods run from (buildah, debootstrap)."""
     if os.geteuid() != 0:
         return "the pod runtime needs root (mount, UTS, PID and network namespaces; CI runs as root)"
-    for tool, package in (("unshare", "util-linux"), ("nsenter", "util-linux"), ("ip", "iproute2")):
+    for tool, package in (("unshare", "util-linux"), ("nsenter", "util-linux"), ("ip", "iproute2"),
+                          ("iptables", "iptables")):
         if shutil.which(tool) is None:
             return f"the pod runtime needs {tool} (Debian's {package})"
     done = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--net", "true"],

@@ -15,10 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import trustme
+
 from tests.cluster.admission import check
 from tests.cluster.images import ImageRegistry
 from tests.cluster.objects import resource_of
 from tests.cluster.runtime import ContainerProcess
+from tests.cluster.watch_cache import WatchCache
 
 #: The emulated cluster's one node.
 NODE_NAME = "emulated-node"
@@ -48,6 +51,7 @@ class Request:
     namespace: str | None
     name: str | None
     verb: str
+    user: str = ""
 
 
 @dataclass
@@ -120,6 +124,19 @@ class Cluster:
     controller_errors: list[BaseException] = field(default_factory=list)
     version: int = 0
     url: str = ""
+    #: Every change as an event with its resourceVersion, what watches are served from.
+    watch_cache: WatchCache = field(default_factory=WatchCache)
+    #: How often a watch that asked for bookmarks gets one (about a minute upstream).
+    bookmark_interval_s: float = 60.0
+    #: When the server ends a watch that set no timeoutSeconds (--min-request-timeout, 1800 s upstream).
+    watch_timeout_s: float = 1800.0
+    #: Service-account tokens issued (authentication.issue_token), by token.
+    tokens: dict = field(default_factory=dict)
+    #: The cluster's CA (kube-apiserver's serving certificate is issued by it; pods get it as ``ca.crt``).
+    ca: trustme.CA = field(default_factory=trustme.CA)
+    #: Where pods reach the API server: the ``kubernetes`` Service's endpoint (node address, HTTPS port), set
+    #: by the emulator once it listens there.
+    service_endpoint: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
@@ -135,9 +152,21 @@ class Cluster:
 
     # --- for tests ----------------------------------------------------------------------------------
     def add_namespace(self, name: str) -> None:
-        """A namespace an administrator created (``kubectl create namespace``)."""
+        """A namespace an administrator created (``kubectl create namespace``), with what the controllers add
+        to every namespace: the ``default`` ServiceAccount (pkg/controller/serviceaccount) and the cluster's
+        CA as ConfigMap ``kube-root-ca.crt`` (pkg/controller/certificates/rootcacertpublisher)."""
         self.objects["namespaces"][("", name)] = {
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}, "status": {"phase": "Active"}}
+        self.objects["serviceaccounts"][(name, "default")] = {
+            "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": name}}
+        self.objects["configmaps"][(name, "kube-root-ca.crt")] = {
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+                "name": "kube-root-ca.crt", "namespace": name,
+                "annotations": {"kubernetes.io/description": "Contains a CA bundle that can be used to verify the "
+                                "kube-apiserver when using internal endpoints such as the internal service IP or "
+                                "kubernetes.default.svc. No other usage is guaranteed across distributions of "
+                                "Kubernetes clusters."}},
+            "data": {"ca.crt": self.ca.cert_pem.bytes().decode()}}
 
     def claim_dir(self, namespace: str, claim: str) -> Path:
         pvc = self.objects["persistentvolumeclaims"][(namespace, claim)]
@@ -165,6 +194,8 @@ class Cluster:
         with self.lock:
             for document in documents:
                 stored = check(document, "Strict").obj
+                if stored["kind"] == "Namespace":
+                    self.add_namespace(stored["metadata"]["name"])
                 resource = resource_of(stored["kind"])
                 namespaced = stored["kind"] not in ("ClusterRole", "ClusterRoleBinding", "Namespace",
                                                     "StorageClass", "VolumeSnapshotClass", "PersistentVolume")
