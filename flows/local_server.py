@@ -34,8 +34,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def api_url(port: int) -> str:
-    return f"http://127.0.0.1:{port}/api"
+def api_url(port: int, host: str = "127.0.0.1") -> str:
+    return f"http://{host}:{port}/api"
 
 
 def is_healthy(url: str) -> bool:
@@ -54,31 +54,34 @@ def is_healthy(url: str) -> bool:
 LEASE_STORAGE = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
 
 
-def server_env(home: Path, port: int) -> dict[str, str]:
-    """Environment for anything that talks to (or is) this server."""
+def server_env(home: Path, port: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """Environment for anything that talks to (or is) this server; ``host`` is the address it listens at
+    (0.0.0.0: every address of this machine, for clients elsewhere — pods of a cluster on this machine)."""
     return {
         **LEASE_STORAGE,
         "PREFECT_HOME": str(home / "prefect"),
         "PREFECT_API_URL": api_url(port),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_HOST": host,
         "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_UI_API_URL": api_url(port),
         "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
     }
 
 
-def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S) -> subprocess.Popen:
-    """Start ``prefect server start`` in its own session (it outlives this process) and wait until it is healthy."""
+def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S,
+                 host: str = "127.0.0.1") -> subprocess.Popen:
+    """Start ``prefect server start`` in its own session (it outlives this process) and wait until it is
+    healthy; it listens at ``host`` (see ``server_env``)."""
     url = api_url(port)
     home = home.resolve()
     (home / "prefect").mkdir(parents=True, exist_ok=True)
     log_path = home / "prefect" / "server.log"
     prefect = str(Path(sys.executable).parent / "prefect")
     with log_path.open("ab") as log:
-        process = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        process = subprocess.Popen([prefect, "server", "start", "--host", host, "--port", str(port)],
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **server_env(home, port)}, start_new_session=True)
+                                   env={**os.environ, **server_env(home, port, host)}, start_new_session=True)
     (home / "prefect" / "server.pid").write_text(f"{process.pid}\n")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -10,9 +10,13 @@ and 5xx.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
@@ -63,7 +67,8 @@ class AnfVolume(Block):
                                                               "DefaultAzureCredential")
     authority_host: str = Field(DEFAULT_AUTHORITY, description="Entra ID host (sovereign clouds differ)")
     arm_endpoint: str = Field("https://management.azure.com", description="Azure Resource Manager endpoint")
-    ca_bundle: str | None = Field(None, description="CA bundle to trust instead of the system's")
+    ca_bundle: str | None = Field(None, description="CA bundle to trust instead of the system's: a file, or the "
+                                                    "PEM text itself (a flow run in a pod then needs no file)")
     operation_timeout_s: float = Field(3600, gt=0, description="wait at most this long for a pool change")
     polling_interval_s: float = Field(10.0, ge=0, description="how often a long-running operation is polled when "
                                                               "the service names no Retry-After")
@@ -121,7 +126,19 @@ class AnfVolume(Block):
 
     # --- clients -------------------------------------------------------------------------------------
     def _verify(self) -> str | bool:
-        return self.ca_bundle or True
+        """What the Azure clients verify TLS with: the system's CAs, a bundle file, or the bundle's PEM text
+        written to a file of this process (the SDKs take a path only)."""
+        if not self.ca_bundle:
+            return True
+        if not self.ca_bundle.lstrip().startswith("-----BEGIN"):
+            return self.ca_bundle
+        digest = hashlib.sha256(self.ca_bundle.encode()).hexdigest()[:16]
+        path = Path(tempfile.gettempdir()) / f"laneflow-anf-ca-{digest}.pem"
+        if not path.exists():
+            staged = path.with_suffix(f".{os.getpid()}.tmp")
+            staged.write_text(self.ca_bundle)
+            staged.replace(path)
+        return str(path)
 
     def _credential(self) -> Any:
         from azure.identity import ClientSecretCredential, DefaultAzureCredential

@@ -6,6 +6,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,10 +181,13 @@ class SessionServer:
         from flows.local_server import start_server
 
         stop_process(self.process, grace_s=30)
-        self.process = start_server(self.home, self.port)
+        self.process = start_server(self.home, self.port, host=SESSION_SERVER_HOST)
 
 
 _SESSION_SERVERS: list[SessionServer] = []
+#: The session server listens on every address of this machine: the emulated cluster's pods (flow runs the
+#: Kubernetes worker starts) reach it at the pod network's node address, as pods reach a Prefect server.
+SESSION_SERVER_HOST = "0.0.0.0"
 
 
 @pytest.fixture(scope="session")
@@ -201,7 +205,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     for attempt in range(3):
         port = free_port()
         try:
-            server = SessionServer(home, port, start_server(home, port))
+            server = SessionServer(home, port, start_server(home, port, host=SESSION_SERVER_HOST))
             break
         except RuntimeError:  # it exited: the other xdist worker's server may have taken the port meanwhile
             if attempt == 2:
@@ -248,14 +252,21 @@ def emulator(tmp_path: Path) -> Iterator[tuple]:
         yield emulator, cluster
 
 
-@pytest.fixture
-def arm(tmp_path: Path) -> Iterator[tuple]:
-    """The ARM emulator with a NetApp account of three pools and a 2 TiB volume ``tusimple`` on Standard:
-    (the emulator, its state)."""
+@contextmanager
+def arm_with_tusimple(folder: Path, host: str = "127.0.0.1") -> Iterator[tuple]:
+    """The ARM emulator (listening at ``host``) with a NetApp account of three pools and a 2 TiB volume
+    ``tusimple`` on Standard: (the emulator, its state)."""
     from tests.azure import ArmEmulator
 
-    emulator = ArmEmulator(tmp_path / "arm")
+    emulator = ArmEmulator(folder, host=host)
     with emulator as state:
         state.pools = {"pool-standard": "Standard", "pool-premium": "Premium", "pool-ultra": "Ultra"}
         state.volumes["tusimple"] = {"pool": "pool-standard", "level": "Standard", "quota": 2 * 1024 ** 4}
         yield emulator, state
+
+
+@pytest.fixture
+def arm(tmp_path: Path) -> Iterator[tuple]:
+    """``arm_with_tusimple`` on 127.0.0.1, for clients of this machine."""
+    with arm_with_tusimple(tmp_path / "arm") as pair:
+        yield pair

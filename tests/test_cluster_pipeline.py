@@ -38,11 +38,12 @@ def rendered(folder: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
-def granted(documents: list[dict], namespace: str | None) -> set[tuple[str, str]]:
-    """(verb, resource) the Roles in ``namespace`` (None: ClusterRoles) give."""
+def granted(documents: list[dict], namespace: str | None, role: str = "laneflow-flows") -> set[tuple[str, str]]:
+    """(verb, resource) the Roles called ``role`` in ``namespace`` (None: every ClusterRole) give."""
     kinds = ("ClusterRole",) if namespace is None else ("Role",)
     return {(verb, resource) for doc in documents if doc["kind"] in kinds
             and doc["metadata"].get("namespace") == namespace
+            and (namespace is None or doc["metadata"]["name"] == role)
             for rule in doc["rules"] for verb in rule["verbs"] for resource in rule["resources"]}
 
 

@@ -25,7 +25,6 @@ from tests import leaks
 from tests.browser import Browser, find_chromium
 from tests.conftest import PROJECT_ROOT, SESSION_MARKER, TEST_OUTPUT
 from tests.gpu_limit import active_gpu_slots, lease_released, operator_gpu_limit
-from tests.test_anf import anf_volume, on_anf
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deployments")]
@@ -302,50 +301,6 @@ def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_swe
     study = optuna.load_study(study_name="cxl", storage=JournalStorage(JournalFileBackend(journal)))
     retries = {trial.user_attrs.get("retry_of"): trial.user_attrs["run_key"] for trial in study.trials[2:]}
     assert retries == keys  # trial 2 runs trial 0 again, trial 3 trial 1, each under its own run key
-
-
-def test_cancelling_a_cluster_run_that_promoted_its_volume_stops_the_mpijob_and_returns_the_volume(
-        deployed: dict, served_archive: tuple[str, str], arm: tuple, tmp_path: Path) -> None:
-    """Cancel from the UI while an MPIJob trains on a volume promoted to Premium: the worker ends the run,
-    its hook deletes the MPIJob (and with it the launcher and workers) and moves the volume back."""
-    from prefect.states import Cancelling
-
-    from tests.cluster import KubernetesEmulator
-    from tests.cluster.runtime import pod_runtime_missing
-    from tests.cluster_platform_helpers import cluster_platform
-    from tests.test_pipeline import params_for
-
-    if missing := pod_runtime_missing():
-        pytest.skip(missing)
-    emulator, state = arm
-    k8s = KubernetesEmulator(tmp_path / "k8s")
-    on_anf(k8s, state)
-    with k8s as cluster:
-        cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-cancel", overwrite=True)
-        parameters = json.loads(json.dumps(params_for(served_archive, platform="emu-anf-cancel", volume="tusimple",
-                                                      promote=True, epochs=500),
-                                           default=lambda value: value.model_dump(mode="json")))
-        with get_client(sync_client=True) as client:
-            deployment = client.read_deployment_by_name("train_pipeline/train")
-            flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
-        log = tmp_path / "worker.log"
-        with log.open("wb") as sink, running_worker(deployed, sink):
-            deadline = time.monotonic() + 400
-            while not any("launcher" in name and pod["status"].get("phase") == "Running"
-                          for (_, name), pod in list(cluster.objects["pods"].items())):
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-            assert state.volumes["tusimple"]["pool"] == "pool-premium"
-            with get_client(sync_client=True) as client:
-                client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
-                deadline = time.monotonic() + 240
-                while not (final := client.read_flow_run(flow_run.id).state).is_final():
-                    assert time.monotonic() < deadline, f"still {final.name}: {log.read_text()[-3000:]}"
-                    time.sleep(1)
-            cluster.wait_empty("mpijobs")
-        assert final.is_cancelled(), final
-    state.run_out()
-    assert state.volumes["tusimple"]["pool"] == "pool-standard", log.read_text()[-3000:]
 
 
 def test_ctrl_c_stops_laneflow_serve_cleanly_and_leaves_the_server_running(deployed: dict,

@@ -33,8 +33,10 @@ def test_kustomize_base_renders_every_object_in_the_namespace() -> None:
     assert warnings == ""  # kustomize >= 5.3 warns about the deprecated commonLabels
     kinds = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects)
     assert kinds == ["ClusterRole/laneflow-volumes", "ClusterRoleBinding/laneflow-volumes", "Namespace/laneflow",
-                     "Role/laneflow-flows", "RoleBinding/laneflow-flows", "ServiceAccount/laneflow-flows",
-                     "ServiceAccount/laneflow-training", "StorageClass/azure-netapp-files",
+                     "Role/laneflow-flows", "Role/prefect-worker", "RoleBinding/laneflow-flows",
+                     "RoleBinding/prefect-worker", "ServiceAccount/laneflow-flows",
+                     "ServiceAccount/laneflow-training", "ServiceAccount/prefect-worker",
+                     "StorageClass/azure-netapp-files",
                      "VolumeSnapshotClass/csi-anf-snapclass"]
     namespaced = [o for o in objects if o["kind"] in ("Role", "RoleBinding", "ServiceAccount")]
     assert all(o["metadata"]["namespace"] == "laneflow" for o in namespaced)

@@ -36,7 +36,7 @@ def _collect(core: kubernetes.client.CoreV1Api, events: list, stop: threading.Ev
 
 def test_a_watch_from_a_listed_version_sees_each_change_once_and_selector_moves_as_added_or_deleted(
         emulator: tuple) -> None:
-    emu, cluster = emulator
+    emu, _ = emulator
     core, _ = client_apis(emu)
     core.create_namespaced_config_map("lanes", _configmap("before", {"app": "lanes"}))
     listed = core.list_namespaced_config_map("lanes", label_selector="app=lanes")
@@ -152,7 +152,8 @@ from kubernetes.client.exceptions import ApiException
 kubernetes.config.load_incluster_config()
 core = kubernetes.client.CoreV1Api()
 secrets_dir = "/var/run/secrets/kubernetes.io/serviceaccount"
-found = {"host": os.environ["KUBERNETES_SERVICE_HOST"], "files": sorted(f for f in os.listdir(secrets_dir) if not f.startswith("..")),
+found = {"host": os.environ["KUBERNETES_SERVICE_HOST"],
+         "files": sorted(f for f in os.listdir(secrets_dir) if not f.startswith("..")),
          "namespace": open(secrets_dir + "/namespace").read(),
          "pods": [p.metadata.name for p in core.list_namespaced_pod("lanes").items]}
 try:
@@ -181,7 +182,8 @@ def test_a_pod_reaches_the_api_server_with_its_service_account_token_and_is_refu
                    "rules": [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]},
                   {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
                    "metadata": {"name": "admin-for-test"},
-                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin-for-test"},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                               "name": "admin-for-test"},
                    "subjects": [{"kind": "ServiceAccount", "name": cluster.user[1], "namespace": cluster.user[0]}]}])
     core, _ = client_apis(emu)
     batch = kubernetes.client.BatchV1Api(core.api_client)

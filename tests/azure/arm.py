@@ -352,19 +352,20 @@ def _moving(arm: Arm, volume: str) -> bool:
 class ArmEmulator:
     """``with ArmEmulator(tmp) as arm: ...``; ``ca_file`` is the CA bundle clients must trust."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, host: str = "127.0.0.1") -> None:
+        """``host``: the address to listen at (the pod network's node address for clients in pods)."""
         self.ca = trustme.CA()
-        cert = self.ca.issue_cert("127.0.0.1", "localhost")
+        cert = self.ca.issue_cert(host, "localhost")
         self.ca_file = folder / "arm-ca.pem"
         folder.mkdir(parents=True, exist_ok=True)
         self.ca.cert_pem.write_to_path(str(self.ca_file))
         self.arm = Arm()
         handler = type("Handler", (_Handler,), {"arm": self.arm})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server = ThreadingHTTPServer((host, 0), handler)
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         cert.configure_cert(context)
         self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
-        self.arm.base = f"https://127.0.0.1:{self.server.server_address[1]}"
+        self.arm.base = f"https://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> Arm:

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import json
 import re
+import secrets
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -205,6 +206,12 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
                 version = RESOURCES[resource][1]
                 body.setdefault("apiVersion", f"{group}/{version}" if group else version)
                 body.setdefault("kind", kind)
+                metadata = body.get("metadata")
+                if isinstance(metadata, dict) and not metadata.get("name") and metadata.get("generateName"):
+                    # rest.BeforeCreate: the name is generateName plus five random characters
+                    # (apiserver storage/names SimpleNameGenerator), before the object is validated.
+                    metadata["name"] = metadata["generateName"][:58] + "".join(
+                        secrets.choice("bcdfghjklmnpqrstvwxz2456789") for _ in range(5))
             checked = check(body, (query.get("fieldValidation") or [None])[0])
             obj = checked.obj
             if obj["kind"] != kind:
