@@ -62,6 +62,7 @@ def test_a_watch_from_a_listed_version_sees_each_change_once_and_selector_moves_
     versions = [int(obj["metadata"]["resourceVersion"]) for _, obj in events]
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
     assert events[1][1]["data"] == {"k": "w"}
+    assert "tier" not in events[2][1]["metadata"]["labels"]  # the one that left: as it was before, at a new version
     # What the watch said last is what a GET says now.
     assert core.read_namespaced_config_map("last", "lanes").metadata.resource_version == \
         events[-1][1]["metadata"]["resourceVersion"]

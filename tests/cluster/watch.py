@@ -8,17 +8,21 @@ one chunked HTTP response of newline-delimited ``{"type": ..., "object": ...}`` 
   Expired`` (``newErrWatcher``: once the request passed authorization, a too-old version is an in-stream
   error, not an HTTP status), after which the client must list again.
 - Label and field selectors filter as on a list; an object that stops matching is sent as DELETED, one
-  that starts matching as ADDED (``cacheWatcher.convertToWatchEvent``).
+  that starts matching as ADDED (``cacheWatcher.convertToWatchEvent``; the DELETED one carries the
+  object's previous content at the new resourceVersion).
 - ``allowWatchBookmarks=true``: a BOOKMARK event (the kind and apiVersion, ``metadata.resourceVersion``
   only) about once a minute while nothing else is sent (``Cluster.bookmark_interval_s``), so a client can
   resume from a recent version.
 - ``timeoutSeconds`` ends the stream; without it the server ends it after its own timeout
-  (``Cluster.watch_timeout_s``; kube-apiserver: ``--min-request-timeout`` 1800 s, randomized up to twice).
+  (``Cluster.watch_timeout_s``, randomized up to twice as long as kube-apiserver's ``--min-request-timeout``
+  of 1800 s is).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 import select
 import socket
 import ssl
@@ -98,7 +102,7 @@ class WatchStream:
         cluster = self.cluster
         for event_type, obj in initial:
             self._event(event_type, obj)
-        timeout = float(one("timeoutSeconds") or cluster.watch_timeout_s)
+        timeout = float(one("timeoutSeconds") or cluster.watch_timeout_s * random.uniform(1, 2))
         bookmarks = one("allowWatchBookmarks") == "true"
         deadline = time.monotonic() + timeout
         next_bookmark = time.monotonic() + cluster.bookmark_interval_s
@@ -118,8 +122,12 @@ class WatchStream:
                         was, now = wanted(event.previous), event.type != "DELETED" and wanted(event.obj)
                         if now:
                             out.append(("MODIFIED" if was else "ADDED", event.obj))
-                        elif was:
+                        elif was and event.type == "DELETED":
                             out.append(("DELETED", event.obj))
+                        elif was:  # stopped matching: its previous content, at this event's version
+                            gone = copy.deepcopy(event.previous)
+                            gone["metadata"]["resourceVersion"] = str(event.version)
+                            out.append(("DELETED", gone))
                     if not out:
                         cluster.changed.wait(min(0.5, max(0.0, deadline - time.monotonic())))
                 current = cluster.version
