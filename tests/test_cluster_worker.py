@@ -48,8 +48,9 @@ def _prefect(args: list[str], env: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_server: dict, served_archive: tuple[str, str]) -> dict[str, str]:
-    """The README's commands: the pool from the shipped template, then the cluster deployments."""
+def deployed(prefect_server: dict, served_archive: tuple[str, str]) -> Iterator[dict[str, str]]:
+    """The README's commands: the pool from the shipped template, then the cluster deployments (removed
+    again afterwards: the session's server is shared with other modules)."""
     url, sha256 = served_archive
     env = {**os.environ, **prefect_server, "LANEFLOW_IMAGE": TRAIN_IMAGE, "LANEFLOW_PLATFORM": "emu-k8s-flows",
            **{f"{prefix}_{field}": value for prefix in ("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL")
@@ -57,11 +58,14 @@ def deployed(prefect_server: dict, served_archive: tuple[str, str]) -> dict[str,
     _prefect(["work-pool", "create", POOL, "--type", "kubernetes", "--overwrite", "--base-job-template",
               str(PROJECT_ROOT / "deployments" / "kubernetes-work-pool.json")], env)
     _prefect(["deploy", "--prefect-file", "deployments/prefect-kubernetes.yaml", "--all"], env)
-    return env
+    yield env
+    _prefect(["deployment", "delete", DEPLOYMENT], env)
+    _prefect(["work-pool", "delete", POOL], env)
 
 
 @contextmanager
-def kubernetes_worker(emu, env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
+def kubernetes_worker(emu, env: dict[str, str], log: Path,
+                      observer_namespaces: str | None = "laneflow") -> Iterator[subprocess.Popen]:
     """``prefect worker start --type kubernetes`` as an operator runs it outside the cluster: a kubeconfig
     with a token of service account ``prefect-worker`` for the cluster's HTTPS endpoint, the observer
     namespaced to ``laneflow``, and the Prefect API at the address pods reach it at (the worker hands its
@@ -73,8 +77,9 @@ def kubernetes_worker(emu, env: dict[str, str], log: Path) -> Iterator[subproces
                                                         token=emu.token("laneflow", "prefect-worker"))))
     port = env["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0]
     worker_env = {**env, "KUBECONFIG": str(kubeconfig), "PREFECT_API_URL": f"http://{node_address()}:{port}/api",
-                  "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES": "laneflow",
                   "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    if observer_namespaces is not None:
+        worker_env["PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES"] = observer_namespaces
     with log.open("wb") as sink, running([PREFECT, "worker", "start", "--pool", POOL, "--type", "kubernetes"],
                                          stop_signals=PREFECT_WORKER_SIGNALS, grace_s=20, env=worker_env,
                                          cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT) as worker:
@@ -93,13 +98,28 @@ def _start(parameters: dict, job_variables: dict | None = None) -> object:
                                                       job_variables=job_variables)
 
 
+def _waiting(what: str, check, log: Path, timeout_s: float, every_s: float = 1.0):
+    """``wait_until``, with the worker's log as it is by then when it gives up."""
+    try:
+        return wait_until(what, check, timeout_s=timeout_s, every_s=every_s)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; worker log: {log.read_text()[-3000:]}") from None
+
+
 def _final_state(flow_run_id: object, log: Path, worker: subprocess.Popen, timeout_s: float = 600) -> object:
     def final() -> object:
         assert worker.poll() is None, f"the worker exited: {log.read_text()[-3000:]}"
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(flow_run_id).state
         return state if state is not None and state.is_final() else None
-    return wait_until(f"the flow run's end; worker log: {log.read_text()[-2000:]}", final, timeout_s=timeout_s)
+    return _waiting("the flow run's end", final, log, timeout_s)
+
+
+def _launcher_running(cluster, log: Path) -> None:
+    """Until the run's MPIJob launcher runs: training has started."""
+    _waiting("a running launcher", lambda: any("launcher" in name and pod["status"].get("phase") == "Running"
+                                               for (_, name), pod in list(cluster.objects["pods"].items())),
+             log, timeout_s=400, every_s=0.5)
 
 
 def _flow_pods(cluster, flow_run_id: object) -> list[dict]:
@@ -182,10 +202,7 @@ def test_cancelling_from_the_ui_stops_the_flow_whose_hook_deletes_the_mpijob_and
         flow_run = _start(_parameters(served_archive, promote=True, epochs=500))
         log = tmp_path / "worker.log"
         with kubernetes_worker(k8s, deployed, log) as worker:
-            wait_until(f"a running launcher; worker log: {log.read_text()[-2000:]}",
-                       lambda: any("launcher" in name and pod["status"].get("phase") == "Running"
-                                   for (_, name), pod in list(cluster.objects["pods"].items())), timeout_s=400,
-                       every_s=0.5)
+            _launcher_running(cluster, log)
             assert state.volumes["tusimple"]["pool"] == "pool-premium"
             with get_client(sync_client=True) as client:
                 client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
@@ -214,13 +231,10 @@ def test_a_killed_flow_pod_is_marked_crashed_by_the_observer_and_a_retry_adopts_
     emu, cluster = emulator
     cluster.load(rendered("base"))
     cluster_platform(emu, credentials=None, namespace="laneflow").save("emu-k8s-flows", overwrite=True)
-    flow_run = _start(_parameters(served_archive, epochs=6, snapshot=False))
+    flow_run = _start(_parameters(served_archive, epochs=2, snapshot=False))
     log = tmp_path / "worker.log"
     with kubernetes_worker(emu, deployed, log) as worker:
-        wait_until(f"a running launcher; worker log: {log.read_text()[-2000:]}",
-                   lambda: any("launcher" in name and pod["status"].get("phase") == "Running"
-                               for (_, name), pod in list(cluster.objects["pods"].items())), timeout_s=400,
-                   every_s=0.5)
+        _launcher_running(cluster, log)
         (mpijob,) = cluster.objects["mpijobs"].values()
         (flow_pod,) = _flow_pods(cluster, flow_run.id)
         with cluster.lock:
@@ -260,11 +274,26 @@ def test_a_run_whose_image_does_not_exist_says_so_in_its_log_and_never_starts(
     def pull_error_logged() -> list[str]:
         return [message for message in flow_run_messages(str(flow_run.id)) if typo in message]
     with kubernetes_worker(emu, deployed, log):
-        logged = wait_until(f"the image pull failure in the run's log; worker log: {log.read_text()[-2000:]}",
-                            pull_error_logged, timeout_s=180)
+        logged = _waiting("the image pull failure in the run's log", pull_error_logged, log, timeout_s=180)
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(flow_run.id).state
             client.delete_flow_run(flow_run.id)  # no later worker of this pool meets it
     assert "Failed to pull image" in logged[0] and "not found" in logged[0], logged
     assert not state.is_running() and not state.is_final(), state
     assert not cluster.objects["persistentvolumeclaims"] and not cluster.objects["mpijobs"]
+
+
+@needs_kubectl
+def test_a_worker_watching_beyond_its_role_is_refused_with_403_naming_what_it_may_not_do(
+        deployed: dict, emulator: tuple, tmp_path: Path) -> None:
+    """The worker's Role is namespaced: started without ``..._OBSERVER_NAMESPACES`` its observer lists pods
+    and Jobs cluster-wide, which the API server refuses, and the worker's log says so in its words."""
+    emu, cluster = emulator
+    cluster.load(rendered("base"))
+    log = tmp_path / "worker.log"
+    with kubernetes_worker(emu, deployed, log, observer_namespaces=None):
+        _waiting("the cluster-wide list refused", lambda: 'cannot list resource "pods" in API group "" at the '
+                 'cluster scope' in log.read_text(), log, timeout_s=120, every_s=0.5)
+    assert f'User "{WORKER_ACCOUNT}"' in log.read_text()
+    assert ("list", "pods", None) in {(r.verb, r.resource, r.namespace) for r in cluster.requests
+                                      if r.user == WORKER_ACCOUNT}
