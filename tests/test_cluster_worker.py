@@ -297,3 +297,18 @@ def test_a_worker_watching_beyond_its_role_is_refused_with_403_naming_what_it_ma
     assert f'User "{WORKER_ACCOUNT}"' in log.read_text()
     assert ("list", "pods", None) in {(r.verb, r.resource, r.namespace) for r in cluster.requests
                                       if r.user == WORKER_ACCOUNT}
+
+
+def test_a_deployment_to_a_pool_that_does_not_exist_is_refused_naming_the_pool(deployed: dict,
+                                                                              tmp_path: Path) -> None:
+    """A typo in the pool's name (``work_pool.name`` of the deployment file): ``prefect deploy`` refuses it
+    and says which pool does not exist, before any run could wait for a worker that never comes."""
+    wrong = tmp_path / "prefect-kubernetes.yaml"
+    wrong.write_text((PROJECT_ROOT / "deployments" / "prefect-kubernetes.yaml").read_text()
+                     .replace(f"name: {POOL}", "name: laneflow-k8z"))
+    done = subprocess.run([PREFECT, "--no-prompt", "deploy", "--prefect-file", str(wrong), "--all"], cwd=PROJECT_ROOT,
+                          env=deployed, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "references work pool 'laneflow-k8z' which does not" in " ".join((done.stdout + done.stderr).split())
+    with get_client(sync_client=True) as client:
+        assert not [d for d in client.read_deployments() if d.work_pool_name == "laneflow-k8z"]
