@@ -34,8 +34,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def api_url(port: int, host: str = "127.0.0.1") -> str:
-    return f"http://{host}:{port}/api"
+def api_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}/api"
 
 
 def is_healthy(url: str) -> bool:

@@ -1,10 +1,13 @@
-"""The emulated cluster's API server, on 127.0.0.1: it speaks the REST paths the real ``kubernetes`` client
-uses (GET, list with label and field selectors, POST, PATCH, PUT, DELETE; no watch) and is as strict as
-the real server (``admission.py``): every object is checked against the published schemas and refused
-the way the API server refuses it, unknown fields are dropped with a warning (or refused under
-``fieldValidation=Strict``), MPIJob CRD defaults are stored, and — when RBAC is loaded — every request
-is authorized against the Roles and ClusterRoles bound to the caller's service account
-(``authorization.py``). Storage follows apiserver ``registry/generic/registry/store.go``: a new object
+"""The emulated cluster's API server (plain HTTP on 127.0.0.1 and HTTPS at the node address, ``emulator.py``):
+it speaks the REST paths the real ``kubernetes`` client and kopf use (GET, list with label and field
+selectors (``selectors.py``), watch (``watch.py``, from the watch cache of ``watch_cache.py``), POST,
+PATCH, PUT, DELETE, and the discovery documents of ``discovery.py``) and is as strict as the real server
+(``admission.py``): every object is checked against the published schemas and refused the way the API
+server refuses it, unknown fields are dropped with a warning (or refused under
+``fieldValidation=Strict``), MPIJob CRD defaults are stored; the caller is authenticated by its bearer
+token (``authentication.py``) and — when RBAC is loaded — every request is authorized against the Roles
+and ClusterRoles bound to its service account (``authorization.py``). Storage follows apiserver
+``registry/generic/registry/store.go``: a new object
 gets its system metadata and goes to its controller (``controller_manager.py``); DELETE reads its
 ``propagationPolicy`` (a batch/v1 Job's default is Orphan, with the API server's warning) and deletes
 as the garbage collector does (``garbage_collector.py``); ``pods/log`` is the kubelet's log
@@ -15,8 +18,9 @@ manager; 415 for the rest and for strategic merge of custom resources), PUT with
 concurrency, immutable fields refused, PVC resize only where the class allows it
 (``admission.check_resize``).
 
-Faults are queued per call type (``("POST", "mpijobs")``): 429 with Retry-After, 500, a reset before
-or after the call took effect, 403. Every request is recorded with its namespace and RBAC verb.
+Faults are queued per call type (``("POST", "mpijobs")``; ``("WATCH", "pods")`` for watches, so a
+long-lived watcher never takes a fault meant for a list): 429 with Retry-After, 500, a reset before or
+after the call took effect, 403. Every request is recorded with its namespace, RBAC verb and user.
 """
 
 from __future__ import annotations

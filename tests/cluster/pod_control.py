@@ -12,6 +12,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from tests.cluster.admission import limit_range_defaults
+from tests.cluster.authentication import POD_TOKEN_SECONDS
 from tests.cluster.kubelet import set_container_state
 from tests.cluster.objects import controller_ref, record_event, stamp_metadata
 from tests.cluster.state import OPERATOR
@@ -35,7 +36,7 @@ def mount_token(cluster: Cluster, namespace: str, spec: dict, account: str) -> N
         return
     name = f"kube-api-access-{secrets.token_hex(3)[:5]}"
     spec.setdefault("volumes", []).append({"name": name, "projected": {"defaultMode": 420, "sources": [
-        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+        {"serviceAccountToken": {"expirationSeconds": POD_TOKEN_SECONDS, "path": "token"}},
         {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
         {"downwardAPI": {"items": [{"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"},
                                     "path": "namespace"}]}}]}})

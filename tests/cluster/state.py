@@ -113,7 +113,8 @@ class Cluster:
     #: name, PV name, bytes) as Trident provisions a claim, it makes (or, for an imported volume, finds) the ANF
     #: volume and returns its resource id, which the PV then carries as ``internalID`` (pv_binder).
     anf_backend: Callable[[str, str, str, int], str] | None = None
-    #: The caller, as an RBAC subject; requests are authorized once `load` brought RBAC objects.
+    #: Who the test's own kubeconfig token (authentication.KUBECONFIG_TOKEN) authenticates as; requests are
+    #: authorized once `load` brought RBAC objects.
     user: tuple[str, str] = ("laneflow", "laneflow-flows")
     rbac_enforced: bool = False
     #: The MPI operator's in-memory view of each MPIJob (defaulted spec), by (namespace, name).

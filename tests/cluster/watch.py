@@ -27,6 +27,7 @@ import select
 import socket
 import ssl
 import time
+from collections.abc import Callable
 
 from tests.cluster.apierrors import Rejection, status_body
 from tests.cluster.objects import RESOURCES
@@ -98,7 +99,8 @@ class WatchStream:
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
             return
 
-    def _follow(self, resource: str, kind: str, api_version: str, wanted, initial: list, version: int, one) -> None:
+    def _follow(self, resource: str, kind: str, api_version: str, wanted: Callable[[dict | None], bool],
+                initial: list[tuple[str, dict]], version: int, one: Callable[[str], str]) -> None:
         cluster = self.cluster
         for event_type, obj in initial:
             self._event(event_type, obj)
