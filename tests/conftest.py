@@ -54,6 +54,20 @@ def pytest_configure(config: pytest.Config) -> None:
     _controller = not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Refuse to run a test that ``xdist_group`` should have grouped and did not: pytest-xdist's loadgroup
+    marks a grouped test by appending ``@<group>`` to its node id on each worker, and a pytest whose node ids
+    ignore that (9.2: pytest-dev/pytest-xdist#1386) spreads a module's tests over both workers without a
+    word — each then builds the module's expensive fixture again, and tests meant to share one server no
+    longer do."""
+    if item.config.getoption("loadgroup", False) and "@" not in item.nodeid.rsplit("::", 1)[-1] \
+            and any(True for _ in item.iter_markers("xdist_group")):
+        pytest.fail(f"--dist loadgroup did not group this test marked xdist_group: this pytest "
+                    f"({pytest.__version__}) and pytest-xdist disagree on node ids (pytest-dev/pytest-xdist#1386). "
+                    "Install the versions scripts/constraints.txt pins (make install), or run with -n 0.",
+                    pytrace=False)
+
+
 def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
     if _controller:
         return

@@ -21,10 +21,11 @@ from flows.predict import resolve_package
 from flows.restore import restore
 from flows.sweep import sweep
 from flows.train import GPU_LIMIT, train_pipeline
+from tasks.gpu_slot import GPU_LEASE_LABEL, release_slot_of
 from tasks.platforms import LocalPlatform
 from tasks.processes import run_to_end
 from tests.conftest import PROJECT_ROOT
-from tests.gpu_limit import operator_gpu_limit
+from tests.gpu_limit import lease_released, operator_gpu_limit
 from tests.test_pipeline import params_for
 
 pytestmark = pytest.mark.slow
@@ -259,6 +260,10 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
         children = {run.name: run for run in runs}
         resumed = client.read_flow_run(children["killed-trial-2"].id)
     assert sorted(children) == ["killed-trial-0", "killed-trial-1", "killed-trial-2"]  # trial 0 ran once
+    # Killed outright, the run could not hand its slot back; it named the slot's lease on itself, so it is
+    # freed at once (as the sweep's hooks do) rather than when the lease expires, minutes later.
+    lease = children["killed-trial-1"].labels[GPU_LEASE_LABEL]
+    assert release_slot_of(children["killed-trial-1"].id) and lease_released(lease)
     assert children["killed-trial-0"].state.is_completed()
     record = json.loads((metrics.parent / "launcher.json").read_text())
     assert record["attempts"] == 2 and resumed.state.is_completed()
