@@ -33,6 +33,7 @@ def gpu_slot(flow_run_id: str, warn: Callable[[str], None]) -> Iterator[None]:
     named on flow run ``flow_run_id`` (and held in its name) so it can be released from outside."""
     # Prefect records each lease it grants on the run's ConcurrencyContext (to release it if the block is
     # cancelled before it can); that is the only place the lease's id is visible to the caller.
+    _release_earlier_attempts_slot(flow_run_id, warn)
     context = ConcurrencyContext.get()
     before = set(context.cleanup_lease_ids) if context is not None else set()
     with concurrency(GPU_LIMIT, occupy=1, holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id))):
@@ -44,7 +45,35 @@ def gpu_slot(flow_run_id: str, warn: Callable[[str], None]) -> Iterator[None]:
             except Exception as exc:  # the slot is held all the same; only a release from outside is lost
                 warn(f"could not name this run's '{GPU_LIMIT}' slot on its flow run ({exc}): if the run is killed, "
                      "its slot stays taken until Prefect's lease on it expires (5 minutes)")
-        yield
+        try:
+            yield
+        finally:
+            if granted:  # handed back as the block ends: a later attempt of this run finds no lease named
+                _name_lease(flow_run_id, "")
+
+
+def _name_lease(flow_run_id: str, lease: str) -> None:
+    """Name ``lease`` on the flow run ("": none); best effort once the slot is handed back (an old name only
+    makes a later attempt revoke a lease that is already gone, which does nothing)."""
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run_labels(UUID(flow_run_id), {GPU_LEASE_LABEL: lease})
+    except Exception:
+        pass
+
+
+def _release_earlier_attempts_slot(flow_run_id: str, warn: Callable[[str], None]) -> None:
+    """A run takes its slot once per attempt, so a lease already named on it is an earlier attempt's: one whose
+    process was killed before it could hand the slot back (the OOM killer, a lost node: no hook runs), and the
+    run is now being retried. Without this the retry would wait for its own slot until Prefect's lease on it
+    expired (5 minutes, with a limit of one). Revoking a lease that is already gone does nothing."""
+    try:
+        if release_slot_of(flow_run_id):
+            warn(f"this run's earlier attempt still held a '{GPU_LIMIT}' slot (its process was killed before it "
+                 "could hand it back): released")
+    except Exception as exc:  # then the retry waits for that lease to expire, as without this
+        warn(f"could not release the '{GPU_LIMIT}' slot of this run's earlier attempt ({exc}): this attempt waits "
+             "until Prefect's lease on it expires (5 minutes) if no other slot is free")
 
 
 def release_slot_of(flow_run_id: Any) -> bool:

@@ -28,6 +28,7 @@ from prefect import get_client
 from tasks.processes import PREFECT_WORKER_SIGNALS, running
 from tests.cluster_platform_helpers import TRAIN_IMAGE, cluster_platform
 from tests.conftest import PROJECT_ROOT, arm_with_tusimple
+from tests.gpu_limit import operator_gpu_limit
 from tests.test_cluster_pipeline import flow_run_messages, granted, needs_kubectl, rendered
 from tests.test_pipeline import params_for
 from tests.waiting import wait_until
@@ -225,7 +226,9 @@ def test_a_killed_flow_pod_is_marked_crashed_by_the_observer_and_a_retry_adopts_
     """The flow pod's process is killed while its MPIJob trains (as the kernel's OOM killer or a lost node
     ends it: SIGKILL, no hook runs): the Job fails, the worker's observer sees it in its watch and marks the
     run Crashed. Retrying the run from the UI starts a new Job whose flow adopts the MPIJob still training
-    (named after the flow run) instead of submitting a second one, and completes."""
+    (named after the flow run) instead of submitting a second one, and completes. On a cluster with one
+    'gpu' slot the retry takes back the slot its killed attempt could not hand back, rather than waiting
+    minutes for Prefect's lease on it to expire."""
     from prefect.states import AwaitingRetry
 
     emu, cluster = emulator
@@ -233,7 +236,7 @@ def test_a_killed_flow_pod_is_marked_crashed_by_the_observer_and_a_retry_adopts_
     cluster_platform(emu, credentials=None, namespace="laneflow").save("emu-k8s-flows", overwrite=True)
     flow_run = _start(_parameters(served_archive, epochs=2, snapshot=False))
     log = tmp_path / "worker.log"
-    with kubernetes_worker(emu, deployed, log) as worker:
+    with operator_gpu_limit(1), kubernetes_worker(emu, deployed, log) as worker:
         _launcher_running(cluster, log)
         (mpijob,) = cluster.objects["mpijobs"].values()
         (flow_pod,) = _flow_pods(cluster, flow_run.id)
@@ -253,6 +256,7 @@ def test_a_killed_flow_pod_is_marked_crashed_by_the_observer_and_a_retry_adopts_
     messages = flow_run_messages(str(flow_run.id))
     assert any(message.startswith(f"training job {mpijob['metadata']['name']} adopted") for message in messages), \
         [message for message in messages if message.startswith("training job")]
+    assert any("earlier attempt still held a 'gpu' slot" in message for message in messages), messages
     # What the observer needed beyond a completed run: reading a failed Job's pods' logs to forward them.
     used = {(r.verb, r.resource) for r in cluster.requests if r.user == WORKER_ACCOUNT}
     assert used <= granted(rendered("base"), "laneflow", role="prefect-worker")
