@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the platforms import this module
+    from tasks.k8s.diagnose import PodEnd
     from tasks.platforms.base import TrainingSpec
     from training.data.sources import Artifact
 
@@ -37,12 +38,29 @@ STOPPED_ON_REQUEST = "stopped on request"  # training.train honoured a stop requ
 #: the launcher pod evicted — the operator appends the last failed launcher pod's reason to
 #: ``BackoffLimitExceeded`` (kubeflow/mpi-operator ``updateMPIJobFailedStatus``).
 EVICTED_REASONS = ("MPIJobEvicted", "BackoffLimitExceeded/Evicted")
-_PREFIX = re.compile(r"^\[(?:(?P<job>\d+),)?(?P<rank>\d+)\]<(?P<stream>stdout|stderr|stddiag)>:")
+_TAG = re.compile(r"\[(?:(?P<job>\d+),)?(?P<rank>\d+)\]<(?P<stream>stdout|stderr|stddiag)>:")
+_PREFIX = re.compile("^" + _TAG.pattern)
 #: How horovodrun (Gloo) and mpirun (OpenMPI) name the first process that failed, and with which code.
 _PROCESS_NAME = re.compile(r"^Process name:\s*(?:\[\[\d+,\d+\],(?P<mpi_rank>\d+)\]|(?P<rank>\d+))\s*$")
 _RANK_EXIT = re.compile(r"^Exit code:\s+(?P<code>-?\d+)\s*$")
 _RANK_SIGNAL = re.compile(r"^mpirun noticed that process rank (?P<rank>\d+) with PID \d+ on node (?P<node>\S+) "
                           r"exited on signal (?P<signal>\d+)")
+#: What a launcher prints when it could not reach a worker at start because of a race on a cluster (a worker's
+#: name not in DNS yet, its sshd not listening yet, the network not yet routed): OpenSSH's client, horovodrun's
+#: start timeout (horovod 0.28.1 ``runner/launch.py``: ``Timed out waiting for <activity>``), and ORTE's
+#: ``[failed-daemon-launch]``/``[failed-daemon]`` (OpenMPI 4.1 ``help-errmgr-base.txt``). Running it again helps.
+_START_RACE = re.compile(
+    r"ssh: Could not resolve hostname|ssh: connect to host \S+ port \d+: (?:Connection refused|No route to host"
+    r"|Connection timed out)|Timed out waiting for|ORTE was unable to reliably start one or more daemons"
+    r"|An ORTE daemon has unexpectedly failed after launch")
+#: horovodrun's ssh check failing for any reason (``ssh not successful for host <host>:`` then ssh's own words,
+#: then ``could not connect to some hosts via ssh``): without a race above, a setting (host keys, the key, the
+#: user) that running it again does not change.
+_SSH_CHECK_FAILED = re.compile(r"ssh not successful for host|could not connect to some hosts via ssh")
+#: What mpirun prints when a worker went away while the job ran (its node lost, its pod killed without a word
+#: to the ranks): ORTE's ``[node-died]`` (``help-errmgr-base.txt``) and ssh's end of the orted session.
+_LOST_WORKER = re.compile(r"ORTE has lost communication with a remote daemon"
+                          r"|Connection to \S+ closed by remote host|Connection closed by \S+ port \d+")
 
 
 def trainer_args(preset: str, settings: dict[str, str], data_root: str, run_dir: str) -> list[str]:
@@ -82,15 +100,58 @@ def parse_output_line(line: str) -> OutputLine:
     if match:
         rank, tag = int(match["rank"]), match.group(0)
         line = line[match.end():].replace(tag, "")  # OpenMPI repeats the tag after each chunk of a long line
-    event = None
-    if line.startswith("{") and '"event"' in line:
-        try:
-            decoded = json.loads(line)
-        except json.JSONDecodeError:
-            decoded = None
-        if isinstance(decoded, dict) and isinstance(decoded.get("event"), str):
-            event = decoded
-    return OutputLine(rank, line, event)
+    return OutputLine(rank, line, decode_event(line))
+
+
+def decode_event(text: str) -> dict[str, Any] | None:
+    """The JSON event a line carries (``{"event": "<kind>", ...}``), None for any other text."""
+    if not (text.startswith("{") and '"event"' in text):
+        return None
+    try:
+        decoded = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return decoded if isinstance(decoded, dict) and isinstance(decoded.get("event"), str) else None
+
+
+@dataclass
+class RankLines:
+    """Each rank's lines whole again, from a launcher's merged output.
+
+    mpirun forwards a rank's output one read at a time, each piece behind the rank's tag, and ends a piece
+    without a newline where the read did (OpenMPI 4.1 ``orte/mca/iof/base/iof_base_output.c``). So a line a
+    rank wrote in two writes can be cut by another rank's piece — two ranks writing at once give
+    ``[1,0]<stdout>:{"event": "st[1,1]<stdout>:rank one says 0`` and then ``[1,0]<stdout>:ep"}``. A
+    piece that ends a physical line ends its rank's line; one that a tag cuts short waits for the rest of
+    that rank's line. Untagged text (mpirun's own messages, a plain run) is its own rank, None.
+    """
+
+    _pending: dict[tuple[int | None, str], str] = field(default_factory=dict)
+
+    def feed(self, raw: str) -> list[tuple[int | None, str]]:
+        """The lines ``raw`` (one physical line) completes, as (rank, text)."""
+        line = raw.rstrip("\n")
+        tags = list(_TAG.finditer(line))
+        pieces: list[tuple[int | None, str, str]] = []
+        if not tags or tags[0].start() > 0:
+            pieces.append((None, "", line[:tags[0].start()] if tags else line))
+        for index, tag in enumerate(tags):
+            end = tags[index + 1].start() if index + 1 < len(tags) else len(line)
+            pieces.append((int(tag["rank"]), tag["stream"], line[tag.end():end]))
+        complete = []
+        for index, (rank, stream, text) in enumerate(pieces):
+            whole = self._pending.pop((rank, stream), "") + text
+            if index == len(pieces) - 1:
+                complete.append((rank, whole))
+            else:
+                self._pending[(rank, stream)] = whole
+        return complete
+
+    def finish(self) -> list[tuple[int | None, str]]:
+        """What ranks wrote last without a newline (the output has ended)."""
+        left = [(rank, text) for (rank, _), text in self._pending.items() if text]
+        self._pending.clear()
+        return left
 
 
 LOG_TAIL = 40
@@ -99,32 +160,48 @@ LOG_TAIL = 40
 @dataclass
 class JobOutput:
     """A training job's output as it arrives, sorted for every launcher: rank 0's JSON events go to
-    ``on_event``, every other line to ``on_log`` and a bounded tail (for error messages), and
-    horovodrun's per-rank ``Exit code:`` lines are kept for ``read_exit``."""
+    ``on_event``, every other line to ``on_log`` and a bounded tail (for error messages), and what the
+    launcher says of how it ended (a rank's ``Exit code:``, a worker it could not reach or lost) is kept for
+    ``read_exit``."""
 
     on_event: Callable[[dict[str, Any]], None]
     on_log: Callable[[str], None]
     events: list[dict[str, Any]] = field(default_factory=list)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL))
     exit_lines: list[str] = field(default_factory=list)
+    lines: RankLines = field(default_factory=RankLines)
+    #: horovodrun said a host's ssh check failed: ssh's own words follow, and are kept too.
+    _ssh_words_next: bool = False
 
     def feed(self, raw: str, may_be_event: bool = True) -> None:
         """One raw line; ``may_be_event`` False for a stream that never carries events (stderr)."""
-        parsed = parse_output_line(raw)
-        if may_be_event and parsed.event is not None and parsed.rank in (None, 0):
-            self.events.append(parsed.event)
-            self.on_event(parsed.event)
+        for rank, text in self.lines.feed(raw):
+            self._take(rank, text, may_be_event)
+
+    def finish(self) -> None:
+        """The output has ended: take the lines ranks left without a newline."""
+        for rank, text in self.lines.finish():
+            self._take(rank, text, may_be_event=True)
+
+    def _take(self, rank: int | None, text: str, may_be_event: bool) -> None:
+        event = decode_event(text) if may_be_event and rank in (None, 0) else None
+        if event is not None:
+            self.events.append(event)
+            self.on_event(event)
             return
-        self.tail.append(parsed.text)
-        if is_exit_report(parsed.text):
-            self.exit_lines.append(parsed.text)
-        self.on_log(parsed.text)
+        self.tail.append(text)
+        if is_exit_report(text) or (self._ssh_words_next and text.strip()):
+            self._ssh_words_next = bool(_SSH_CHECK_FAILED.search(text))
+            self.exit_lines.append(text)
+        self.on_log(text)
 
 
 def is_exit_report(text: str) -> bool:
-    """A line in which horovodrun or mpirun names a failed rank or its exit code."""
+    """A line in which horovodrun or mpirun names a failed rank or its exit code, says it could not start on a
+    worker, or that it lost one."""
     text = text.strip()
-    return bool(_PROCESS_NAME.match(text) or _RANK_EXIT.match(text) or _RANK_SIGNAL.match(text))
+    return bool(_PROCESS_NAME.match(text) or _RANK_EXIT.match(text) or _RANK_SIGNAL.match(text)
+                or _START_RACE.search(text) or _SSH_CHECK_FAILED.search(text) or _LOST_WORKER.search(text))
 
 
 @dataclass(frozen=True)
@@ -149,51 +226,82 @@ def first_rank_exit(lines: list[str]) -> RankExit | None:
     return None
 
 
+#: How a training job ended, by what a user does next.
+FINISHED, STOPPED, PREEMPTED, START_FAILED, OUT_OF_MEMORY, REFUSED, DEADLINE, FAILED = (
+    "finished", "stopped", "preempted", "start-failed", "out-of-memory", "refused", "deadline", "failed")
+
+
 @dataclass(frozen=True)
 class ExitReading:
-    """How a training job ended and whether running it again (it resumes) can help."""
+    """How a training job ended and whether running it again (it resumes) can help.
+
+    ``kind`` says which: ``preempted`` (resumable: stopped from outside, a checkpoint to resume from),
+    ``start-failed`` (resumable once: it never reached every worker, a start-up race), ``out-of-memory``,
+    ``refused`` (configuration or data), ``deadline``, ``failed`` (none of those resumable), or ``finished`` /
+    ``stopped`` (succeeded)."""
 
     succeeded: bool
     resumable: bool
     reason: str
+    kind: str = FAILED
 
 
 def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]) -> ExitReading:
     """Classify a finished job from its launcher's exit code, its output and the events it sent.
 
     horovodrun itself exits 1 whenever a rank fails and names the first failing rank's code in its
-    output (``Exit code: N``); a plain (size 1) run exits with the trainer's own code.
+    output (``Exit code: N``); a plain (size 1) run exits with the trainer's own code. A launcher that never
+    reached every worker (training never said ``start``) failed to start, whatever its code.
     """
     names = [event.get("event") for event in events]
     if launcher_code == 0 and "done" in names:
-        return ExitReading(True, False, "finished")
+        return ExitReading(True, False, "finished", FINISHED)
     if launcher_code == 0 and "stopped" in names:  # asked to stop (a pruned trial): checkpointed, ended on purpose
-        return ExitReading(True, False, STOPPED_ON_REQUEST)
+        return ExitReading(True, False, STOPPED_ON_REQUEST, STOPPED)
     reported = first_rank_exit(lines)
     code = reported.code if reported else launcher_code
     who = f" on rank {reported.rank}" if reported and reported.rank is not None else ""
     if "preempted" in names or code == EXIT_PREEMPTED:
-        return ExitReading(False, True, f"preempted: it checkpointed and can resume{who}")
+        return ExitReading(False, True, f"preempted: it checkpointed and can resume{who}", PREEMPTED)
+    texts = [parse_output_line(line).text.strip() for line in lines]
+    if "start" not in names and (race := next((text for text in texts if _START_RACE.search(text)), None)):
+        return ExitReading(False, True, f"it could not start on every worker ({race})", START_FAILED)
+    if "start" not in names and (check := next((i for i, text in enumerate(texts) if _SSH_CHECK_FAILED.search(text)),
+                                               None)) is not None:
+        said = next((text for text in texts[check + 1:] if text and not _SSH_CHECK_FAILED.search(text)), texts[check])
+        return ExitReading(False, False, f"it could not log in to every worker over ssh ({said})")
+    if lost := next((text for text in texts if _LOST_WORKER.search(text)), None):
+        return ExitReading(False, True, f"a worker was lost while it ran ({lost}); it can resume", PREEMPTED)
     if code < 0 or code in (128 + 9, 128 + 15):
         signal_no = -code if code < 0 else code - 128
-        return ExitReading(False, True, f"a training process was killed by signal {signal_no}{who}")
+        return ExitReading(False, True, f"a training process was killed by signal {signal_no}{who}", PREEMPTED)
     if code == EXIT_CONFIG_ERROR:
-        return ExitReading(False, False, f"training refused its configuration or data (exit code 2){who}")
+        return ExitReading(False, False, f"training refused its configuration or data (exit code 2){who}", REFUSED)
     if launcher_code == 0:
         return ExitReading(False, False, "the launcher exited 0 but training never reported 'done'")
     return ExitReading(False, False, f"training failed with exit code {code}{who}")
 
 
-def read_mpijob_failure(reason: str, exit_lines: list[str], events: list[dict[str, Any]]) -> ExitReading:
-    """Classify a ``Failed`` MPIJob: the operator's condition reason first, then the launcher's output.
+def read_mpijob_failure(reason: str, launcher_code: int | None, exit_lines: list[str], events: list[dict[str, Any]],
+                        pods: list[PodEnd]) -> ExitReading:
+    """Classify a ``Failed`` MPIJob: what its pods went through first, then the operator's reason, then the
+    launcher's own exit code and output.
 
-    Reasons (kubeflow/mpi-operator ``pkg/controller/mpi_job_controller.go``): ``MPIJobEvicted`` (workers
-    evicted: resumable), ``DeadlineExceeded`` (``runPolicy.activeDeadlineSeconds`` passed: running it
-    again takes as long), ``BackoffLimitExceeded/<launcher pod reason>`` or ``MPIJobFailed`` (horovodrun
-    failed: its output and exit codes decide).
+    A pod's own end says the most: OOMKilled (its memory ran out: running it again meets the same limit) or a
+    disruption (evicted, preempted, its node shut down: resumable), whichever pod it was — the launcher only
+    reports what followed. Reasons (kubeflow/mpi-operator ``pkg/controller/mpi_job_controller.go``):
+    ``MPIJobEvicted`` (workers evicted), ``DeadlineExceeded`` (``runPolicy.activeDeadlineSeconds`` passed:
+    running it again takes as long), ``BackoffLimitExceeded/<launcher pod reason>`` or ``MPIJobFailed``.
     """
+    if oom := next((pod for pod in pods if pod.out_of_memory), None):
+        return ExitReading(False, False, oom.describe(), OUT_OF_MEMORY)
+    if disrupted := [pod for pod in pods if pod.disruption]:
+        named = ", ".join(f"{pod.name} {pod.disruption}" for pod in disrupted)
+        return ExitReading(False, True, f"its pods were stopped from outside ({named}); it can resume", PREEMPTED)
     if reason.startswith(EVICTED_REASONS):
-        return ExitReading(False, True, "pods were evicted (a node drained or pods preempted); it can resume")
+        return ExitReading(False, True, "pods were evicted (a node drained or pods preempted); it can resume",
+                           PREEMPTED)
     if reason.startswith("DeadlineExceeded"):
-        return ExitReading(False, False, "it ran longer than its active deadline (runPolicy.activeDeadlineSeconds)")
-    return read_exit(1, exit_lines, events)
+        return ExitReading(False, False, "it ran longer than its active deadline (runPolicy.activeDeadlineSeconds)",
+                           DEADLINE)
+    return read_exit(1 if launcher_code is None else launcher_code, exit_lines, events)

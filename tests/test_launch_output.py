@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import http.client
+import os
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
-from tasks.launch import JobOutput, horovodrun_command, parse_output_line, read_exit, read_mpijob_failure
+from tasks.k8s.diagnose import pod_ends
+from tasks.launch import (
+    JobOutput,
+    RankLines,
+    horovodrun_command,
+    parse_output_line,
+    read_exit,
+    read_mpijob_failure,
+)
 from tasks.platforms import TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
+from tasks.processes import run_to_end
 from tasks.retry import is_transient
+from tests.conftest import PROJECT_ROOT
 from tests.unit_helpers import SHA
 from training.data.fetch import ChecksumMismatch, TransientFetchError
 
@@ -46,6 +60,66 @@ def test_openmpi_tagged_lines_are_read_as_gloo_ones() -> None:
     assert (other.rank, other.text) == (1, "2026 rank1 laneflow.train resuming")
     split = parse_output_line('[1,0]<stdout>:{"event": "eval", "split": [1,0]<stdout>:"val"}')
     assert split.event == {"event": "eval", "split": "val"}
+
+
+def test_a_line_cut_by_another_ranks_output_is_put_back_together() -> None:
+    """As mpirun 4.1 printed it with rank 0 writing an event in two writes and rank 1 writing between them:
+    the event arrives once, whole, and rank 1's line is rank 1's."""
+    events, logged = [], []
+    output = JobOutput(on_event=events.append, on_log=logged.append)
+    for line in ['[1,0]<stdout>:{"event": "st[1,1]<stdout>:rank one says 0\n', '[1,0]<stdout>:ep", "i": 0}\n',
+                 '[1,0]<stdout>:{"event": "st[1,0]<stdout>:ep", "i": 1}\n', "[1,1]<stdout>:rank one says 1\n",
+                 '[1,0]<stdout>:{"event": "done"}', '[1,0]<stdout>:{"ev[1,1]<stdout>:bye\n']:
+        output.feed(line)
+    assert events == [{"event": "step", "i": 0}, {"event": "step", "i": 1}, {"event": "done"}]
+    output.finish()  # the output ended with rank 0's line cut short: logged as it is, not dropped
+    assert logged == ["rank one says 0", "rank one says 1", "bye", '{"ev']
+    untagged = RankLines()  # mpirun's own words are cut the same way
+    assert untagged.feed("mpirun: still[1,2]<stderr>:late\n") == [(2, "late")]
+    assert untagged.feed(" waiting\n") == [(None, "mpirun: still waiting")]
+
+
+#: Rank 0 writes each event in two writes and rank 1 writes a line between them (a file each says when),
+#: both unbuffered, as the trainer's ranks write at once under mpirun.
+TWO_WRITERS = """
+import os, sys, time
+from pathlib import Path
+rank, here = int(os.environ["OMPI_COMM_WORLD_RANK"]), Path(sys.argv[1])
+def wait_for(name):
+    while not (here / name).exists():
+        time.sleep(0.01)
+for i in range(int(sys.argv[2])):
+    if rank == 0:
+        os.write(1, b'{"event": "step", "st')
+        (here / f"half-{i}").touch()
+        wait_for(f"other-{i}")
+        os.write(1, b'ep": %d, "loss": 0.5}\\n' % i)
+    else:
+        wait_for(f"half-{i}")
+        os.write(1, b"rank one at %d\\n" % i)
+        (here / f"other-{i}").touch()
+from training.train import launcher_rank
+print(f"label rank{launcher_rank(os.environ)}", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI's mpirun (make install puts it here)")
+def test_two_ranks_writing_at_once_under_real_mpirun_lose_no_event_and_keep_their_labels(tmp_path: Path) -> None:
+    script, rounds = tmp_path / "two_writers.py", 20
+    script.write_text(TWO_WRITERS)
+    done = run_to_end(["mpirun", "--allow-run-as-root", "--oversubscribe", "--tag-output", "-np", "2",
+                       sys.executable, str(script), str(tmp_path), str(rounds)], 120, cwd=PROJECT_ROOT,
+                      env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    events, logged = [], []
+    output = JobOutput(on_event=events.append, on_log=logged.append)
+    for line in (done.stdout + done.stderr).splitlines(keepends=True):  # a pod's log: both streams in one
+        output.feed(line)
+    output.finish()
+    assert events == [{"event": "step", "step": i, "loss": 0.5} for i in range(rounds)]
+    assert sorted(line for line in logged if line.startswith("rank one")) == sorted(
+        f"rank one at {i}" for i in range(rounds))
+    assert sorted(line for line in logged if line.startswith("label")) == ["label rank0", "label rank1"]
 
 
 #: What mpirun (OpenMPI 4.1) prints on stderr when a rank exits non-zero or is killed: help-orterun.txt
@@ -109,8 +183,80 @@ def test_exit_reading(code: int, lines: list[str], events: list[dict], succeeded
 ])
 def test_a_failed_mpijob_is_read_by_the_operators_reason_then_the_launcher_output(
         reason: str, lines: list[str], resumable: bool, why: str) -> None:
-    reading = read_mpijob_failure(reason, lines, [])
+    reading = read_mpijob_failure(reason, None, lines, [], [])
     assert not reading.succeeded and reading.resumable is resumable and why in reading.reason
+
+
+#: What the launcher says when it cannot reach a worker at start: horovodrun's ssh check and OpenSSH's client
+#: (horovod 0.28.1 runner/launch.py), and ORTE's [failed-daemon-launch] (OpenMPI 4.1 help-errmgr-base.txt).
+UNRESOLVED = ["ssh not successful for host train-x-worker-1.train-x.laneflow.svc:",
+              "ssh: Could not resolve hostname train-x-worker-1.train-x.laneflow.svc: Name or service not known",
+              "", "Traceback (most recent call last):", "RuntimeError: could not connect to some hosts via ssh"]
+REFUSED = ["ssh: connect to host train-x-worker-0.train-x port 22: Connection refused",
+           "ORTE was unable to reliably start one or more daemons."]
+#: A setting, not a race: the worker's host key refused (an image without the operator's ssh client settings).
+HOST_KEY = ["ssh not successful for host train-x-worker-0.train-x:", "Host key verification failed.", "",
+            "RuntimeError: could not connect to some hosts via ssh"]
+LOST = ["ORTE has lost communication with a remote daemon.", "", "  HNP daemon   : [[5107,0],0] on node launcher",
+        "  Remote daemon: [[5107,0],2] on node train-x-worker-1"]
+
+
+@pytest.mark.parametrize(("code", "lines", "events", "kind", "resumable", "says"), [
+    (1, UNRESOLVED, [], "start-failed", True, "could not start on every worker (ssh: Could not resolve hostname"),
+    (1, REFUSED, [], "start-failed", True, "port 22: Connection refused"),
+    (1, REFUSED, [{"event": "start"}, {"event": "step"}], "failed", False, "exit code 1"),  # it had started
+    (1, HOST_KEY, [], "failed", False, "could not log in to every worker over ssh (Host key verification failed.)"),
+    (1, LOST, [{"event": "start"}], "preempted", True, "a worker was lost while it ran (ORTE has lost"),
+    (137, MPIRUN_SIGNAL, [{"event": "start"}], "preempted", True, "signal 9 on rank 1"),
+    (3, [], [], "failed", False, "exit code 3"),
+])
+def test_the_launchers_own_words_say_whether_it_never_started_or_lost_a_worker(
+        code: int, lines: list[str], events: list[dict], kind: str, resumable: bool, says: str) -> None:
+    output = JobOutput(on_event=lambda _: None, on_log=lambda _: None)
+    for line in lines:
+        output.feed(line, may_be_event=False)
+    reading = read_exit(code, output.exit_lines, events)
+    assert (reading.kind, reading.resumable, says in reading.reason) == (kind, resumable, True), reading.reason
+
+
+def pod(name: str, role: str, terminated: dict | None = None, *, reason: str | None = None,
+        disruption: str | None = None, limit: str | None = None) -> dict:
+    """A pod as the API returns it, with what the kubelet reports of its end."""
+    status: dict = {"phase": "Failed" if terminated or reason else "Running", "conditions": []}
+    if reason:
+        status["reason"] = reason
+    if disruption:
+        status["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
+    state = {"terminated": terminated} if terminated else {"running": {}}
+    status["containerStatuses"] = [{"name": "worker", "state": state}]
+    resources = {"limits": {"memory": limit}} if limit else {}
+    return {"metadata": {"name": name, "labels": {"training.kubeflow.org/job-role": role}},
+            "spec": {"containers": [{"name": "worker", "resources": resources}]}, "status": status}
+
+
+def test_a_failed_mpijob_is_read_from_its_pods_first_oom_then_disruption_then_the_launcher() -> None:
+    oom = pod("train-x-worker-1", "worker", {"exitCode": 137, "reason": "OOMKilled"}, limit="2Gi")
+    evicted = pod("train-x-worker-0", "worker", {"exitCode": 143, "reason": "Error"},
+                  disruption="EvictionByEvictionAPI")
+    launcher = pod("train-x-launcher-abc", "launcher", {"exitCode": 1, "reason": "Error"})
+    running = pod("train-x-worker-2", "worker")
+    signalled = MPIRUN_SIGNAL  # what mpirun says when the OOM killer took a rank's whole container
+
+    reading = read_mpijob_failure("MPIJobFailed", 1, signalled, [], pod_ends([launcher, oom, running]))
+    assert (reading.kind, reading.resumable) == ("out-of-memory", False)
+    assert "pod train-x-worker-1 ran out of memory: container worker, exit code 137 (OOMKilled; limits.memory 2Gi)" \
+        in reading.reason and "raise limits.memory" in reading.reason
+
+    reading = read_mpijob_failure("MPIJobFailed", 1, LOST, [], pod_ends([launcher, evicted, running]))
+    assert (reading.kind, reading.resumable) == ("preempted", True)
+    assert "train-x-worker-0 EvictionByEvictionAPI" in reading.reason
+    shut_down = pod("train-x-launcher-def", "launcher", {"exitCode": 143, "reason": "Error"}, reason="Terminated")
+    assert read_mpijob_failure("BackoffLimitExceeded/Terminated", 143, [], [], pod_ends([shut_down])).resumable
+
+    # Nothing from outside: the launcher's own exit code, not a made-up 1.
+    reading = read_mpijob_failure("MPIJobFailed", 2, [], [], pod_ends([launcher, running]))
+    assert (reading.kind, reading.resumable) == ("refused", False)
+    assert [end.name for end in pod_ends([launcher, running])] == ["train-x-launcher-abc"]  # a running pod says nothing
 
 
 # --- retries -----------------------------------------------------------------------------------------

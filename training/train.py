@@ -26,6 +26,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -302,6 +303,17 @@ def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | 
     return 0
 
 
+#: Where a launcher puts a process's rank before Horovod starts: horovodrun's Gloo path sets HOROVOD_RANK
+#: (horovod ``runner/gloo_run.py``); mpirun sets OMPI_COMM_WORLD_RANK and PMIx's PMIX_RANK, never HOROVOD_RANK
+#: (OpenMPI 4.1 ``mpirun(1)``, "Exported Environment Variables").
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def launcher_rank(env: Mapping[str, str]) -> str:
+    """This process's rank as its launcher named it ("0" for a plain run): the log's rank label."""
+    return next((env[name] for name in RANK_VARIABLES if env.get(name)), "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__.split("\n")[0])
     parser.add_argument("--data-root", required=True, type=Path, help="prepared dataset root (with seg_label/)")
@@ -312,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", type=Path, help="VGG16-BN backbone weights file (optional)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s rank" + os.environ.get("HOROVOD_RANK", "0") + " %(name)s %(message)s")
+                        format="%(asctime)s rank" + launcher_rank(os.environ) + " %(name)s %(message)s")
     # OpenCV's own thread pool stays off in this process: loader workers are forked from it.
     cv2.setNumThreads(1)
     try:

@@ -51,6 +51,12 @@ CLAIM_ADVICE = ("the pod's volume claim does not exist or is not bound: run the 
                 "restore it), and check that the claim binds (kubectl describe pvc)")
 PENDING_CLAIM_ADVICE = ("the pod's volume claim is not bound yet: check that its storage class provisions it "
                         "(kubectl describe pvc)")
+TAINT_ADVICE = ("the nodes that have what the pod asks for are tainted: add a matching toleration to the platform "
+                "block's tolerations, e.g. key sku, value gpu, effect NoSchedule for an AKS GPU pool, and key "
+                "kubernetes.azure.com/scalesetpriority, value spot for a spot pool (kubectl describe node shows a "
+                "node's taints)")
+SELECTOR_ADVICE = ("no node has the labels the platform block's node_selector and affinity require: compare them "
+                   "with kubectl get nodes --show-labels")
 #: Waiting reasons that are part of a normal start.
 STARTING = {"ContainerCreating", "PodInitializing"}
 
@@ -85,6 +91,10 @@ class PodProblem:
             return PENDING_CLAIM_ADVICE
         if self.reason == "Unschedulable" and "persistentvolumeclaim" in self.message.lower():
             return CLAIM_ADVICE
+        if self.reason == "Unschedulable" and "untolerated taint" in self.message:
+            return TAINT_ADVICE
+        if self.reason == "Unschedulable" and "didn't match Pod's node affinity/selector" in self.message:
+            return SELECTOR_ADVICE
         if self.reason == "FailedMount":
             missing = re.search(r'(secret|configmap) "[^"]*" not found', self.message, re.IGNORECASE)
             return MOUNT_OBJECT_ADVICE if missing else MOUNT_VOLUME_ADVICE
@@ -240,3 +250,61 @@ class ProblemClock:
             self.first_seen[(problem.pod, problem.family)] = now
         late = [p for p in problems if now - self.first_seen[(p.pod, p.family)] >= self.grace_for(p)]
         return new, late
+
+
+#: The reasons of a pod's ``DisruptionTarget`` condition: the pod is being stopped from outside, by the scheduler
+#: preempting it, the eviction API (a drain, the autoscaler scaling down), the taint manager (its node
+#: unreachable or tainted NoExecute), the pod GC, or the kubelet itself (node-pressure eviction, graceful node
+#: shutdown) — kubernetes.io/docs/concepts/workloads/pods/disruptions ("Pod disruption conditions").
+DISRUPTION_REASONS = {"PreemptionByScheduler", "EvictionByEvictionAPI", "DeletionByTaintManager", "DeletionByPodGC",
+                      "TerminationByKubelet"}
+#: ``status.reason`` of a pod the kubelet stopped itself: node-pressure eviction (``Evicted``,
+#: pkg/kubelet/eviction) and graceful node shutdown (``Terminated``, pkg/kubelet/nodeshutdown; ``Shutdown`` and
+#: ``NodeShutdown`` before Kubernetes 1.23).
+STOPPED_BY_NODE = {"Evicted", "Terminated", "Shutdown", "NodeShutdown"}
+
+
+@dataclass(frozen=True)
+class PodEnd:
+    """How one of a job's pods ended, or is ending, as its status says (pure; ``pod_ends``)."""
+
+    name: str
+    role: str | None
+    #: The exit code and reason of its container that ended (OOMKilled, Error, Completed), if one did.
+    exit_code: int | None
+    container_reason: str | None
+    #: Why it was stopped from outside (a DisruptionTarget reason or the kubelet's pod reason), if it was.
+    disruption: str | None
+    oom: str | None = None
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.container_reason == "OOMKilled"
+
+    def describe(self) -> str:
+        """For an OOM: which pod and container ran out of which memory, and what to change."""
+        return f"pod {self.name} ran out of memory: {self.oom}; {ADVICE['OOMKilled']}"
+
+
+def pod_ends(pods: list[dict[str, Any]]) -> list[PodEnd]:
+    """The ends of ``pods`` (API dicts, camelCase) that say why a job failed: a container that terminated (now or
+    before a restart) or a pod stopped from outside. The job's pods that still run quietly are left out."""
+    found = []
+    for pod in pods:
+        status, name = pod.get("status") or {}, pod["metadata"]["name"]
+        disrupted = next((c.get("reason") for c in status.get("conditions") or [] if c.get("type") == "DisruptionTarget"
+                          and c.get("status") == "True" and c.get("reason") in DISRUPTION_REASONS), None)
+        if disrupted is None and status.get("reason") in STOPPED_BY_NODE:
+            disrupted = status["reason"]
+        ended = next(((container.get("name"), terminated) for container in status.get("containerStatuses") or []
+                      for state in (container.get("state"), container.get("lastState"))
+                      if (terminated := (state or {}).get("terminated"))), None)
+        if ended is None and disrupted is None:
+            continue
+        container, terminated = ended or (None, {})
+        reason = terminated.get("reason")
+        oom = oom_message(pod, container, terminated.get("exitCode")) if reason == "OOMKilled" else None
+        role = (pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role")
+        found.append(PodEnd(name, role, terminated.get("exitCode"), reason, disrupted,
+                            f"container {container}, {oom}" if oom else None))
+    return found

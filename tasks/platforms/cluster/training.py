@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from tasks.k8s.diagnose import pod_ends
 from tasks.k8s.logs import LogCursor
 from tasks.k8s.manifests import render_mpijob
-from tasks.launch import JobOutput, read_mpijob_failure
+from tasks.launch import START_FAILED, ExitReading, JobOutput, read_mpijob_failure
 from tasks.platforms.base import (
     EventSink,
     LogSink,
@@ -72,37 +73,78 @@ def submit(platform: ClusterPlatform, spec: TrainingSpec) -> TrainingHandle:
     state = _mpijob_state(job)
     if not created and state == "failed":
         # An earlier attempt stopped (preempted, a worker lost): replace it; the trainer resumes.
-        platform.cancel_training(spec.job_name, spec.volume)
-        wait_deleted(platform, "mpijobs",
-                     lambda: custom.get_namespaced_custom_object(group, version, namespace, plural, spec.job_name),
-                     f"MPIJob {spec.job_name}")
-        job = call(platform, "create", "mpijobs", custom.create_namespaced_custom_object, group, version,
-                   namespace, plural, body, field_validation=STRICT)
+        job = _replace(platform, spec, body)
         created, state = True, _mpijob_state(job)
     return TrainingHandle(job_name=spec.job_name, spec=spec, state=state, adopted=not created,
                           details={"namespace": namespace, "uid": job["metadata"].get("uid")})
 
 
+def _replace(platform: ClusterPlatform, spec: TrainingSpec, body: dict) -> dict:
+    """Delete the run's MPIJob, wait until it is gone, and create ``body`` in its place."""
+    _, _, custom = apis(platform)
+    namespace, (group, version, plural) = platform.effective_namespace(), MPI
+    platform.cancel_training(spec.job_name, spec.volume)
+    wait_deleted(platform, "mpijobs",
+                 lambda: custom.get_namespaced_custom_object(group, version, namespace, plural, spec.job_name),
+                 f"MPIJob {spec.job_name}")
+    return call(platform, "create", "mpijobs", custom.create_namespaced_custom_object, group, version,
+                namespace, plural, body, field_validation=STRICT)
+
+
 def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink, on_log: LogSink,
          timeout_s: float) -> TrainingOutcome:
+    """Follow the MPIJob to its end and read how it ended. One that never reached every worker (a start-up
+    race: a worker's name not in DNS yet, its sshd not listening yet) is submitted once more, right here;
+    twice is a clear error."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    resubmitted = False
+    while True:
+        output, cursor = JobOutput(on_event, on_log), LogCursor()
+        job = _follow(platform, handle, output, cursor, deadline, timeout_s)
+        output.finish()
+        if _mpijob_state(job) == "succeeded":
+            return outcome_from_events(handle.job_name, _all_events(platform, handle, output, cursor, on_log),
+                                       time.monotonic() - started, list(output.tail))
+        reading, detail = _read_failure(platform, handle.job_name, job, output)
+        if reading.kind != START_FAILED or resubmitted:
+            break
+        on_log(f"laneflow: MPIJob {handle.job_name} {reading.reason}; submitting it once more")
+        _replace(platform, handle.spec, mpijob_body(platform, handle.spec))
+        resubmitted = True
+    name = handle.job_name
+    if reading.kind == START_FAILED:
+        raise TrainingFailed(f"MPIJob {name} could not start on every worker, twice ({reading.reason}); {detail}. "
+                             f"{START_ADVICE}", list(output.tail))
+    if reading.resumable:
+        raise TrainingInterrupted(f"MPIJob {name} stopped ({reading.reason}); {detail}")
+    raise TrainingFailed(f"MPIJob {name} failed ({reading.reason}); {detail}", list(output.tail))
+
+
+#: What to check when the launcher cannot reach its workers twice in a row.
+START_ADVICE = ("The launcher reaches each worker over ssh by its name in the MPIJob's headless Service: check "
+                "that the workers run and keep sshd listening (kubectl logs <job>-worker-0), that the image has "
+                "the operator's ssh settings (README, 'What the training image must contain'), and that no "
+                "NetworkPolicy blocks port 22 between the job's pods")
+
+
+def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput, cursor: LogCursor,
+            deadline: float, timeout_s: float) -> dict:
+    """Stream the launcher's log into ``output`` until the MPIJob succeeds or fails; return it then. A pod that
+    cannot run past its grace, the deadline, or anything that interrupts the wait deletes the job."""
     core, _, custom = apis(platform)
     group, version, plural = MPI
     name = handle.job_name
     selector = f"training.kubeflow.org/job-name={name},training.kubeflow.org/job-role=launcher"
-    started = time.monotonic()
-    deadline = started + timeout_s
-    output = JobOutput(on_event, on_log)
     warnings_seen: set[str] = set()
-    cursor = LogCursor()
     clock = problem_clock(platform)
-
     try:
         while True:
             job = call(platform, "get", "mpijobs", custom.get_namespaced_custom_object, group, version,
                        platform.effective_namespace(), plural, name)
             state = _mpijob_state(job)
             if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
-                _check_warnings(platform, core, job, warnings_seen, on_log)
+                _check_warnings(platform, core, job, warnings_seen, output.on_log)
             if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
                 try:
                     check_pods(platform, core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
@@ -111,10 +153,8 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
                     platform.cancel_training(name, handle.spec.volume)  # a retry submits a fresh one
                     raise
             streamed = follow_log(platform, core, selector, cursor, output.feed, deadline)
-            if state == "succeeded":
-                break
-            if state == "failed":
-                break
+            if state in ("succeeded", "failed"):
+                return job
             if time.monotonic() > deadline:
                 platform.cancel_training(name, handle.spec.volume)
                 raise TrainingFailed(f"MPIJob {name} did not finish within {timeout_s:.0f} s; it was deleted",
@@ -126,16 +166,23 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
     except BaseException:  # task cancelled, flow run terminated: leave nothing running
         platform.cancel_training(name, handle.spec.volume)
         raise
-    if state == "succeeded":
-        return outcome_from_events(name, _all_events(platform, handle, output, cursor, on_log),
-                                   time.monotonic() - started, list(output.tail))
+
+
+def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOutput) -> tuple[ExitReading, str]:
+    """How a failed MPIJob ended — from its pods' ends, the operator's reason, the launcher's exit code and
+    output — and the detail a message shows (the condition and every pod that exited non-zero)."""
+    core, _, _ = apis(platform)
+    pods = [core.api_client.sanitize_for_serialization(pod) for pod in
+            call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
+                 label_selector=f"training.kubeflow.org/job-name={name}").items]
+    ends = pod_ends(sorted(pods, key=lambda pod: pod["metadata"].get("creationTimestamp") or ""))  # oldest first
+    launchers = [end for end in ends if end.role == "launcher" and end.exit_code is not None]
     condition = _failed_condition(job)
     reason = condition.get("reason", "")
-    detail = f"{reason}: {condition.get('message', '')}; pods: {_pod_reasons(platform, core, name) or 'none found'}"
-    reading = read_mpijob_failure(reason, output.exit_lines, output.events)
-    if reading.resumable:
-        raise TrainingInterrupted(f"MPIJob {name} stopped ({reading.reason}); {detail}")
-    raise TrainingFailed(f"MPIJob {name} failed ({reading.reason}); {detail}", list(output.tail))
+    reading = read_mpijob_failure(reason, launchers[-1].exit_code if launchers else None, output.exit_lines,
+                                  output.events, ends)
+    exited = ", ".join(f"{end.name} {end.container_reason} (exit {end.exit_code})" for end in ends if end.exit_code)
+    return reading, f"{reason}: {condition.get('message', '')}; pods: {exited or 'none found'}"
 
 
 def cancel(platform: ClusterPlatform, job_name: str, volume: VolumeRef) -> bool:
@@ -184,19 +231,6 @@ def _check_warnings(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api
         if key not in seen:
             seen.add(key)
             on_log(f"warning from the MPI operator: {key}")
-
-
-def _pod_reasons(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, name: str) -> str:
-    """The job's containers that exited non-zero, with their reason and exit code."""
-    pods = call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
-                label_selector=f"training.kubeflow.org/job-name={name}").items
-    reasons = []
-    for pod in pods:
-        for status in (pod.status.container_statuses or []) if pod.status else []:
-            terminated = status.state.terminated if status.state else None
-            if terminated and terminated.exit_code:
-                reasons.append(f"{pod.metadata.name} {terminated.reason} (exit {terminated.exit_code})")
-    return ", ".join(reasons)
 
 
 def _mpijob_state(job: dict) -> str:

@@ -93,6 +93,7 @@ def wait(platform: LocalPlatform, handle: TrainingHandle, on_event: EventSink, o
     try:
         for stream, raw in _merged_lines(process, deadline=started + timeout_s):
             output.feed(raw, may_be_event=stream == "stdout")
+        output.finish()
         code = process.wait()
     except BaseException as exc:  # timeout, task cancellation, flow-run termination: leave nothing behind
         _stop_group(process.pid, str(run_dir))
@@ -145,6 +146,7 @@ def run_module(platform: LocalPlatform, args: list[str], log: LogSink, what: str
     try:
         for stream, raw in _merged_lines(process, deadline=time.monotonic() + timeout_s):
             output.feed(raw, may_be_event=stream == "stdout")
+        output.finish()
         code = process.wait()
     except BaseException as exc:
         stop_process(process)
