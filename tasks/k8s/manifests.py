@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tasks.k8s.scheduling import WorkerScheduling
 from tasks.launch import prepare_args, trainer_args
 from tasks.names import validate_mpijob_name, validate_name
 from training.data.sources import Artifact
@@ -40,6 +41,8 @@ class ClusterLayout:
     service_account: str = "laneflow-training"
     runai_project: str | None = None
     extra_labels: dict[str, str] = field(default_factory=dict)
+    #: Where the workers (the pods that need a GPU node) may run and what they reserve.
+    scheduling: WorkerScheduling = field(default_factory=WorkerScheduling)
 
     def effective_namespace(self) -> str:
         """Run:ai schedules only in ``runai-<project>``."""
@@ -138,7 +141,9 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
     # Not the operator's default `/usr/sbin/sshd -De`: the image keeps no host keys (every worker of every job
     # would share them), and laneflow-sshd makes the worker's own before it becomes that sshd.
     worker = {"name": "worker", "image": layout.image, "command": [WORKER_COMMAND], "volumeMounts": mounts,
-              "resources": {"limits": {"nvidia.com/gpu": str(layout.gpus_per_worker)}}}
+              "resources": layout.scheduling.resources(layout.gpus_per_worker)}
+    scheduling = layout.scheduling.pod_fields()  # tolerations, nodeSelector, affinity, priority: the workers'
+    launcher_priority = {key: value for key, value in scheduling.items() if key == "priorityClassName"}
     role_labels = {role: {**labels, "training.kubeflow.org/job-role": role} for role in ("launcher", "worker")}
     return {
         "apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob",
@@ -151,10 +156,10 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
             "mpiReplicaSpecs": {
                 "Launcher": {"replicas": 1, "restartPolicy": "Never", "template": {
                     "metadata": {"labels": role_labels["launcher"]},
-                    "spec": _pod_spec(layout, launcher, [])}},
+                    "spec": {**_pod_spec(layout, launcher, []), **launcher_priority}}},
                 "Worker": {"replicas": replicas, "restartPolicy": "Never", "template": {
                     "metadata": {"labels": role_labels["worker"]},
-                    "spec": _pod_spec(layout, worker, volumes)}},
+                    "spec": {**_pod_spec(layout, worker, volumes), **scheduling}}},
             },
         },
     }

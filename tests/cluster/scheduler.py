@@ -1,7 +1,14 @@
-"""kube-scheduler for the emulated cluster's one node (kubernetes ``pkg/scheduler``): a pod is bound to the
-node when its claims are bound and its requests fit beside the pods already there; otherwise it stays
-Pending, ``PodScheduled=False/Unschedulable``, with a ``FailedScheduling`` event worded as the scheduler
-words it.
+"""kube-scheduler for the emulated cluster's nodes (kubernetes ``pkg/scheduler``): a pod is bound to a node
+when its claims are bound, it tolerates the node's taints, it matches its node selector and required node
+affinity, and its requests fit beside the pods already there; otherwise it stays Pending,
+``PodScheduled=False/Unschedulable``, with a ``FailedScheduling`` event worded as the scheduler words it.
+
+Filter plugins followed (``pkg/scheduler/framework/plugins``): ``volumebinding``; ``tainttoleration`` (a
+``NoSchedule`` or ``NoExecute`` taint the pod does not tolerate: "node(s) had untolerated taint {key:
+value}"; ``PreferNoSchedule`` only scores), with the toleration matching of ``k8s.io/api/core/v1``
+``Toleration.ToleratesTaint``; ``nodeaffinity`` (``nodeSelector`` and
+``requiredDuringSchedulingIgnoredDuringExecution``: "node(s) didn't match Pod's node affinity/selector"),
+with the operators of ``k8s.io/component-helpers/scheduling/corev1/nodeaffinity``; ``noderesources`` (fit).
 """
 
 from __future__ import annotations
@@ -11,10 +18,9 @@ from typing import TYPE_CHECKING
 
 from tests.cluster.objects import now, record_event
 from tests.cluster.quantities import quantity_bytes
-from tests.cluster.state import NODE_NAME
 
 if TYPE_CHECKING:
-    from tests.cluster.state import Cluster
+    from tests.cluster.state import Cluster, Node
 
 
 def _requests(pod: dict) -> dict[str, int]:
@@ -34,11 +40,11 @@ def _requests(pod: dict) -> dict[str, int]:
 
 
 def schedule(cluster: Cluster, pod: dict) -> bool:
-    """kube-scheduler's fit check against the one node: a pod whose requests do not fit beside the pods
-    bound there stays Pending, PodScheduled=False/Unschedulable, with a FailedScheduling event worded as
-    the scheduler words it (pkg/scheduler ``FitError.Error``: "0/1 nodes are available: 1 Insufficient
-    <resource>. preemption: ..."); one that fits is bound (``spec.nodeName``). Not retried when room frees
-    up (no test needs the second chance)."""
+    """kube-scheduler's filters against every node: a pod no node takes stays Pending,
+    PodScheduled=False/Unschedulable, with a FailedScheduling event worded as the scheduler words it
+    (pkg/scheduler ``FitError.Error``: "0/2 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) had
+    untolerated taint {sku: gpu}. preemption: ..."); the first node that takes it is bound (``spec.nodeName``).
+    Not retried when room frees up (no test needs the second chance)."""
     if pod["spec"].get("nodeName"):
         return True
     namespace = pod["metadata"]["namespace"]
@@ -53,22 +59,46 @@ def schedule(cluster: Cluster, pod: dict) -> bool:
                    None if (pvc.get("status") or {}).get("phase") == "Bound" else
                    "pod has unbound immediate PersistentVolumeClaims")
         if problem:
-            return _unschedulable(cluster, pod, f"0/1 nodes are available: {problem}. preemption: 0/1 nodes are "
-                                                "available: 1 Preemption is not helpful for scheduling.")
+            total = len(cluster.nodes)
+            return _unschedulable(cluster, pod, f"0/{total} nodes are available: {problem}. preemption: 0/{total} "
+                                                f"nodes are available: {total} Preemption is not helpful for "
+                                                "scheduling.")
+    misfits: dict[str, int] = defaultdict(int)
+    for node in cluster.nodes.values():
+        misfit = _misfit(cluster, pod, node)
+        if misfit is None:
+            pod["spec"]["nodeName"] = node.name
+            # pkg/scheduler/schedule_one.go: "Successfully assigned %v/%v to %v", reason Scheduled.
+            record_event(cluster, pod, "Normal", "Scheduled",
+                         f"Successfully assigned {namespace}/{pod['metadata']['name']} to {node.name}",
+                         "default-scheduler")
+            return True
+        for reason in misfit:
+            misfits[reason] += 1
+    # FitError.Error: each reason with how many nodes gave it, sorted; then what preemption could do.
+    total = len(cluster.nodes)
+    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(misfits.items()))
+    preemption = "No preemption victims found for incoming pod" \
+        if all(reason.startswith("Insufficient") for reason in misfits) else "Preemption is not helpful for scheduling"
+    return _unschedulable(cluster, pod, f"0/{total} nodes are available: {reasons}. preemption: 0/{total} nodes are "
+                                        f"available: {total} {preemption}.")
+
+
+def _misfit(cluster: Cluster, pod: dict, node: Node) -> list[str] | None:
+    """Why ``node`` cannot take ``pod`` (each filter that refuses it), None when it can."""
+    if (taint := untolerated_taint(pod["spec"].get("tolerations") or [], node.taints)) is not None:
+        return [f"node(s) had untolerated taint {{{taint['key']}: {taint.get('value', '')}}}"]
+    if not matches_node(pod["spec"], node.labels, node.name):
+        return ["node(s) didn't match Pod's node affinity/selector"]
     used: dict[str, int] = defaultdict(int)
     for other in cluster.objects["pods"].values():
-        if other is not pod and other["spec"].get("nodeName") and \
+        if other is not pod and other["spec"].get("nodeName") == node.name and \
                 other["status"].get("phase") not in ("Succeeded", "Failed"):
             for resource, amount in _requests(other).items():
                 used[resource] += amount
     short = sorted(resource for resource, amount in _requests(pod).items()
-                   if used[resource] + amount > cluster.node_capacity.get(resource, 0))
-    if not short:
-        pod["spec"]["nodeName"] = NODE_NAME
-        return True
-    return _unschedulable(cluster, pod, "0/1 nodes are available: "
-                          + ", ".join(f"1 Insufficient {resource}" for resource in short)
-                          + ". preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod.")
+                   if used[resource] + amount > node.capacity.get(resource, 0))
+    return [f"Insufficient {resource}" for resource in short] or None
 
 
 def _unschedulable(cluster: Cluster, pod: dict, message: str) -> bool:
@@ -77,3 +107,53 @@ def _unschedulable(cluster: Cluster, pod: dict, message: str) -> bool:
          "lastTransitionTime": now()}]})
     record_event(cluster, pod, "Warning", "FailedScheduling", message, "default-scheduler")
     return False
+
+
+def tolerates(toleration: dict, taint: dict) -> bool:
+    """``Toleration.ToleratesTaint``: an empty effect matches every effect; an empty key with ``Exists``
+    matches every taint; ``Exists`` ignores the value, ``Equal`` (the default) compares it."""
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("key") and toleration["key"] != taint.get("key"):
+        return False
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Exists":
+        return True
+    return operator == "Equal" and (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def untolerated_taint(tolerations: list[dict], taints: list[dict]) -> dict | None:
+    """The first NoSchedule/NoExecute taint no toleration matches (the TaintToleration filter)."""
+    return next((taint for taint in taints if taint.get("effect") in ("NoSchedule", "NoExecute")
+                 and not any(tolerates(toleration, taint) for toleration in tolerations)), None)
+
+
+def _requirement_holds(requirement: dict, labels: dict[str, str]) -> bool:
+    key, operator, values = requirement["key"], requirement["operator"], requirement.get("values") or []
+    if operator == "In":
+        return key in labels and labels[key] in values
+    if operator == "NotIn":
+        return key not in labels or labels[key] not in values
+    if operator == "Exists":
+        return key in labels
+    if operator == "DoesNotExist":
+        return key not in labels
+    if operator in ("Gt", "Lt") and key in labels and labels[key].lstrip("-").isdigit():
+        return int(labels[key]) > int(values[0]) if operator == "Gt" else int(labels[key]) < int(values[0])
+    return False
+
+
+def matches_node(spec: dict, labels: dict[str, str], node_name: str) -> bool:
+    """The NodeAffinity filter: every ``nodeSelector`` label, and one of the required node selector terms (each
+    term's expressions all hold; ``matchFields`` on ``metadata.name``); no terms at all match nothing."""
+    if any(labels.get(key) != value for key, value in (spec.get("nodeSelector") or {}).items()):
+        return False
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution"))
+    if required is None:
+        return True
+    fields = {"metadata.name": node_name}
+    return any((term.get("matchExpressions") or term.get("matchFields"))  # an empty term matches nothing
+               and all(_requirement_holds(r, labels) for r in term.get("matchExpressions") or [])
+               and all(_requirement_holds(r, fields) for r in term.get("matchFields") or [])
+               for term in required.get("nodeSelectorTerms") or [])

@@ -26,6 +26,23 @@ from tests.cluster.watch_cache import WatchCache
 #: The emulated cluster's one node.
 NODE_NAME = "emulated-node"
 
+@dataclass
+class Node:
+    """A node as the scheduler sees it: its labels (the kubelet's well-known ones, and a pool's), its taints
+    (``spec.taints``, e.g. an AKS GPU pool's ``sku=gpu:NoSchedule``) and its allocatable resources (bytes,
+    milli-CPU, counts)."""
+
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+    taints: list[dict[str, str]] = field(default_factory=list)
+    capacity: dict[str, int] = field(default_factory=lambda: {
+        "cpu": 64_000, "memory": 256 * 2**30, "ephemeral-storage": 2**40, "nvidia.com/gpu": 8})
+
+    def __post_init__(self) -> None:
+        self.labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
+                       **self.labels}
+
+
 #: What an administrator installed before laneflow ran (deployments/base): the ANF storage and snapshot
 #: classes, and the MPI operator (its controller's name, the component of its events).
 STORAGE_CLASS = "azure-netapp-files"
@@ -96,9 +113,8 @@ class Cluster:
     #: Claims (namespace, name) whose NFS export refuses this node (an ANF export policy without the node
     #: subnet): mounting them fails as mount.nfs fails, which no process here can reproduce.
     nfs_refused: set[tuple[str, str]] = field(default_factory=set)
-    #: The one node's allocatable resources (bytes, milli-CPU, counts), what the scheduler fits pods into.
-    node_capacity: dict[str, int] = field(default_factory=lambda: {
-        "cpu": 64_000, "memory": 256 * 2**30, "ephemeral-storage": 2**40, "nvidia.com/gpu": 8})
+    #: The nodes the scheduler binds pods to, by name; every pod runs on this machine whichever it is bound to.
+    nodes: dict[str, Node] = field(default_factory=lambda: {NODE_NAME: Node(NODE_NAME)})
     #: The kubelet's containerLogMaxSize (10 MiB by default upstream).
     log_max_bytes: int = 10 * 1024 * 1024
     #: Cut every follow stream after this many lines (a dropped connection), when set.

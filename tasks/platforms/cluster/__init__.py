@@ -28,11 +28,12 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from prefect_kubernetes.credentials import KubernetesCredentials
-from pydantic import Field, PrivateAttr, ValidationInfo, field_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from tasks.anf import AnfVolume
 from tasks.k8s.manifests import ClusterLayout, object_labels
 from tasks.k8s.quantity import validate_size
+from tasks.k8s.scheduling import QualityOfService, WorkerScheduling
 from tasks.level_holds import LevelRecord
 from tasks.names import validate_name, validate_subdomain
 from tasks.platforms.base import (
@@ -89,6 +90,22 @@ class ClusterPlatform(Platform):
     snapshotter: Literal["csi", "anf"] = Field(
         "csi", description="csi: VolumeSnapshots (lineage in labels/annotations); anf: ANF snapshots through Azure "
                            "(lineage in the run's lineage.json on the volume), for volumes not snapshotted by CSI")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="tolerations of the training workers (the pods that need a GPU node), as "
+        "in a pod spec: e.g. {\"key\": \"sku\", \"operator\": \"Equal\", \"value\": \"gpu\", \"effect\": "
+        "\"NoSchedule\"} for an AKS GPU pool, and key kubernetes.azure.com/scalesetpriority, value spot for a spot "
+        "pool")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="node labels the training workers "
+                                          "require, e.g. {\"agentpool\": \"gpu\"}")
+    affinity: dict[str, Any] | None = Field(None, description="affinity of the training workers, as in a pod spec "
+                                            "(nodeAffinity, podAffinity, podAntiAffinity)")
+    priority_class: str | None = Field(None, description="PriorityClass of the training pods (launcher and workers)")
+    worker_cpu: str | None = Field(None, description="CPU each training worker requests, e.g. 8 or 7500m (none: "
+                                   "BestEffort, the first evicted under pressure)")
+    worker_memory: str | None = Field(None, description="memory each training worker requests, e.g. 32Gi")
+    worker_qos: QualityOfService = Field("burstable", description="burstable: requests only; guaranteed: limits "
+                                         "equal to the requests (the last pods evicted; needs worker_cpu and "
+                                         "worker_memory)")
     anf: AnfVolume | None = Field(None, description="the Azure NetApp Files account and pools of the claims' volumes, "
                                                     "to change their service level around training (each claim's "
                                                     "own volume is read from its PV)")
@@ -102,6 +119,11 @@ class ClusterPlatform(Platform):
     @classmethod
     def _sizes_are_quantities(cls, value: str, info: ValidationInfo) -> str:
         return validate_size(value, info.field_name)
+
+    @model_validator(mode="after")
+    def _scheduling_is_valid(self) -> ClusterPlatform:
+        self.scheduling()  # refuses what the API server would refuse in the MPIJob, naming the field
+        return self
 
     @field_validator("namespace")
     @classmethod
@@ -126,7 +148,13 @@ class ClusterPlatform(Platform):
                              storage_class=self.storage_class, snapshot_class=self.snapshot_class,
                              volume_size=self.volume_size, gpus_per_worker=self.gpus_per_worker,
                              shm_size=self.shm_size, service_account=self.service_account,
-                             runai_project=self.runai_project)
+                             runai_project=self.runai_project, scheduling=self.scheduling())
+
+    def scheduling(self) -> WorkerScheduling:
+        """Where the training workers may run and what they reserve."""
+        return WorkerScheduling(tolerations=self.tolerations, node_selector=self.node_selector,
+                                affinity=self.affinity, priority_class=self.priority_class, cpu=self.worker_cpu,
+                                memory=self.worker_memory, quality_of_service=self.worker_qos)
 
     def effective_namespace(self) -> str:
         """Where laneflow's objects live: the block's namespace, or runai-<project> under Run:ai."""
