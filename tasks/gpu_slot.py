@@ -68,12 +68,30 @@ def _release_earlier_attempts_slot(flow_run_id: str, warn: Callable[[str], None]
     run is now being retried. Without this the retry would wait for its own slot until Prefect's lease on it
     expired (5 minutes, with a limit of one). Revoking a lease that is already gone does nothing."""
     try:
-        if release_slot_of(flow_run_id):
-            warn(f"this run's earlier attempt still held a '{GPU_LIMIT}' slot (its process was killed before it "
-                 "could hand it back): released")
+        with get_client(sync_client=True) as client:
+            lease = (client.read_flow_run(UUID(flow_run_id)).labels or {}).get(GPU_LEASE_LABEL)
+            if not lease or not _lease_live(client, UUID(str(lease))):
+                return
+            client.release_concurrency_slots_with_lease(UUID(str(lease)))
+        warn(f"this run's earlier attempt still held a '{GPU_LIMIT}' slot (its process was killed before it could "
+             "hand it back): released")
     except Exception as exc:  # then the retry waits for that lease to expire, as without this
         warn(f"could not release the '{GPU_LIMIT}' slot of this run's earlier attempt ({exc}): this attempt waits "
              "until Prefect's lease on it expires (5 minutes) if no other slot is free")
+
+
+def _lease_live(client: Any, lease: UUID) -> bool:
+    """Whether the server still holds ``lease``: renewing one it let go of (released, expired) is refused with
+    410 Gone (Prefect's ``/v2/concurrency_limits/leases/{id}/renew``); a live one is renewed for a minute."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    try:
+        client.renew_concurrency_lease(lease, lease_duration=60)
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code in (404, 410):
+            return False
+        raise
+    return True
 
 
 def release_slot_of(flow_run_id: Any) -> bool:

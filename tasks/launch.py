@@ -51,8 +51,8 @@ _RANK_SIGNAL = re.compile(r"^mpirun noticed that process rank (?P<rank>\d+) with
 #: ``[failed-daemon-launch]``/``[failed-daemon]`` (OpenMPI 4.1 ``help-errmgr-base.txt``). Running it again helps.
 _START_RACE = re.compile(
     r"ssh: Could not resolve hostname|ssh: connect to host \S+ port \d+: (?:Connection refused|No route to host"
-    r"|Connection timed out)|Timed out waiting for|ORTE was unable to reliably start one or more daemons"
-    r"|An ORTE daemon has unexpectedly failed after launch")
+    r"|Connection timed out|Network is unreachable)|Timed out waiting for"
+    r"|ORTE was unable to reliably start one or more daemons|An ORTE daemon has unexpectedly failed after launch")
 #: horovodrun's ssh check failing for any reason (``ssh not successful for host <host>:`` then ssh's own words,
 #: then ``could not connect to some hosts via ssh``): without a race above, a setting (host keys, the key, the
 #: user) that running it again does not change.
@@ -236,7 +236,8 @@ class ExitReading:
     """How a training job ended and whether running it again (it resumes) can help.
 
     ``kind`` says which: ``preempted`` (resumable: stopped from outside, a checkpoint to resume from),
-    ``start-failed`` (resumable once: it never reached every worker, a start-up race), ``out-of-memory``,
+    ``start-failed`` (resumable: it never reached every worker, a start-up race; the cluster platform submits
+    it once more itself and then gives up), ``out-of-memory``,
     ``refused`` (configuration or data), ``deadline``, ``failed`` (none of those resumable), or ``finished`` /
     ``stopped`` (succeeded)."""
 
@@ -265,14 +266,16 @@ def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]
         return ExitReading(False, True, f"preempted: it checkpointed and can resume{who}", PREEMPTED)
     texts = [parse_output_line(line).text.strip() for line in lines]
     if "start" not in names and (race := next((text for text in texts if _START_RACE.search(text)), None)):
-        return ExitReading(False, True, f"it could not start on every worker ({race})", START_FAILED)
+        return ExitReading(False, True, f"could not start on every worker ({race})", START_FAILED)
     if "start" not in names and (check := next((i for i, text in enumerate(texts) if _SSH_CHECK_FAILED.search(text)),
                                                None)) is not None:
         said = next((text for text in texts[check + 1:] if text and not _SSH_CHECK_FAILED.search(text)), texts[check])
-        return ExitReading(False, False, f"it could not log in to every worker over ssh ({said})")
-    if lost := next((text for text in texts if _LOST_WORKER.search(text)), None):
+        return ExitReading(False, False, f"could not log in to every worker over ssh ({said})")
+    signalled = code < 0 or code in (128 + 9, 128 + 15)
+    # A worker lost while training ran, unless a rank failed on its own first (its teardown can say so too).
+    if (reported is None or signalled) and (lost := next((text for text in texts if _LOST_WORKER.search(text)), None)):
         return ExitReading(False, True, f"a worker was lost while it ran ({lost}); it can resume", PREEMPTED)
-    if code < 0 or code in (128 + 9, 128 + 15):
+    if signalled:
         signal_no = -code if code < 0 else code - 128
         return ExitReading(False, True, f"a training process was killed by signal {signal_no}{who}", PREEMPTED)
     if code == EXIT_CONFIG_ERROR:

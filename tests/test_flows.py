@@ -233,7 +233,9 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
     runs = laneflow_home / "volumes" / "study" / "runs"
     output = tmp_path / "sweep.log"
-    with output.open("wb") as sink, running(
+    # Two slots of the operator's 'gpu' limit: the killed run keeps one (held until its lease is revoked or
+    # expires), the retry takes the other.
+    with operator_gpu_limit(2), output.open("wb") as sink, running(
             [sys.executable, "-c", script, json.dumps(arguments, default=lambda v: v.model_dump(mode="json"))],
             stop_signals=(signal.SIGKILL,), env=env, cwd=PROJECT_ROOT, stdout=sink,
             stderr=subprocess.STDOUT) as killed:
@@ -245,25 +247,23 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
         metrics = found[0]
         killed.kill()  # no hook, no goodbye: trial 1 stays RUNNING in the journal; its training goes on
         killed.wait()
-    # The killed run's 'gpu' slot is held until Prefect's lease on it expires (minutes): a second slot (the
-    # operator's limit; a sweep never changes it) lets the retry start now.
-    with operator_gpu_limit(2):
         table = sweep(**{key: value for key, value in arguments.items() if key not in base}, **base,
                       max_concurrent=2)
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
+                any_=["killed-trial-0", "killed-trial-1", "killed-trial-2"])))
+            children = {run.name: run for run in runs}
+        # Killed outright, no hook handed the killed trial's slot back: its lease, named on its flow run, is what
+        # a hook (or an operator) revokes. Revoked here, so the next test on this server does not wait it out.
+        lease = children["killed-trial-1"].labels[GPU_LEASE_LABEL]
+        assert release_slot_of(children["killed-trial-1"].id) and lease_released(lease)
     assert sorted(row["trial"] for row in table) == [0, 2]  # trial 1 interrupted; its retry is trial 2
     assert all(row["state"] == "Completed" for row in table), table
     retry = next(row for row in table if row["trial"] == 2)
     assert retry["run"] == metrics.parent.name  # the interrupted run's folder, under its run key
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
-            any_=["killed-trial-0", "killed-trial-1", "killed-trial-2"])))
-        children = {run.name: run for run in runs}
         resumed = client.read_flow_run(children["killed-trial-2"].id)
     assert sorted(children) == ["killed-trial-0", "killed-trial-1", "killed-trial-2"]  # trial 0 ran once
-    # Killed outright, the run could not hand its slot back; it named the slot's lease on itself, so it is
-    # freed at once (as the sweep's hooks do) rather than when the lease expires, minutes later.
-    lease = children["killed-trial-1"].labels[GPU_LEASE_LABEL]
-    assert release_slot_of(children["killed-trial-1"].id) and lease_released(lease)
     assert children["killed-trial-0"].state.is_completed()
     record = json.loads((metrics.parent / "launcher.json").read_text())
     assert record["attempts"] == 2 and resumed.state.is_completed()

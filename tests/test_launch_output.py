@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.k8s.diagnose import pod_ends
+from tasks.k8s.diagnose import pod_ends, scheduling_advice
 from tasks.launch import (
     JobOutput,
     RankLines,
@@ -187,6 +187,23 @@ def test_a_failed_mpijob_is_read_by_the_operators_reason_then_the_launcher_outpu
     assert not reading.succeeded and reading.resumable is resumable and why in reading.reason
 
 
+@pytest.mark.parametrize(("message", "says"), [
+    ("0/2 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) had untolerated taint {sku: gpu}. "
+     "preemption: 0/2 nodes are available: 2 Preemption is not helpful for scheduling.",
+     "lower gpus_per_worker or workers, or add nodes with those resources (a cluster autoscaler needs a node pool "
+     "that has them); or, if the nodes that have it are tainted, add a matching toleration"),
+    ("0/1 nodes are available: 1 node(s) had untolerated taint {kubernetes.azure.com/scalesetpriority: spot}. "
+     "preemption: 0/1 nodes are available: 1 Preemption is not helpful for scheduling.",
+     "the nodes that could take the pod are tainted: add a matching toleration"),
+    ("0/3 nodes are available: 3 node(s) had untolerated taint {node.kubernetes.io/not-ready: }. preemption: ...",
+     "lower gpus_per_worker"),  # the node lifecycle's own taint: not the block's to tolerate
+    ("0/2 nodes are available: 2 node(s) didn't match Pod's node affinity/selector. preemption: ...",
+     "no node has the labels the platform block's node_selector and affinity require"),
+])
+def test_advice_for_a_pod_no_node_takes_follows_the_schedulers_reasons(message: str, says: str) -> None:
+    assert says in scheduling_advice(message)
+
+
 #: What the launcher says when it cannot reach a worker at start: horovodrun's ssh check and OpenSSH's client
 #: (horovod 0.28.1 runner/launch.py), and ORTE's [failed-daemon-launch] (OpenMPI 4.1 help-errmgr-base.txt).
 UNRESOLVED = ["ssh not successful for host train-x-worker-1.train-x.laneflow.svc:",
@@ -207,6 +224,8 @@ LOST = ["ORTE has lost communication with a remote daemon.", "", "  HNP daemon  
     (1, REFUSED, [{"event": "start"}, {"event": "step"}], "failed", False, "exit code 1"),  # it had started
     (1, HOST_KEY, [], "failed", False, "could not log in to every worker over ssh (Host key verification failed.)"),
     (1, LOST, [{"event": "start"}], "preempted", True, "a worker was lost while it ran (ORTE has lost"),
+    (1, ["Process name: [[5107,1],1]", "Exit code:    2", *LOST], [{"event": "start"}], "refused", False,
+     "exit code 2"),  # a rank failed on its own first; the lost daemon is its teardown
     (137, MPIRUN_SIGNAL, [{"event": "start"}], "preempted", True, "signal 9 on rank 1"),
     (3, [], [], "failed", False, "exit code 3"),
 ])
@@ -250,8 +269,21 @@ def test_a_failed_mpijob_is_read_from_its_pods_first_oom_then_disruption_then_th
     reading = read_mpijob_failure("MPIJobFailed", 1, LOST, [], pod_ends([launcher, evicted, running]))
     assert (reading.kind, reading.resumable) == ("preempted", True)
     assert "train-x-worker-0 EvictionByEvictionAPI" in reading.reason
-    shut_down = pod("train-x-launcher-def", "launcher", {"exitCode": 143, "reason": "Error"}, reason="Terminated")
-    assert read_mpijob_failure("BackoffLimitExceeded/Terminated", 143, [], [], pod_ends([shut_down])).resumable
+    # The launcher's node shut down gracefully: the kubelet's reason says so, whatever the launcher exited with.
+    shut_down = pod("train-x-launcher-def", "launcher", {"exitCode": 1, "reason": "Error"}, reason="Terminated")
+    reading = read_mpijob_failure("BackoffLimitExceeded/Terminated", 1, [], [], pod_ends([shut_down]))
+    assert reading.resumable and "train-x-launcher-def Terminated" in reading.reason
+    # Evicted: resumable when the node ran short; not when the pod went over its own limits.
+    pressure = pod("train-x-worker-0", "worker", reason="Evicted")
+    pressure["status"]["message"] = "The node was low on resource: memory. Threshold quantity: 100Mi."
+    own = pod("train-x-worker-0", "worker", reason="Evicted")
+    own["status"]["message"] = "Usage of EmptyDir volume \"dshm\" exceeds the limit \"8Gi\"."
+    assert [end.disruption for end in pod_ends([pressure, own])] == ["Evicted"]
+    # A sidecar listed first (the kubelet sorts by name) does not hide the worker's OOM.
+    sidecar = pod("train-x-worker-1", "worker", {"exitCode": 137, "reason": "OOMKilled"}, limit="2Gi")
+    sidecar["status"]["containerStatuses"].insert(0, {"name": "istio-proxy", "state": {"terminated": {
+        "exitCode": 0, "reason": "Completed"}}})
+    assert pod_ends([sidecar])[0].out_of_memory
 
     # Nothing from outside: the launcher's own exit code, not a made-up 1.
     reading = read_mpijob_failure("MPIJobFailed", 2, [], [], pod_ends([launcher, running]))

@@ -51,10 +51,9 @@ CLAIM_ADVICE = ("the pod's volume claim does not exist or is not bound: run the 
                 "restore it), and check that the claim binds (kubectl describe pvc)")
 PENDING_CLAIM_ADVICE = ("the pod's volume claim is not bound yet: check that its storage class provisions it "
                         "(kubectl describe pvc)")
-TAINT_ADVICE = ("the nodes that have what the pod asks for are tainted: add a matching toleration to the platform "
-                "block's tolerations, e.g. key sku, value gpu, effect NoSchedule for an AKS GPU pool, and key "
-                "kubernetes.azure.com/scalesetpriority, value spot for a spot pool (kubectl describe node shows a "
-                "node's taints)")
+TOLERATE = ("add a matching toleration to the platform block's tolerations, e.g. key sku, value gpu, effect "
+            "NoSchedule for an AKS GPU pool, and key kubernetes.azure.com/scalesetpriority, value spot for a spot pool "
+            "(kubectl describe node shows a node's taints)")
 SELECTOR_ADVICE = ("no node has the labels the platform block's node_selector and affinity require: compare them "
                    "with kubectl get nodes --show-labels")
 #: Waiting reasons that are part of a normal start.
@@ -91,10 +90,8 @@ class PodProblem:
             return PENDING_CLAIM_ADVICE
         if self.reason == "Unschedulable" and "persistentvolumeclaim" in self.message.lower():
             return CLAIM_ADVICE
-        if self.reason == "Unschedulable" and "untolerated taint" in self.message:
-            return TAINT_ADVICE
-        if self.reason == "Unschedulable" and "didn't match Pod's node affinity/selector" in self.message:
-            return SELECTOR_ADVICE
+        if self.reason == "Unschedulable":
+            return scheduling_advice(self.message)
         if self.reason == "FailedMount":
             missing = re.search(r'(secret|configmap) "[^"]*" not found', self.message, re.IGNORECASE)
             return MOUNT_OBJECT_ADVICE if missing else MOUNT_VOLUME_ADVICE
@@ -104,6 +101,30 @@ class PodProblem:
         message = f": {self.message}" if self.message else ""
         state = "is not bound" if self.kind == "persistentvolumeclaim" else "is not running"
         return f"{self.kind} {self.pod} {state} ({self.reason}{message}); {self.advice}"
+
+
+#: kube-scheduler's ``FitError``: "0/N nodes are available: <count> <reason>, ... . preemption: ...".
+_FIT_REASONS = re.compile(r"nodes are available: (?P<reasons>.*?)\. preemption:")
+_TAINT = re.compile(r"untolerated taint \{(?P<key>[^:}]+):")
+
+
+def scheduling_advice(message: str) -> str:
+    """What to change for a pod no node takes, from the reasons the scheduler gave per node: a node that lacks
+    what the pod asks for comes first (tolerating a taint would not give it room); then a taint the block can
+    tolerate (not the node lifecycle's own ``node.kubernetes.io/*`` taints, which come and go); then the
+    block's node selector or affinity."""
+    found = _FIT_REASONS.search(message)
+    reasons = found["reasons"].split(", ") if found else []
+    short = any("Insufficient" in reason for reason in reasons)
+    tainted = any((taint := _TAINT.search(reason)) and not taint["key"].strip().startswith("node.kubernetes.io/")
+                  for reason in reasons)
+    if short and tainted:  # which nodes lack room and which are tainted, the message does not say
+        return f"{ADVICE['Unschedulable']}; or, if the nodes that have it are tainted, {TOLERATE}"
+    if tainted:
+        return f"the nodes that could take the pod are tainted: {TOLERATE}"
+    if not short and any("didn't match Pod's node affinity/selector" in reason for reason in reasons):
+        return SELECTOR_ADVICE
+    return ADVICE["Unschedulable"]
 
 
 def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
@@ -252,16 +273,20 @@ class ProblemClock:
         return new, late
 
 
-#: The reasons of a pod's ``DisruptionTarget`` condition: the pod is being stopped from outside, by the scheduler
-#: preempting it, the eviction API (a drain, the autoscaler scaling down), the taint manager (its node
-#: unreachable or tainted NoExecute), the pod GC, or the kubelet itself (node-pressure eviction, graceful node
-#: shutdown) — kubernetes.io/docs/concepts/workloads/pods/disruptions ("Pod disruption conditions").
-DISRUPTION_REASONS = {"PreemptionByScheduler", "EvictionByEvictionAPI", "DeletionByTaintManager", "DeletionByPodGC",
-                      "TerminationByKubelet"}
-#: ``status.reason`` of a pod the kubelet stopped itself: node-pressure eviction (``Evicted``,
-#: pkg/kubelet/eviction) and graceful node shutdown (``Terminated``, pkg/kubelet/nodeshutdown; ``Shutdown`` and
-#: ``NodeShutdown`` before Kubernetes 1.23).
-STOPPED_BY_NODE = {"Evicted", "Terminated", "Shutdown", "NodeShutdown"}
+#: A ``DisruptionTarget`` condition (status True) says the pod is being stopped from outside, whatever its reason:
+#: the scheduler preempting it (``PreemptionByScheduler``; ``PreemptionByKubeScheduler`` in 1.26), the eviction
+#: API (a drain, an autoscaler scaling down), the taint manager (its node unreachable), the pod GC, or the
+#: kubelet (``TerminationByKubelet``: node-pressure eviction, graceful node shutdown) — kubernetes.io/docs/
+#: concepts/workloads/pods/disruptions, "Pod disruption conditions"; other schedulers may add their own.
+DISRUPTION_TARGET = "DisruptionTarget"
+#: ``status.reason`` of a pod the kubelet stopped itself on a node going away: graceful node shutdown
+#: (``Terminated``, pkg/kubelet/nodeshutdown; ``Shutdown`` and ``NodeShutdown`` before Kubernetes 1.23).
+STOPPED_BY_NODE = {"Terminated", "Shutdown", "NodeShutdown"}
+#: An ``Evicted`` pod the node ran short for (pkg/kubelet/eviction ``nodeLowMessageFmt``); one evicted for going
+#: over its own limits (an emptyDir's ``sizeLimit``, ephemeral storage) would meet them again.
+NODE_PRESSURE = "The node was low on resource"
+#: The container a job's pod runs its work in (``tasks.k8s.manifests``): preferred over sidecars.
+MAIN_CONTAINERS = ("worker", "launcher")
 
 
 @dataclass(frozen=True)
@@ -292,13 +317,18 @@ def pod_ends(pods: list[dict[str, Any]]) -> list[PodEnd]:
     found = []
     for pod in pods:
         status, name = pod.get("status") or {}, pod["metadata"]["name"]
-        disrupted = next((c.get("reason") for c in status.get("conditions") or [] if c.get("type") == "DisruptionTarget"
-                          and c.get("status") == "True" and c.get("reason") in DISRUPTION_REASONS), None)
-        if disrupted is None and status.get("reason") in STOPPED_BY_NODE:
+        disrupted = next((c.get("reason") or DISRUPTION_TARGET for c in status.get("conditions") or []
+                          if c.get("type") == DISRUPTION_TARGET and c.get("status") == "True"), None)
+        if disrupted is None and (status.get("reason") in STOPPED_BY_NODE or (
+                status.get("reason") == "Evicted" and NODE_PRESSURE in (status.get("message") or ""))):
             disrupted = status["reason"]
-        ended = next(((container.get("name"), terminated) for container in status.get("containerStatuses") or []
-                      for state in (container.get("state"), container.get("lastState"))
-                      if (terminated := (state or {}).get("terminated"))), None)
+        # OOMKilled first, wherever it is; then the main container's end before a sidecar's (the kubelet lists
+        # container statuses by name).
+        endings = sorted(((container.get("name"), terminated) for container in status.get("containerStatuses") or []
+                          for state in (container.get("state"), container.get("lastState"))
+                          if (terminated := (state or {}).get("terminated"))),
+                         key=lambda ending: (ending[1].get("reason") != "OOMKilled", ending[0] not in MAIN_CONTAINERS))
+        ended = endings[0] if endings else None
         if ended is None and disrupted is None:
             continue
         container, terminated = ended or (None, {})

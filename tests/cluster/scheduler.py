@@ -75,9 +75,10 @@ def schedule(cluster: Cluster, pod: dict) -> bool:
             return True
         for reason in misfit:
             misfits[reason] += 1
-    # FitError.Error: each reason with how many nodes gave it, sorted; then what preemption could do.
+    # FitError.Error: "<count> <reason>" for each reason, the strings sorted; then what preemption could do (one
+    # sentence for all nodes here; upstream words it per node when their reasons differ).
     total = len(cluster.nodes)
-    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(misfits.items()))
+    reasons = ", ".join(sorted(f"{count} {reason}" for reason, count in misfits.items()))
     preemption = "No preemption victims found for incoming pod" \
         if all(reason.startswith("Insufficient") for reason in misfits) else "Preemption is not helpful for scheduling"
     return _unschedulable(cluster, pod, f"0/{total} nodes are available: {reasons}. preemption: 0/{total} nodes are "

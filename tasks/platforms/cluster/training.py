@@ -18,7 +18,7 @@ from kubernetes.client.exceptions import ApiException
 from tasks.k8s.diagnose import pod_ends
 from tasks.k8s.logs import LogCursor
 from tasks.k8s.manifests import render_mpijob
-from tasks.launch import START_FAILED, ExitReading, JobOutput, read_mpijob_failure
+from tasks.launch import PREEMPTED, START_FAILED, ExitReading, JobOutput, read_mpijob_failure
 from tasks.platforms.base import (
     EventSink,
     LogSink,
@@ -114,7 +114,7 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
         resubmitted = True
     name = handle.job_name
     if reading.kind == START_FAILED:
-        raise TrainingFailed(f"MPIJob {name} could not start on every worker, twice ({reading.reason}); {detail}. "
+        raise TrainingFailed(f"MPIJob {name} {reading.reason}, and again when submitted once more; {detail}. "
                              f"{START_ADVICE}", list(output.tail))
     if reading.resumable:
         raise TrainingInterrupted(f"MPIJob {name} stopped ({reading.reason}); {detail}")
@@ -122,10 +122,11 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
 
 
 #: What to check when the launcher cannot reach its workers twice in a row.
-START_ADVICE = ("The launcher reaches each worker over ssh by its name in the MPIJob's headless Service: check "
-                "that the workers run and keep sshd listening (kubectl logs <job>-worker-0), that the image has "
-                "the operator's ssh settings (README, 'What the training image must contain'), and that no "
-                "NetworkPolicy blocks port 22 between the job's pods")
+START_ADVICE = ("The launcher reaches each worker over ssh by its name in the MPIJob's headless Service, starts "
+                "OpenMPI's orted there, and horovodrun's services then talk over ports of their own: check that the "
+                "workers run and keep sshd listening (kubectl logs <job>-worker-0), that the image has the "
+                "operator's ssh settings and orted on its PATH (README, 'What the training image must contain'), "
+                "and that no NetworkPolicy blocks traffic between the job's pods")
 
 
 def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput, cursor: LogCursor,
@@ -168,19 +169,29 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
         raise
 
 
+#: How many more times the pods are read when a rank was killed by a signal while some pod still runs: the
+#: kubelet may report a worker's OOMKilled after the launcher's failure (cgroup v2 kills the whole container).
+SETTLE_READS = 3
+
+
 def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOutput) -> tuple[ExitReading, str]:
     """How a failed MPIJob ended — from its pods' ends, the operator's reason, the launcher's exit code and
     output — and the detail a message shows (the condition and every pod that exited non-zero)."""
     core, _, _ = apis(platform)
-    pods = [core.api_client.sanitize_for_serialization(pod) for pod in
-            call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
-                 label_selector=f"training.kubeflow.org/job-name={name}").items]
-    ends = pod_ends(sorted(pods, key=lambda pod: pod["metadata"].get("creationTimestamp") or ""))  # oldest first
-    launchers = [end for end in ends if end.role == "launcher" and end.exit_code is not None]
     condition = _failed_condition(job)
     reason = condition.get("reason", "")
-    reading = read_mpijob_failure(reason, launchers[-1].exit_code if launchers else None, output.exit_lines,
-                                  output.events, ends)
+    for read in range(SETTLE_READS + 1):
+        pods = [core.api_client.sanitize_for_serialization(pod) for pod in
+                call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
+                     label_selector=f"training.kubeflow.org/job-name={name}").items]
+        ends = pod_ends(sorted(pods, key=lambda pod: pod["metadata"].get("creationTimestamp") or ""))  # oldest first
+        launchers = [end for end in ends if end.role == "launcher" and end.exit_code is not None]
+        reading = read_mpijob_failure(reason, launchers[-1].exit_code if launchers else None, output.exit_lines,
+                                      output.events, ends)
+        still_running = any((pod.get("status") or {}).get("phase") in ("Pending", "Running") for pod in pods)
+        if not (reading.kind == PREEMPTED and "signal" in reading.reason and still_running) or read == SETTLE_READS:
+            break
+        time.sleep(platform.poll_interval_s)
     exited = ", ".join(f"{end.name} {end.container_reason} (exit {end.exit_code})" for end in ends if end.exit_code)
     return reading, f"{reason}: {condition.get('message', '')}; pods: {exited or 'none found'}"
 
