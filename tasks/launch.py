@@ -247,6 +247,17 @@ class ExitReading:
     kind: str = FAILED
 
 
+def _checkpointed(launcher_code: int | None, lines: list[str], events: list[dict[str, Any]]) -> str | None:
+    """What to say when the ranks stopped on a signal with a checkpoint (a ``preempted`` event, or exit 75
+    reported for a rank), else None."""
+    reported = first_rank_exit(lines)
+    code = reported.code if reported else launcher_code
+    if not any(event.get("event") == "preempted" for event in events) and code != EXIT_PREEMPTED:
+        return None
+    who = f" on rank {reported.rank}" if reported and reported.rank is not None else ""
+    return f"preempted: it checkpointed and can resume{who}"
+
+
 def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]) -> ExitReading:
     """Classify a finished job from its launcher's exit code, its output and the events it sent.
 
@@ -262,8 +273,8 @@ def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]
     reported = first_rank_exit(lines)
     code = reported.code if reported else launcher_code
     who = f" on rank {reported.rank}" if reported and reported.rank is not None else ""
-    if "preempted" in names or code == EXIT_PREEMPTED:
-        return ExitReading(False, True, f"preempted: it checkpointed and can resume{who}", PREEMPTED)
+    if (checkpointed := _checkpointed(launcher_code, lines, events)) is not None:
+        return ExitReading(False, True, checkpointed, PREEMPTED)
     texts = [parse_output_line(line).text.strip() for line in lines]
     if "start" not in names and (race := next((text for text in texts if _START_RACE.search(text)), None)):
         return ExitReading(False, True, f"could not start on every worker ({race})", START_FAILED)
@@ -271,7 +282,9 @@ def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]
                                                None)) is not None:
         said = next((text for text in texts[check + 1:] if text and not _SSH_CHECK_FAILED.search(text)), texts[check])
         return ExitReading(False, False, f"could not log in to every worker over ssh ({said})")
-    signalled = code < 0 or code in (128 + 9, 128 + 15)
+    # Killed by a signal: SIGKILL, SIGTERM, or SIGUSR1 (what mpirun passes on from the launcher's PID 1) before
+    # the trainer listened for it.
+    signalled = code < 0 or code in (128 + 9, 128 + 15, 128 + 10)
     # A worker lost while training ran, unless a rank failed on its own first (its teardown can say so too).
     if (reported is None or signalled) and (lost := next((text for text in texts if _LOST_WORKER.search(text)), None)):
         return ExitReading(False, True, f"a worker was lost while it ran ({lost}); it can resume", PREEMPTED)
@@ -300,6 +313,9 @@ def read_mpijob_failure(reason: str, launcher_code: int | None, exit_lines: list
         return ExitReading(False, False, oom.describe(), OUT_OF_MEMORY)
     if disrupted := [pod for pod in pods if pod.disruption]:
         named = ", ".join(f"{pod.name} {pod.disruption}" for pod in disrupted)
+        if (checkpointed := _checkpointed(launcher_code, exit_lines, events)) is not None:  # PID 1 passed it on
+            return ExitReading(False, True, f"{checkpointed} (its pods were stopped from outside: {named})",
+                               PREEMPTED)
         return ExitReading(False, True, f"its pods were stopped from outside ({named}); it can resume", PREEMPTED)
     if reason.startswith(EVICTED_REASONS):
         return ExitReading(False, True, "pods were evicted (a node drained or pods preempted); it can resume",

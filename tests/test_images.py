@@ -21,7 +21,7 @@ def builder() -> None:
 
 def test_the_build_context_is_the_sources_the_dockerfiles_copy() -> None:
     files = images.context_files(PROJECT_ROOT)
-    assert "training/data/prepare.py" in files and "deployments/ssh/laneflow-sshd" in files
+    assert "training/data/prepare.py" in files and "deployments/ssh/sshd_config.conf" in files
     assert "scripts/versions.env" in files and "pyproject.toml" in files
     assert not [f for f in files if f.startswith((".git/", ".venv/", "tests/", ".laneflow/", "bench/", "docs/"))]
     assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]

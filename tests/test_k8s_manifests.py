@@ -54,7 +54,8 @@ def test_mpijob_matches_golden_and_runs_horovodrun_on_gpu_workers() -> None:
                         "runs/train-7d2eaa95c8df", SETTINGS, LABELS)
     check_golden("mpijob", job)
     launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
-    assert launcher["command"][:5] == ["horovodrun", "-np", "4", "--hostfile", "/etc/mpi/hostfile"]
+    assert launcher["command"][:6] == ["laneflow-launcher", "horovodrun", "-np", "4", "--hostfile",
+                                       "/etc/mpi/hostfile"]
     worker = job["spec"]["mpiReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 2 and job["spec"]["slotsPerWorker"] == 2
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"

@@ -98,7 +98,7 @@ for i in range(int(sys.argv[2])):
         wait_for(f"half-{i}")
         os.write(1, b"rank one at %d\\n" % i)
         (here / f"other-{i}").touch()
-from training.train import launcher_rank
+from training.ranks import launcher_rank
 print(f"label rank{launcher_rank(os.environ)}", file=sys.stderr, flush=True)
 """
 
@@ -269,6 +269,12 @@ def test_a_failed_mpijob_is_read_from_its_pods_first_oom_then_disruption_then_th
     reading = read_mpijob_failure("MPIJobFailed", 1, LOST, [], pod_ends([launcher, evicted, running]))
     assert (reading.kind, reading.resumable) == ("preempted", True)
     assert "train-x-worker-0 EvictionByEvictionAPI" in reading.reason
+    # The worker's PID 1 passed the stop on: the ranks checkpointed (exit 75), which the reading says first.
+    checkpointed = ["Process name: [[5107,1],1]", "Exit code:    75"]
+    reading = read_mpijob_failure("BackoffLimitExceeded/", 1, checkpointed, [{"event": "start"}],
+                                  pod_ends([launcher, evicted]))
+    assert reading.reason == "preempted: it checkpointed and can resume on rank 1 (its pods were stopped from " \
+                             "outside: train-x-worker-0 EvictionByEvictionAPI)", reading.reason
     # The launcher's node shut down gracefully: the kubelet's reason says so, whatever the launcher exited with.
     shut_down = pod("train-x-launcher-def", "launcher", {"exitCode": 1, "reason": "Error"}, reason="Terminated")
     reading = read_mpijob_failure("BackoffLimitExceeded/Terminated", 1, [], [], pod_ends([shut_down]))

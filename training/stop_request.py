@@ -1,4 +1,7 @@
-"""Stop requests: the orchestrator's ``stop-request.json`` (stop for good) and SIGTERM (checkpoint, retry).
+"""Stop requests: the orchestrator's ``stop-request.json`` (stop for good) and SIGTERM or SIGUSR1 (checkpoint,
+retry). SIGTERM reaches a rank from its worker pod's PID 1 (``training.mpi_entry``), or straight from the local
+platform; SIGUSR1 from the launcher's, through mpirun, which forwards SIGUSR1 to every rank (OpenMPI 4.1
+``mpirun(1)``, "Signal Propagation") and would end the job on a SIGTERM.
 
 Kept apart from the training loop: the file's name and format are a contract with the orchestrator
 (a sweep's pruner writes it), and the signal handling is one small piece the loop only polls.
@@ -43,12 +46,17 @@ def read_stop_request(run_dir: Path) -> dict | None:
     return {key: value for key, value in request.items() if key not in ("event", "step")}
 
 
+#: The signals that ask a rank to checkpoint and exit 75 (see the module's docstring).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
 class StopRequest:
-    """Set by SIGTERM; checked between steps so a checkpoint is never written mid-step."""
+    """Set by SIGTERM or SIGUSR1; checked between steps so a checkpoint is never written mid-step."""
 
     def __init__(self) -> None:
         self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, _frame: object) -> None:
         log.warning("received signal %d: checkpointing after this step", signum)

@@ -1,16 +1,16 @@
 """Train SCNN with Horovod: ``python -m training.train`` (size 1) or under ``horovodrun -np N``.
 
-Safe to retry: rank 0 alone writes checkpoints (atomically, every N steps and at epoch end) and
-the run resumes from the newest valid one; a truncated checkpoint is skipped with a warning. SIGTERM
-makes every rank stop after the current step, rank 0 checkpoint, and the process exit with
-``EXIT_PREEMPTED`` (75), which the orchestrator treats as "retry me". A stop request left in the run
-directory (``stop-request.json``, written by the orchestrator: a sweep's pruner) makes the run checkpoint
-and end with exit 0 and a ``stopped`` event instead: finished early on purpose, not to be resumed. With
-``eval_every`` rank 0 scores the val split every that many steps (``val`` events). Rank 0 prints one JSON
-object per line on stdout for the orchestrator (``step``, ``epoch``, ``checkpoint``, ``val``, ``eval``,
-``preempted``, ``stopped``, ``done``), each recorded one with its ``time`` (Unix seconds); readable logs go
-to stderr. Rank 0 also writes the run's curves as
-TensorBoard scalars under ``<run-dir>/tensorboard/`` (``TensorBoardLog``).
+Safe to retry: rank 0 alone writes checkpoints (atomically, every N steps and at epoch end) and the run
+resumes from the newest valid one; a truncated checkpoint is skipped with a warning. SIGTERM (or SIGUSR1,
+which mpirun forwards to every rank: ``training.stop_request``) makes every rank stop at the next agreed
+check, rank 0 checkpoint, and the process exit with ``EXIT_PREEMPTED`` (75), which the orchestrator treats as
+"retry me". A stop request left in the run directory (``stop-request.json``, written by the orchestrator: a
+sweep's pruner) makes the run checkpoint and end with exit 0 and a ``stopped`` event instead: finished early
+on purpose, not to be resumed. With ``eval_every`` rank 0 scores the val split every that many steps (``val``
+events). Rank 0 prints one JSON object per line on stdout for the orchestrator (``step``, ``epoch``,
+``checkpoint``, ``val``, ``eval``, ``preempted``, ``stopped``, ``done``), each recorded one with its ``time``
+(Unix seconds); readable logs go to stderr. Rank 0 also writes the run's curves as TensorBoard scalars under
+``<run-dir>/tensorboard/`` (``TensorBoardLog``).
 
     python -m training.train --data-root DIR --run-dir DIR --preset cpu-demo --set epochs=3 --set lr=0.05
 """
@@ -26,7 +26,6 @@ import os
 import random
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from training.dataset import (
 from training.evaluate import evaluate_run, score_split
 from training.model import SCNN, SCNNLoss, TrainingDiverged, load_backbone_weights, model_config
 from training.precision import MixedPrecision
+from training.ranks import launcher_rank
 from training.stop_request import STOP_CHECK_EVERY, STOP_REQUEST, StopRequest, read_stop_request
 from training.tensorboard_log import TENSORBOARD_DIR, TensorBoardLog
 
@@ -140,6 +140,7 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
 
 def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | None,
            closing: contextlib.ExitStack) -> int:
+    stop = StopRequest()  # first: a stop signal before its handler would end the process unsaved
     dist = Distributed(config.cycle_time_ms)
     is_main = dist.rank == 0
     torch.manual_seed(config.seed)
@@ -189,7 +190,6 @@ def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | 
                                                   groups=config.allreduce_groups or None, compression=compression)
 
     criterion = SCNNLoss(check_finite=run_precision != "fp16")
-    stop = StopRequest()
     metrics_file = run_dir / "metrics.jsonl"
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -269,6 +269,9 @@ def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | 
                 if signalled:
                     checkpoint()
                     record("preempted", step=step)
+                    # Every rank waits here until rank 0 has written it: mpirun ends the job when the first
+                    # rank exits non-zero, which would kill rank 0 in the middle of its save.
+                    dist.any((False,), "checkpointed")
                     return EXIT_PREEMPTED
                 if asked and step < total_steps:  # at its end a run finishes: nothing is saved by stopping
                     checkpoint()
@@ -301,17 +304,6 @@ def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | 
         record("eval", **result)
         emit("done", step=step, weights_sha256=weights_digest(model))
     return 0
-
-
-#: Where a launcher puts a process's rank before Horovod starts: horovodrun's Gloo path sets HOROVOD_RANK
-#: (horovod ``runner/gloo_run.py``); mpirun sets OMPI_COMM_WORLD_RANK and PMIx's PMIX_RANK, never HOROVOD_RANK
-#: (OpenMPI 4.1 ``mpirun(1)``, "Exported Environment Variables").
-RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-
-
-def launcher_rank(env: Mapping[str, str]) -> str:
-    """This process's rank as its launcher named it ("0" for a plain run): the log's rank label."""
-    return next((env[name] for name in RANK_VARIABLES if env.get(name)), "0")
 
 
 def main(argv: list[str] | None = None) -> int:

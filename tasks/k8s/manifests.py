@@ -43,6 +43,9 @@ class ClusterLayout:
     extra_labels: dict[str, str] = field(default_factory=dict)
     #: Where the workers (the pods that need a GPU node) may run and what they reserve.
     scheduling: WorkerScheduling = field(default_factory=WorkerScheduling)
+    #: The MPI pods' terminationGracePeriodSeconds: from the kubelet's SIGTERM to its SIGKILL, the time the
+    #: ranks have to reach their next stop check and write a checkpoint.
+    termination_grace_s: int = 120
 
     def effective_namespace(self) -> str:
         """Run:ai schedules only in ``runai-<project>``."""
@@ -112,8 +115,12 @@ def render_data_job(name: str, layout: ClusterLayout, claim: str, artifacts: lis
                                   "spec": _pod_spec(layout, container, volumes, restart="Never")}}}
 
 
-#: Each MPI worker's command, in the training image (deployments/ssh/laneflow-sshd).
-WORKER_COMMAND = "/usr/local/bin/laneflow-sshd"
+#: Each MPI worker's command, a console script of the training image (training.mpi_entry.worker_main): the
+#: worker's own host key, then sshd under a PID 1 that passes the kubelet's SIGTERM on to the ranks.
+WORKER_COMMAND = "laneflow-sshd"
+#: Before the launcher's horovodrun (training.mpi_entry.launcher_main): PID 1 that turns the kubelet's SIGTERM
+#: into SIGUSR1 to mpirun, which forwards it to every rank.
+LAUNCHER_ENTRY = ["laneflow-launcher"]
 
 
 def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, workers: int, data_dir: str,
@@ -128,22 +135,26 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
       restartPolicy in the pod template is overridden, with a Warning event);
     - ``launcherCreationPolicy: WaitForWorkersReady``: the default ``AtStartup`` starts horovodrun while
       workers may still be pulling a multi-GB image, and its SSH attempts fail the job.
+    Both pods run under ``training.mpi_entry`` as PID 1, with the block's grace period, so that a pod told to
+    stop (drain, eviction, node shutdown) has its ranks checkpoint first.
     """
     if workers % layout.gpus_per_worker:
         raise ValueError(f"workers={workers} is not a multiple of gpus_per_worker={layout.gpus_per_worker}")
     replicas = workers // layout.gpus_per_worker
     validate_mpijob_name(name, replicas)
-    command = ["horovodrun", "-np", str(workers), "--hostfile", MPI_HOSTFILE, "python",
+    command = [*LAUNCHER_ENTRY, "horovodrun", "-np", str(workers), "--hostfile", MPI_HOSTFILE, "python",
                *trainer_args(preset, settings, f"{MOUNT_PATH}/{data_dir}", f"{MOUNT_PATH}/{run_dir}")]
     volumes, mounts = _volume_mounts(claim, layout.shm_size)
     launcher = {"name": "launcher", "image": layout.image, "command": command,
                 "resources": {"requests": {"cpu": "1", "memory": "2Gi"}}}
     # Not the operator's default `/usr/sbin/sshd -De`: the image keeps no host keys (every worker of every job
-    # would share them), and laneflow-sshd makes the worker's own before it becomes that sshd.
+    # would share them), and laneflow-sshd makes the worker's own; and sshd as PID 1 would take the ranks with it
+    # on the kubelet's SIGTERM, unsaved.
     worker = {"name": "worker", "image": layout.image, "command": [WORKER_COMMAND], "volumeMounts": mounts,
               "resources": layout.scheduling.resources(layout.gpus_per_worker)}
     scheduling = layout.scheduling.pod_fields()  # tolerations, nodeSelector, affinity, priority: the workers'
     launcher_priority = {key: value for key, value in scheduling.items() if key == "priorityClassName"}
+    grace = {"terminationGracePeriodSeconds": layout.termination_grace_s}
     role_labels = {role: {**labels, "training.kubeflow.org/job-role": role} for role in ("launcher", "worker")}
     return {
         "apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob",
@@ -156,10 +167,10 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
             "mpiReplicaSpecs": {
                 "Launcher": {"replicas": 1, "restartPolicy": "Never", "template": {
                     "metadata": {"labels": role_labels["launcher"]},
-                    "spec": {**_pod_spec(layout, launcher, []), **launcher_priority}}},
+                    "spec": {**_pod_spec(layout, launcher, []), **launcher_priority, **grace}}},
                 "Worker": {"replicas": replicas, "restartPolicy": "Never", "template": {
                     "metadata": {"labels": role_labels["worker"]},
-                    "spec": {**_pod_spec(layout, worker, volumes), **scheduling}}},
+                    "spec": {**_pod_spec(layout, worker, volumes), **scheduling, **grace}}},
             },
         },
     }

@@ -79,6 +79,10 @@ class ClusterPlatform(Platform):
                                       "(GPUs busy with other jobs, a node an autoscaler adds, a claim being "
                                       "provisioned) before the stage fails naming what it asked for; with Run:ai "
                                       "its queue decides and this does not apply")
+    operator_grace_s: float = Field(120.0, gt=0, description="how long an MPIJob may go without any status from the "
+                                    "MPI operator (none installed, or it watches other namespaces), or keep getting "
+                                    "its warnings that it cannot create the job's pods, before the stage fails "
+                                    "naming why")
     prepare_deadline_s: float = Field(12 * 3600, gt=0, description="the dataset stage's deadline: past it the "
                                                                    "prepare Job is deleted and the stage fails")
     api_attempts: int = Field(6, ge=1, description="tries per API call on 429/5xx/connection errors")
@@ -103,6 +107,10 @@ class ClusterPlatform(Platform):
     worker_cpu: str | None = Field(None, description="CPU each training worker requests, e.g. 8 or 7500m (none: "
                                    "BestEffort, the first evicted under pressure)")
     worker_memory: str | None = Field(None, description="memory each training worker requests, e.g. 32Gi")
+    termination_grace_s: int = Field(
+        120, ge=1, le=86400, description="seconds a training pod that is told to stop (drain, eviction, spot "
+        "removal, node shutdown) has to checkpoint before it is killed: its terminationGracePeriodSeconds. Azure "
+        "gives a spot VM 30 s notice, and a node's shutdownGracePeriod caps it on shutdown")
     worker_qos: QualityOfService = Field("burstable", description="burstable: requests only; guaranteed: limits "
                                          "equal to the requests (the last pods evicted; needs worker_cpu and "
                                          "worker_memory)")
@@ -148,7 +156,8 @@ class ClusterPlatform(Platform):
                              storage_class=self.storage_class, snapshot_class=self.snapshot_class,
                              volume_size=self.volume_size, gpus_per_worker=self.gpus_per_worker,
                              shm_size=self.shm_size, service_account=self.service_account,
-                             runai_project=self.runai_project, scheduling=self.scheduling())
+                             runai_project=self.runai_project, scheduling=self.scheduling(),
+                             termination_grace_s=self.termination_grace_s)
 
     def scheduling(self) -> WorkerScheduling:
         """Where the training workers may run and what they reserve."""

@@ -131,9 +131,10 @@ def create_or_adopt(platform: ClusterPlatform, kind: str, create: Callable[[], A
     return existing, False
 
 
-def wait_deleted(platform: ClusterPlatform, resource: str, read: Callable[[], Any], what: str) -> None:
+def wait_deleted(platform: ClusterPlatform, resource: str, read: Callable[[], Any], what: str,
+                 timeout_s: float = 300) -> None:
     """Until ``read`` answers 404 (a Foreground delete ends when the object's dependents are gone)."""
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             call(platform, "get", resource, read)
@@ -142,7 +143,7 @@ def wait_deleted(platform: ClusterPlatform, resource: str, read: Callable[[], An
                 return
             raise
         time.sleep(platform.poll_interval_s)
-    raise TimeoutError(f"{what} was not deleted within 5 minutes")
+    raise TimeoutError(f"{what} was not deleted within {timeout_s:.0f} s")
 
 
 def _status_of(exc: ApiException) -> dict[str, Any]:

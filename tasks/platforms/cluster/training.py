@@ -44,6 +44,10 @@ MPI = ("kubeflow.org", "v2beta1", "mpijobs")
 #: The MPI operator refuses an invalid job with a Warning event of this reason and sets no condition
 #: (kubeflow/mpi-operator pkg/controller/mpi_job_controller.go, syncHandler): it never starts.
 REFUSED_REASON = "ValidationError"
+#: The operator's Warning when it cannot create a job's pods or its launcher (forbidden, quota exceeded, a
+#: service account not found): ``mpiJobFailedReason`` with "worker pod created failed: <error>"; it retries,
+#: so the warning repeats while the cause lasts.
+CREATE_FAILED_REASON = "MPIJobFailed"
 
 
 def mpijob_body(platform: ClusterPlatform, spec: TrainingSpec) -> dict:
@@ -71,8 +75,9 @@ def submit(platform: ClusterPlatform, spec: TrainingSpec) -> TrainingHandle:
         lambda: custom.get_namespaced_custom_object(group, version, namespace, plural, spec.job_name),
         ours, spec.job_name)
     state = _mpijob_state(job)
-    if not created and state == "failed":
-        # An earlier attempt stopped (preempted, a worker lost): replace it; the trainer resumes.
+    if not created and (state == "failed" or job["metadata"].get("deletionTimestamp")):
+        # An earlier attempt stopped (preempted, a worker lost), or its job is being deleted (a cancel, a
+        # replacement that did not finish): wait it out and create it afresh; the trainer resumes.
         job = _replace(platform, spec, body)
         created, state = True, _mpijob_state(job)
     return TrainingHandle(job_name=spec.job_name, spec=spec, state=state, adopted=not created,
@@ -86,7 +91,7 @@ def _replace(platform: ClusterPlatform, spec: TrainingSpec, body: dict) -> dict:
     platform.cancel_training(spec.job_name, spec.volume)
     wait_deleted(platform, "mpijobs",
                  lambda: custom.get_namespaced_custom_object(group, version, namespace, plural, spec.job_name),
-                 f"MPIJob {spec.job_name}")
+                 f"MPIJob {spec.job_name}", timeout_s=300 + platform.termination_grace_s)  # its pods' grace
     return call(platform, "create", "mpijobs", custom.create_namespaced_custom_object, group, version,
                 namespace, plural, body, field_validation=STRICT)
 
@@ -137,15 +142,21 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
     group, version, plural = MPI
     name = handle.job_name
     selector = f"training.kubeflow.org/job-name={name},training.kubeflow.org/job-role=launcher"
-    warnings_seen: set[str] = set()
+    warnings_seen: dict[str, tuple[float, int]] = {}
     clock = problem_clock(platform)
+    followed_since = time.monotonic()
     try:
         while True:
             job = call(platform, "get", "mpijobs", custom.get_namespaced_custom_object, group, version,
                        platform.effective_namespace(), plural, name)
             state = _mpijob_state(job)
             if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
-                _check_warnings(platform, core, job, warnings_seen, output.on_log)
+                try:
+                    _check_warnings(platform, core, job, warnings_seen, output.on_log)
+                    _check_operator_answers(platform, job, time.monotonic() - followed_since, bool(warnings_seen))
+                except StageBlocked:
+                    platform.cancel_training(name, handle.spec.volume)
+                    raise
             if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
                 try:
                     check_pods(platform, core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
@@ -223,12 +234,38 @@ def _all_events(platform: ClusterPlatform, handle: TrainingHandle, output: JobOu
         return output.events
 
 
-def _check_warnings(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, job: dict, seen: set[str],
-                    on_log: LogSink) -> None:
-    """Fail fast when the operator refused the job: it then only records a Warning event, no condition.
+def _check_operator_answers(platform: ClusterPlatform, job: dict, waited_s: float, operator_spoke: bool) -> None:
+    """An MPIJob no operator handles has no status at all: past the block's ``operator_grace_s`` waiting longer
+    would wait for ever. An operator that cannot create the job's pods writes no status either (``syncHandler``
+    returns before ``updateMPIJobStatus``), but it says so in Warning events: those are judged instead."""
+    if (job.get("status") or {}).get("conditions") or operator_spoke or waited_s <= platform.operator_grace_s:
+        return
+    name, namespace = job["metadata"]["name"], platform.effective_namespace()
+    raise StageBlocked(
+        f"MPIJob {name} got no status from the MPI operator in {waited_s:.0f} s: no operator is handling it. "
+        f"Check that the MPI operator (kubeflow/mpi-operator, v2beta1 MPIJobs) is installed and running "
+        f"(kubectl get pods -A -l app.kubernetes.io/name=mpi-operator), and that it watches namespace {namespace} "
+        f"(its --namespace flag, when set, must name it); the job was deleted")
 
-    Other Warning events of a job that is not running yet (a pod it cannot create, a template
-    setting it overrides) go to the log once each.
+
+#: What to check for the causes the operator's create warnings name (apiserver's wording in each).
+CREATE_ADVICE = (
+    ("service account", "create the service account the block names (service_account; deployments/workloads)"),
+    ("exceeded quota", "the namespace's ResourceQuota has no room: ask for less (workers, gpus_per_worker, "
+                       "worker_cpu/worker_memory) or raise the quota"),
+    ("forbidden", "an admission policy (Pod Security, a webhook) or RBAC refuses the pod: see the message"),
+)
+
+
+def _check_warnings(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, job: dict,
+                    seen: dict[str, tuple[float, int]], on_log: LogSink) -> None:
+    """Fail fast when the operator refused the job: it then only records a Warning event, no condition; and
+    fail when its warnings that it cannot create the job's pods outlast ``operator_grace_s`` and still recur
+    (the event's count went up since laneflow first saw it: the operator tried again and failed again; one
+    that stopped recurring was a moment's shortage the operator got past).
+
+    Other Warning events of a job that is not running yet (a template setting it overrides) go to the log
+    once each.
     """
     name, uid = job["metadata"]["name"], job["metadata"].get("uid")
     found = call(platform, "list", "events", core.list_namespaced_event, platform.effective_namespace(),
@@ -240,8 +277,16 @@ def _check_warnings(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api
             raise TrainingFailed(f"the MPI operator refused MPIJob {name}: {event.message}")
         key = f"{event.reason}: {event.message}"
         if key not in seen:
-            seen.add(key)
+            seen[key] = (time.monotonic(), event.count or 1)
             on_log(f"warning from the MPI operator: {key}")
+        first_seen, first_count = seen[key]
+        if event.reason == CREATE_FAILED_REASON and (event.count or 1) > first_count and \
+                time.monotonic() - first_seen > platform.operator_grace_s:
+            message = event.message or ""
+            advice = next((text for words, text in CREATE_ADVICE if words in message.lower()),
+                          "see the message; kubectl describe mpijob " + name)
+            raise StageBlocked(f"the MPI operator cannot create MPIJob {name}'s pods ({message}; for "
+                               f"{platform.operator_grace_s:.0f} s): {advice}; the job was deleted")
 
 
 def _mpijob_state(job: dict) -> str:
