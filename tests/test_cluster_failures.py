@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from tests.cluster.network import node_address
 from tests.cluster.runtime import memory_limits_missing
 from tests.cluster_platform_helpers import DATA_IMAGE, TRAIN_IMAGE, client_apis, cluster_platform, spec_for
 from tests.http_server import Fault, RunningServer
+from tests.test_cluster_pipeline import needs_kubectl, rendered
 from training.data.sources import Artifact
 
 
@@ -220,8 +222,9 @@ def test_the_emulator_refuses_quantities_the_api_server_cannot_parse(tmp_path: P
 @pytest.mark.parametrize(("broken", "change", "code", "said"), [
     # sshd's privilege separation directory gone: sshd exits at once, saying so.
     ("no-sshd-dir", "RUN rmdir /run/sshd", 255, "Missing privilege separation directory"),
-    # the image built without the openssh-server package: laneflow-sshd cannot exec sshd.
-    ("no-openssh-server", "RUN apt-get purge -y openssh-server", 127, "/usr/sbin/sshd: not found"),
+    # the image built without the openssh-server package: the worker's PID 1 (training.mpi_entry) cannot run sshd.
+    ("no-openssh-server", "RUN apt-get purge -y openssh-server", 127,
+     "laneflow-worker: cannot run /usr/sbin/sshd: No such file or directory"),
 ])
 def test_a_worker_whose_sshd_cannot_start_fails_training_naming_it_instead_of_waiting(
         emulator: tuple, broken: str, change: str, code: int, said: str) -> None:
@@ -393,3 +396,76 @@ def test_a_mount_failure_counts_only_for_its_own_pod_and_only_until_the_kubelet_
     assert problem.reason == "FailedMount" and problem.message == "FailedMount new"
     assert "export policy" in problem.describe()
     assert pod_problems([pod], [failing, event("Pulling", "new", "2026-12-01T10:05:03Z")]) == []
+
+
+def test_an_mpijob_no_operator_answers_fails_within_the_blocks_grace_naming_what_to_check(emulator: tuple) -> None:
+    """The MPIJob CRD installed but no operator running (or one watching other namespaces): the job is stored
+    and nothing ever sets its status. The wait fails after operator_grace_s, not after 24 hours."""
+    emu, cluster = emulator
+    cluster.mpi_operator_installed = False
+    platform = cluster_platform(emu, operator_grace_s=2)
+    volume = platform.ensure_volume("data")
+    handle = platform.submit_training(spec_for(volume.name, workers=2))
+    with pytest.raises(StageBlocked) as blocked:
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
+    message = str(blocked.value)
+    assert "got no status from the MPI operator" in message and "no operator is handling it" in message, message
+    assert "watches namespace lanes" in message and "the job was deleted" in message, message
+    cluster.wait_empty("mpijobs")
+
+
+@needs_kubectl
+def test_an_mpijob_whose_pods_the_operator_cannot_create_fails_naming_its_warning(emulator: tuple) -> None:
+    """The block names a service account the namespace does not have: the ServiceAccount admission plugin
+    refuses every worker, and the operator says so in a Warning ("worker pod created failed: ...") each time it
+    tries again. Once that outlasts operator_grace_s the stage fails with the operator's words and the fix."""
+    emu, cluster = emulator
+    cluster.load(rendered("base"))  # an administrator's cluster: admission and RBAC as shipped
+    platform = cluster_platform(emu, namespace="laneflow", service_account="trainer-nobody-made",
+                                operator_grace_s=2)
+    volume = platform.ensure_volume("data")
+    logged: list[str] = []
+    handle = platform.submit_training(spec_for(volume.name, workers=2))
+    with pytest.raises(StageBlocked) as blocked:
+        platform.wait_for_training(handle, lambda _: None, logged.append, timeout_s=600)
+    message = str(blocked.value)
+    assert "the MPI operator cannot create MPIJob train-0123456789ab's pods (worker pod created failed: pods " \
+           '"train-0123456789ab-worker-0" is forbidden: error looking up service account ' \
+           'laneflow/trainer-nobody-made: serviceaccount "trainer-nobody-made" not found' in message, message
+    assert "create the service account the block names" in message, message
+    assert any(line.startswith("warning from the MPI operator: MPIJobFailed: worker pod created failed")
+               for line in logged), logged
+    cluster.wait_empty("mpijobs")
+
+
+def test_a_retry_that_finds_its_mpijob_still_being_deleted_waits_it_out_and_submits_afresh(emulator: tuple) -> None:
+    """An earlier attempt deleted its MPIJob, which is still terminating (a finalizer holds it: another
+    controller's clean-up). The retry must not adopt it as live — it would vanish under the wait — but wait
+    until it is gone and create the job anew."""
+    emu, cluster = emulator
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    spec = spec_for(volume.name, workers=2)
+    first = platform.submit_training(spec)
+    _, custom = client_apis(emu)
+    custom.patch_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", spec.job_name,
+                                          {"metadata": {"finalizers": ["example.org/archive-logs"]}})
+    platform.cancel_training(spec.job_name, volume)  # what the earlier attempt did on its way out
+    held = custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", spec.job_name)
+    assert held["metadata"].get("deletionTimestamp"), held["metadata"]
+
+    def release() -> None:  # the other controller finishes its clean-up a moment later
+        time.sleep(2)
+        custom.patch_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", spec.job_name,
+                                              {"metadata": {"finalizers": None}})
+    releasing = threading.Thread(target=release)
+    releasing.start()
+    try:
+        second = platform.submit_training(spec)
+    finally:
+        releasing.join()
+    assert not second.adopted and second.details["uid"] != first.details["uid"], (first, second)
+    job = custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", spec.job_name)
+    assert job["metadata"]["uid"] == second.details["uid"] and not job["metadata"].get("deletionTimestamp")
+    platform.cancel_training(spec.job_name, volume)
+    cluster.wait_empty("mpijobs")

@@ -1,18 +1,26 @@
 """Horovod's MPI launch path, for real: sshd in the workers, ssh and mpirun in the launcher. A rank killed
-or preempted under mpirun, a stop request heard by the wait loop, an image without the ssh client settings,
-a claim mounted where the trainer does not look."""
+under mpirun; a worker evicted through the API, a node drained and a node shutting down, each of which the
+kubelet tells by SIGTERM to the pod's PID 1 only; a stop request heard by the wait loop, an image without the
+ssh client settings, a claim mounted where the trainer does not look."""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import kubernetes
 import pytest
 
 from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted, VolumeRef
 from tasks.platforms.cluster.training import mpijob_body
 from tests.cluster import Cluster
+from tests.cluster.node_lifecycle import DrainRefused, drain, shut_down, uncordon
+from tests.cluster.state import NODE_NAME, Node
 from tests.cluster_platform_helpers import (
     client_apis,
     cluster_platform,
@@ -64,21 +72,141 @@ def test_a_rank_killed_under_mpirun_fails_the_job_naming_the_rank_and_its_signal
     assert "a training process was killed by signal 9 on rank 1" in str(stopped.value), str(stopped.value)
 
 
-def test_a_preempted_rank_under_mpirun_stops_the_job_resumably_and_the_retry_resumes(
+@dataclass
+class Told:
+    """When each action finished (Unix seconds, for checkpoints to be compared with), and what any raised."""
+
+    times: list[float] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+
+
+def on_each_attempts_first_step(cluster: Cluster, actions: list[Callable[[], object]]) -> Told:
+    """At the first training step each new launcher logs, run the next of ``actions`` in a thread of its own,
+    as an operator at a terminal would."""
+    told = Told()
+    seen: set[str] = set()
+
+    def on_line(cluster: Cluster, namespace: str, pod: str, line: str) -> None:
+        if "-launcher-" not in pod or '"event": "step"' not in line or pod in seen or len(seen) >= len(actions):
+            return
+        seen.add(pod)
+        action = actions[len(seen) - 1]
+
+        def act() -> None:
+            try:
+                action()
+                told.times.append(time.time())
+            except BaseException as exc:  # the test fails on it at its next check
+                told.errors.append(exc)
+        threading.Thread(target=act, daemon=True).start()
+
+    cluster.on_log_line = on_line
+    return told
+
+
+def checkpoints_after(platform: ClusterPlatform, volume: VolumeRef, spec, moment: float) -> list[dict]:
+    """The run's checkpoint and preempted events recorded after ``moment`` (Unix seconds): an epoch's end may
+    checkpoint on the way; the stop ends with a checkpoint and ``preempted`` at the same step."""
+    record = [json.loads(line) for line in
+              platform.read_file(volume, f"{spec.run_dir}/metrics.jsonl").decode().splitlines()]
+    return [event for event in record if event["event"] in ("checkpoint", "preempted") and event["time"] >= moment]
+
+
+def test_a_worker_evicted_through_the_api_checkpoints_after_its_eviction_and_the_retry_resumes(
         emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
-    """SIGTERM to one rank (a node draining): every rank checkpoints and exits 75, mpirun reports it, the
-    wait says preempted; submitting again (the task's retry) replaces the job and resumes from the checkpoint."""
-    _, cluster = emulator
+    """The eviction API as a drain or the autoscaler uses it: first refused (429) while a disruption budget
+    needs both workers, then, the budget gone, accepted. The kubelet sends SIGTERM to the worker pod's PID 1
+    only; the ranks checkpoint after the eviction, the wait says preempted, and submitting again (the task's
+    retry) resumes from that checkpoint and completes."""
+    emu, cluster = emulator
     platform, volume, data_dir = prepared
-    signalled = signal_a_rank_at_the_first_step(cluster, "train-0123456789ab-worker-1", 15)
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="3", log_every="1", checkpoint_every="1000")
+    # 40 steps: long enough, on any machine, for the eviction to land before the end (a step is ~0.3 s here).
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="20", log_every="1", checkpoint_every="1000")
+    worker = f"{spec.job_name}-worker-1"
+    client = kubernetes.config.new_client_from_config_dict(emu.kubeconfig())
+    core, policy = kubernetes.client.CoreV1Api(client), kubernetes.client.PolicyV1Api(client)
+    policy.create_namespaced_pod_disruption_budget("lanes", {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "keep-both-workers"},
+        "spec": {"minAvailable": 2, "selector": {"matchLabels": {"training.kubeflow.org/job-role": "worker"}}}})
+    refusals: list[kubernetes.client.ApiException] = []
+
+    def evict() -> None:
+        eviction = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=worker,
+                                                                                        namespace="lanes"))
+        try:
+            core.create_namespaced_pod_eviction(worker, "lanes", eviction)
+        except kubernetes.client.ApiException as exc:
+            refusals.append(exc)
+        policy.delete_namespaced_pod_disruption_budget("keep-both-workers", "lanes")
+        core.create_namespaced_pod_eviction(worker, "lanes", eviction)
+
+    evicted = on_each_attempts_first_step(cluster, [evict])
     with pytest.raises(TrainingInterrupted, match="preempted: it checkpointed and can resume"):
         platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
-    assert signalled
+    assert not evicted.errors and evicted.times, evicted.errors
+    assert [exc.status for exc in refusals] == [429], refusals
+    assert "The disruption budget keep-both-workers needs 2 healthy pods and has 2 currently" in refusals[0].body
+    assert "Cannot evict pod as it would violate the pod's disruption budget." in refusals[0].body
+    after = checkpoints_after(platform, volume, spec, evicted.times[0])
+    assert [e["event"] for e in after[-2:]] == ["checkpoint", "preempted"], after
+    assert after[-2]["step"] == after[-1]["step"], after
     cluster.on_log_line = None
     outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
                                          timeout_s=600)
-    assert outcome.resumed_from >= 1 and outcome.steps == 6
+    assert outcome.resumed_from == after[-1]["step"] and outcome.steps == outcome.total_steps == 40, outcome
+
+
+def test_a_drained_node_and_then_a_node_shutting_down_each_end_in_a_checkpoint_and_the_run_completes(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """Two GPU nodes and a system node. The first attempt's workers run on gpu-a, which is drained (cordon,
+    then the eviction API, as kubectl does); the retry's run on gpu-b, which shuts down (the kubelet's graceful
+    node shutdown: its pods stay Failed, reason Terminated, with a DisruptionTarget). Each time the ranks
+    checkpoint after the node was told, the wait says preempted; gpu-a back in service, the third attempt
+    resumes there and completes."""
+    emu, cluster = emulator
+    platform, volume, data_dir = prepared
+    cluster.nodes[NODE_NAME].capacity["nvidia.com/gpu"] = 0
+    for name in ("gpu-a", "gpu-b"):
+        cluster.nodes[name] = Node(name, labels={"agentpool": "gpu"})
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="30", log_every="1", checkpoint_every="1000")
+    core, _ = client_apis(emu)
+    refused: list[str] = []
+
+    def drain_gpu_a() -> None:
+        try:  # a worker has an emptyDir (its /dev/shm): kubectl drain refuses it without --delete-emptydir-data
+            drain(core, cluster, "gpu-a")
+        except DrainRefused as exc:
+            refused.append(str(exc))
+        drain(core, cluster, "gpu-a", delete_emptydir_data=True)
+
+    told = on_each_attempts_first_step(cluster, [drain_gpu_a, lambda: shut_down(cluster, "gpu-b")])
+    attempts = []
+    for attempt in range(2):
+        with pytest.raises(TrainingInterrupted, match="preempted: it checkpointed and can resume"):
+            platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
+        assert not told.errors and len(told.times) == attempt + 1, told.errors
+        after = checkpoints_after(platform, volume, spec, told.times[attempt])
+        assert [e["event"] for e in after[-2:]] == ["checkpoint", "preempted"], after
+        assert after[-2]["step"] == after[-1]["step"], after
+        attempts.append(after[-1]["step"])
+        if attempt == 1:
+            workers = [pod for (_, name), pod in cluster.objects["pods"].items() if "-worker-" in name]
+            assert workers and all(pod["status"]["reason"] == "Terminated" and any(
+                c["type"] == "DisruptionTarget" and c["reason"] == "TerminationByKubelet"
+                for c in pod["status"]["conditions"]) for pod in workers), [p["status"] for p in workers]
+    assert refused == ["cannot drain node 'gpu-a': cannot delete Pods with local storage (use "
+                       "--delete-emptydir-data to override): lanes/train-0123456789ab-worker-0, "
+                       "lanes/train-0123456789ab-worker-1"], refused
+    uncordon(cluster, "gpu-a")
+    outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
+                                         timeout_s=600)
+    assert attempts[0] < attempts[1] == outcome.resumed_from, (attempts, outcome)
+    assert outcome.steps == outcome.total_steps == 60, outcome
+    # Where each attempt's workers ran, as `kubectl get events` shows it: gpu-a, then gpu-b, then gpu-a.
+    placed = [event["message"].rsplit(" to ", 1)[-1] for event in sorted(
+        cluster.objects["events"].values(), key=lambda e: int(e["metadata"]["uid"].removeprefix("event-")))
+        if event["reason"] == "Scheduled" and "-worker-" in event["involvedObject"]["name"]]
+    assert placed[:2] == ["gpu-a", "gpu-a"] and placed[-2:] == ["gpu-a", "gpu-a"] and "gpu-b" in placed, placed
 
 
 def test_a_stop_request_from_the_wait_loop_stops_an_mpijob_after_a_checkpoint_and_it_succeeds(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,7 +216,9 @@ def test_cancelling_from_the_ui_stops_the_flow_whose_hook_deletes_the_mpijob_and
         (flow_pod,) = _flow_pods(cluster, flow_run.id)
         assert flow_pod["status"]["phase"] == "Succeeded"  # `prefect flow-run execute` ended cleanly
         messages = flow_run_messages(str(flow_run.id))
-        assert any("stopped (flow run cancelling)" in message for message in messages), messages[-20:]
+        # The hook ran: it stopped the job, or found it gone (the task's own interruption deleted it first).
+        assert any(re.search(r"training job train-\w+ (stopped|was not running) \(flow run cancelling\)", message)
+                   for message in messages), messages[-20:]
         state.run_out()
         assert state.volumes["tusimple"]["pool"] == "pool-standard", log.read_text()[-3000:]
 

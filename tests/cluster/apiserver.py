@@ -40,7 +40,8 @@ from tests.cluster.authentication import Identity, authenticate
 from tests.cluster.authorization import authorize, authorize_path, forbidden
 from tests.cluster.controller_manager import CONTROLLERS
 from tests.cluster.discovery import document
-from tests.cluster.garbage_collector import delete
+from tests.cluster.disruption import evict
+from tests.cluster.garbage_collector import delete, finish_deletion
 from tests.cluster.objects import RESOURCES, stamp_metadata
 from tests.cluster.podlogs import PodLogEndpoint
 from tests.cluster.selectors import field_selector, label_selector
@@ -49,7 +50,7 @@ from tests.cluster.updates import apply_patch, check_update
 from tests.cluster.watch import WatchStream
 
 _ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
-                    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log))?$")
+                    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|eviction))?$")
 _CUSTOM_RESOURCES = {"mpijobs", "volumesnapshots", "volumesnapshotclasses"}
 #: pkg/registry/batch/job/storage/storage.go L56-57: a batch/v1 Job DELETE without a policy orphans its pods
 #: (strategy.go DefaultGarbageCollectionPolicy) and says so.
@@ -71,6 +72,15 @@ def _propagation_policy(resource: str, query: dict, body: Any) -> tuple[str, lis
         raise invalid_status("DeleteOptions", "meta.k8s.io", "", [
             not_supported("propagationPolicy", policy, PROPAGATION_POLICIES)])
     return policy, []
+
+
+def _grace_period(query: dict, body: Any) -> int | None:
+    """The DELETE's ``gracePeriodSeconds`` (query, or DeleteOptions body), which overrides a pod's own
+    (``kubectl delete --grace-period``); None when not given."""
+    given = (query.get("gracePeriodSeconds") or [None])[0]
+    if given is None and isinstance(body, dict):
+        given = body.get("gracePeriodSeconds")
+    return None if given is None else int(given)
 
 
 class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
@@ -113,7 +123,7 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
         match = _ROUTE.match(parsed.path)
         resource = None
         if match:
-            resource = match["resource"] + ("/log" if match["sub"] else "")
+            resource = match["resource"] + (f"/{match['sub']}" if match["sub"] else "")
         if match is None or resource not in RESOURCES:
             self._send(404, status_body(404, "NotFound", f"the server could not find the requested resource "
                                                          f"({parsed.path})"))
@@ -144,6 +154,21 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
             return
         if resource == "pods/log":
             self._pod_log(namespace, name, query)
+            return
+        if resource == "pods/eviction":
+            if method != "POST" or name is None:
+                self._send(405, status_body(405, "MethodNotAllowed", f"{method} is not supported on pods/eviction"))
+                return
+            with cluster.lock:
+                cluster.watch_cache.sync(cluster)
+                try:
+                    status, answer = evict(cluster, namespace, name, body)
+                except Rejection as rejection:
+                    status, answer = rejection.code, rejection.body
+                cluster.watch_cache.sync(cluster)
+                answer = copy.deepcopy(answer)
+                cluster.changed.notify_all()
+            self._send(status, answer)
             return
         self._raw = raw
         with cluster.lock:
@@ -270,13 +295,15 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
             cluster.version += 1
             checked.obj["metadata"]["resourceVersion"] = str(cluster.version)
             store[key] = checked.obj
+            finish_deletion(cluster, resource, checked.obj)  # its last finalizer removed: it goes now
             return 200, checked.obj, checked.warnings
         if method == "DELETE":
             obj = store.get(key)
             if obj is None:
                 return 404, not_found, []
             policy, warnings = _propagation_policy(resource, query, body)
-            if obj["metadata"].get("deletionTimestamp") or not delete(cluster, resource, obj, policy):
+            if obj["metadata"].get("deletionTimestamp") or not delete(cluster, resource, obj, policy,
+                                                                       _grace_period(query, body)):
                 return 200, obj, warnings  # still there: being deleted (a pod's grace, a Foreground wait)
             return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                          "details": {"name": name, "group": group, "kind": resource,

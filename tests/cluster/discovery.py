@@ -30,6 +30,10 @@ def _resources(group: str, version: str) -> list[dict]:
         if resource == "pods/log":
             listed.append({"name": resource, "singularName": "", "namespaced": True, "kind": "Pod", "verbs": ["get"]})
             continue
+        if resource == "pods/eviction":  # discovery lists it with policy/v1's kind (EvictionREST.GroupVersionKind)
+            listed.append({"name": resource, "singularName": "", "namespaced": True, "group": "policy",
+                           "version": "v1", "kind": "Eviction", "verbs": ["create"]})
+            continue
         listed.append({"name": resource, "singularName": kind.lower(), "namespaced": namespaced, "kind": kind,
                        "verbs": _VERBS})
         if kind in _WITH_STATUS:

@@ -23,12 +23,14 @@ def _dependents(cluster: Cluster, uid: str) -> list[tuple[str, dict]]:
             if any(ref.get("uid") == uid for ref in child["metadata"].get("ownerReferences") or [])]
 
 
-def delete(cluster: Cluster, resource: str, obj: dict, policy: str = "Background") -> bool:
+def delete(cluster: Cluster, resource: str, obj: dict, policy: str = "Background",
+           grace_s: int | None = None) -> bool:
     """Delete an object as the API server and the garbage collector do; True when it is gone at once.
 
     - A pod whose container runs is deleted gracefully: ``deletionTimestamp`` set, the kubelet stops the
-      container (SIGTERM, SIGKILL after the grace period), then the pod goes (apiserver registry/core/pod
-      ``CheckGracefulDelete``; the kubelet's status manager deletes it with grace 0).
+      container (SIGTERM, SIGKILL after the grace period: the pod's, or the request's ``grace_s``), then the
+      pod goes (apiserver registry/core/pod ``CheckGracefulDelete``; the kubelet's status manager deletes it
+      with grace 0), and its controller hears of it (a controller's informer sees the pod's DELETE).
     - ``Orphan``: the dependents lose their owner reference and stay (garbagecollector ``orphanDependents``).
     - ``Background``: the object goes at once, the garbage collector deletes its dependents after it.
     - ``Foreground``: the object stays readable with ``deletionTimestamp`` and the ``foregroundDeletion``
@@ -40,9 +42,16 @@ def delete(cluster: Cluster, resource: str, obj: dict, policy: str = "Background
         return False
     key = (metadata.get("namespace", ""), metadata["name"])
     if resource == "pods" and key in cluster.containers:
-        grace = float(obj["spec"].get("terminationGracePeriodSeconds", 30))
+        grace = float(obj["spec"].get("terminationGracePeriodSeconds", 30) if grace_s is None else grace_s)
         metadata.update({"deletionTimestamp": now(), "deletionGracePeriodSeconds": int(grace)})
-        kill(cluster, *key, on_stopped=lambda: _remove(cluster, resource, obj))
+        kill(cluster, *key, grace_s=grace, on_stopped=lambda: _remove(cluster, resource, obj))
+        return False
+    if metadata.get("finalizers"):
+        # registry/generic/registry/store.go ``updateForGracefulDeletionAndFinalizers``: an object with
+        # finalizers is only marked; the update that removes the last one deletes it (``finish_deletion``).
+        # (A running pod's graceful deletion above comes first; no pod here carries finalizers.)
+        metadata.update({"deletionTimestamp": now(), "deletionGracePeriodSeconds": 0})
+        cluster.pending_deletions[(resource, *key)] = policy
         return False
     dependents = _dependents(cluster, metadata["uid"])
     if policy == "Orphan":
@@ -66,6 +75,19 @@ def delete(cluster: Cluster, resource: str, obj: dict, policy: str = "Background
     return True
 
 
+def finish_deletion(cluster: Cluster, resource: str, obj: dict) -> bool:
+    """After an update: an object marked for deletion whose finalizers are all gone is deleted now (store.go
+    ``Update``: ``ShouldDeleteDuringUpdate``), with the policy its DELETE asked for; True when it went."""
+    metadata = obj["metadata"]
+    key = (resource, metadata.get("namespace", ""), metadata["name"])
+    if not metadata.get("deletionTimestamp") or metadata.get("finalizers") or key not in cluster.pending_deletions:
+        return False
+    policy = cluster.pending_deletions.pop(key)
+    metadata.pop("deletionTimestamp")
+    metadata.pop("deletionGracePeriodSeconds", None)
+    return delete(cluster, resource, obj, policy)
+
+
 def _remove(cluster: Cluster, resource: str, obj: dict) -> None:
     """The object leaves storage (and with it, a pod's network and logs); owners waiting on it may go."""
     namespace, name = obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
@@ -79,6 +101,17 @@ def _remove(cluster: Cluster, resource: str, obj: dict) -> None:
         release_network(cluster, namespace, name)
         cluster.logs.pop((namespace, name), None)
     _finish_foreground(cluster)
+    if resource == "pods":
+        # Imported here: the controller manager imports the controllers, which import this module.
+        from tests.cluster.controller_manager import sync_owner
+
+        if obj["status"].get("phase") not in ("Succeeded", "Failed"):
+            # pkg/controller/job ``trackJobStatusAndRemoveFinalizers``: a Job's pod deleted before it finished
+            # counts as failed (Job tracking with finalizers, GA in 1.26).
+            for reference in obj["metadata"].get("ownerReferences") or []:
+                if reference.get("kind") == "Job":
+                    cluster.lost_job_pods[reference["uid"]] += 1
+        sync_owner(cluster, obj)
 
 
 def _finish_foreground(cluster: Cluster) -> None:

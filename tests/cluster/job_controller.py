@@ -86,13 +86,15 @@ def _job_container_exited(cluster: Cluster, job: dict, pod: dict, terminated: di
 
 
 def sync_job(cluster: Cluster, job: dict) -> None:
-    """A pod of the Job failed without its container exiting (evicted): count it, replace it or give up."""
+    """A pod of the Job failed without its container exiting (evicted), or was deleted before it finished:
+    count it, replace it or give up."""
     uid = job["metadata"]["uid"]
     pods = [p for p in cluster.objects["pods"].values()
             if any(ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or [])]
     if job["status"].get("conditions") or any(p["status"].get("phase") in ("Pending", "Running") for p in pods):
         return
-    job["status"]["failed"] = sum(1 for p in pods if p["status"].get("phase") == "Failed")
+    job["status"]["failed"] = sum(1 for p in pods if p["status"].get("phase") == "Failed") + \
+        cluster.lost_job_pods.get(uid, 0)
     job["status"]["active"] = 0
     if job["status"]["failed"] > job["spec"]["backoffLimit"]:
         _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")

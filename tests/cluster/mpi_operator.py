@@ -25,7 +25,7 @@ from tests.cluster.admission import check
 from tests.cluster.apierrors import invalid, not_supported, required
 from tests.cluster.garbage_collector import delete
 from tests.cluster.job_controller import start_job
-from tests.cluster.kubelet import crash_loop, kill, set_container_state, start_container
+from tests.cluster.kubelet import crash_loop, set_container_state, start_container
 from tests.cluster.objects import controller_ref, later, now, record_event, stamp_metadata
 from tests.cluster.pod_control import make_pod
 from tests.cluster.state import OPERATOR
@@ -117,6 +117,8 @@ def _mpi_condition(job: dict, kind: str, status: str, reason: str, message: str)
 
 
 def start_mpijob(cluster: Cluster, job: dict) -> None:
+    if not cluster.mpi_operator_installed:  # the CRD alone: the object is stored, nothing acts on it
+        return
     namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
     spec = _operator_defaults(job.get("spec") or {})
     job["status"] = {}
@@ -127,9 +129,9 @@ def start_mpijob(cluster: Cluster, job: dict) -> None:
         record_event(cluster, job, "Warning", "ValidationError", f"Found validation errors: {aggregate}", OPERATOR)
         job.pop("status")
         return
-    _mpi_condition(job, "Created", "True", "MPIJobCreated", f"MPIJob {namespace}/{name} is created.")
+    # syncHandler sets Created in memory and records its event at once; the status is written only at the end of
+    # a sync that got there (updateMPIJobStatus): one that fails creating a worker writes none.
     record_event(cluster, job, "Normal", "MPIJobCreated", f"MPIJob {namespace}/{name} is created.", OPERATOR)
-    job["status"]["startTime"] = now()
     cluster.operator_specs[(namespace, name)] = spec
     replicas = spec["mpiReplicaSpecs"]
     launcher = replicas["Launcher"]
@@ -137,16 +139,13 @@ def start_mpijob(cluster: Cluster, job: dict) -> None:
         record_event(cluster, job, "Warning", "SetPodTemplateRestartPolicy",
                      "Restart policy in pod template overridden by restart policy in replica spec", OPERATOR)
     _operator_objects(cluster, job, spec)
-    base_labels = {"training.kubeflow.org/operator-name": "mpi-operator", "training.kubeflow.org/job-name": name}
     worker = replicas.get("Worker")
     for index in range(worker["replicas"] if worker else 0):
-        template = _worker_template(job, spec, index)
-        pod = make_pod(cluster, job, f"{name}-worker-{index}", template, {
-            **base_labels, "training.kubeflow.org/job-role": "worker",
-            "training.kubeflow.org/replica-index": str(index)})
-        if pod is None:
+        if not _create_worker(cluster, job, spec, index):
+            job.pop("status", None)
             return
-        later(cluster, cluster.image_pull_s, lambda pod=pod: _run_worker(cluster, job, pod))
+    _mpi_condition(job, "Created", "True", "MPIJobCreated", f"MPIJob {namespace}/{name} is created.")
+    job["status"]["startTime"] = now()
     if spec["launcherCreationPolicy"] == "AtStartup":
         _create_launcher(cluster, job, spec)
     sync_mpijob(cluster, job)
@@ -226,6 +225,21 @@ def _worker_template(job: dict, spec: dict, index: int) -> dict:
     return template
 
 
+def _create_worker(cluster: Cluster, job: dict, spec: dict, index: int) -> bool:
+    """Worker ``index``'s pod (``newWorker``), started once its image is pulled. When the API server refuses
+    it, the operator records ``MPIJobFailed`` "worker pod created failed: <error>" (``getOrCreateWorker``
+    L1024-1026) and its work queue syncs the job again after a back-off (shortened here): False then."""
+    name = job["metadata"]["name"]
+    pod = make_pod(cluster, job, f"{name}-worker-{index}", _worker_template(job, spec, index), {
+        "training.kubeflow.org/operator-name": "mpi-operator", "training.kubeflow.org/job-name": name,
+        "training.kubeflow.org/job-role": "worker", "training.kubeflow.org/replica-index": str(index)})
+    if pod is None:
+        later(cluster, cluster.crash_backoff_s, lambda: sync_mpijob(cluster, job))
+        return False
+    later(cluster, cluster.image_pull_s, lambda: _run_worker(cluster, job, pod))
+    return True
+
+
 def _run_worker(cluster: Cluster, job: dict, pod: dict) -> None:
     if (pod["metadata"]["namespace"], pod["metadata"]["name"]) not in cluster.objects["pods"]:
         return
@@ -302,15 +316,36 @@ def _launcher_job(cluster: Cluster, job: dict) -> dict | None:
 
 
 def sync_mpijob(cluster: Cluster, job: dict) -> None:
-    """``updateMPIJobStatus`` (L1094-1200), and the launcher's creation under WaitForWorkersReady."""
+    """``syncHandler`` (v0.8.2 L567-760) and ``updateMPIJobStatus`` (L1094-1200): a finished job (one with a
+    completionTime) is only cleaned up, never synced again; while the launcher has not finished, every worker
+    pod that is gone is created again under its name (``getOrCreateWorker``: a pod still terminating is still
+    there, so its replacement waits for it), and the launcher is created once every worker is Ready under
+    WaitForWorkersReady."""
     namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
     spec = cluster.operator_specs.get((namespace, name))
     if cluster.objects["mpijobs"].get((namespace, name)) is not job or spec is None:
         return
-    workers = _workers(cluster, job)
+    if job["metadata"].get("deletionTimestamp"):  # L603-606: a job being deleted is left alone
+        return
+    if _finished(job) and job["status"].get("completionTime"):
+        _clean_up_workers(cluster, job, spec)
+        return
     launcher = _launcher_job(cluster, job)
-    ready = sum(1 for p in workers if (p["status"].get("conditions") or [{}])[0].get("status") == "True")
-    if launcher is None and not _finished(job) and ready == len(workers):
+    launcher_done = launcher is not None and any(
+        c["type"] in ("Complete", "Failed") and c.get("status", "True") == "True"
+        for c in (launcher.get("status") or {}).get("conditions") or [])
+    if not launcher_done:
+        present = {p["metadata"]["labels"].get("training.kubeflow.org/replica-index") for p in _workers(cluster, job)}
+        for index in range(spec["mpiReplicaSpecs"].get("Worker", {}).get("replicas", 0)):
+            if str(index) not in present and not _create_worker(cluster, job, spec, index):
+                return
+    if not (job.get("status") or {}).get("conditions"):  # the first sync that got this far writes Created
+        _mpi_condition(job, "Created", "True", "MPIJobCreated", f"MPIJob {namespace}/{name} is created.")
+        job["status"].setdefault("startTime", now())
+    workers = _workers(cluster, job)
+    ready = sum(1 for p in workers if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                          for c in p["status"].get("conditions") or []))
+    if launcher is None and ready == len(workers):
         _create_launcher(cluster, job, spec)
         launcher = _launcher_job(cluster, job)
     launcher_running = 0
@@ -339,12 +374,13 @@ def sync_mpijob(cluster: Cluster, job: dict) -> None:
             _mpi_condition(job, "Failed", "True", reason, message)
     evicted = sum(1 for p in workers if p["status"].get("phase") == "Failed" and p["status"].get("reason") == "Evicted")
     if evicted:
+        # L1157-1162: the job is marked Failed, with no completionTime; the launcher is left to end on its own
+        # (its mpirun loses the evicted worker's daemon), and the job is synced until it has.
         message = f"{evicted}/{len(workers)} workers are evicted"
+        if not any(c["type"] == "Failed" and c.get("reason") == "MPIJobEvicted"
+                   for c in job["status"].get("conditions") or []):
+            record_event(cluster, job, "Warning", "MPIJobEvicted", message, OPERATOR)
         _mpi_condition(job, "Failed", "True", "MPIJobEvicted", message)
-        if launcher is not None:
-            for pod in list(cluster.objects["pods"].values()):
-                if pod["metadata"]["labels"].get("job-name") == launcher["metadata"]["name"]:
-                    kill(cluster, namespace, pod["metadata"]["name"])
     if not _finished(job) and launcher is not None and launcher_running >= 1 and \
             all(p["status"].get("phase") == "Running" for p in workers):
         _mpi_condition(job, "Running", "True", "MPIJobRunning", f"MPIJob {namespace}/{name} is running.")
@@ -352,11 +388,18 @@ def sync_mpijob(cluster: Cluster, job: dict) -> None:
     if config is not None:
         config["data"]["discover_hosts.sh"] = _discover_hosts(
             job, [p["metadata"]["name"] for p in workers if p["status"].get("phase") == "Running"])
-    if _finished(job) and job["status"].get("completionTime") and spec["runPolicy"]["cleanPodPolicy"] in \
-            ("Running", "All"):
-        for pod in workers:
-            if spec["runPolicy"]["cleanPodPolicy"] == "All" or pod["status"].get("phase") in ("Running", "Pending"):
-                delete(cluster, "pods", pod)
+    if _finished(job) and job["status"].get("completionTime"):
+        _clean_up_workers(cluster, job, spec)
+
+
+def _clean_up_workers(cluster: Cluster, job: dict, spec: dict) -> None:
+    """``cleanUpWorkerPods`` under cleanPodPolicy Running or All (``deleteWorkerPods``: Running ones, or all)."""
+    policy = spec["runPolicy"]["cleanPodPolicy"]
+    if policy not in ("Running", "All"):
+        return
+    for pod in _workers(cluster, job):
+        if policy == "All" or pod["status"].get("phase") in ("Running", "Pending"):
+            delete(cluster, "pods", pod)
 
 
 def _finished(job: dict) -> bool:

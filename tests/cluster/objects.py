@@ -23,6 +23,8 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "persistentvolumeclaims": ("", "v1", "PersistentVolumeClaim", True),
     "pods": ("", "v1", "Pod", True),
     "pods/log": ("", "v1", "Pod", True),
+    "pods/eviction": ("", "v1", "Eviction", True),
+    "poddisruptionbudgets": ("policy", "v1", "PodDisruptionBudget", True),
     "events": ("", "v1", "Event", True),
     "serviceaccounts": ("", "v1", "ServiceAccount", True),
     "secrets": ("", "v1", "Secret", True),
@@ -38,7 +40,7 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
 
 def resource_of(kind: str) -> str:
     for resource, (_, _, known, _) in RESOURCES.items():
-        if known == kind and resource != "pods/log":
+        if known == kind and "/" not in resource:
             return resource
     return kind.lower() + "s"
 

@@ -54,11 +54,12 @@ def make_pod(cluster: Cluster, owner: dict, name: str, template: dict, extra_lab
     account = spec.get("serviceAccountName", "default")
     if cluster.rbac_enforced and account != "default" and \
             (namespace, account) not in cluster.objects["serviceaccounts"]:
-        component = OPERATOR if owner["kind"] == "MPIJob" else "job-controller"
-        reason = "MPIJobFailed" if owner["kind"] == "MPIJob" else "FailedCreate"
-        record_event(cluster, owner, "Warning", reason,
-                     f'Error creating: pods "{name}" is forbidden: error looking up service account '
-                     f'{namespace}/{account}: serviceaccount "{account}" not found', component)
+        error = (f'pods "{name}" is forbidden: error looking up service account {namespace}/{account}: '
+                 f'serviceaccount "{account}" not found')
+        if owner["kind"] == "MPIJob":  # mpi_job_controller.go getOrCreateWorker
+            record_event(cluster, owner, "Warning", "MPIJobFailed", f"worker pod created failed: {error}", OPERATOR)
+        else:  # controller_utils.go CreatePods: FailedCreate "Error creating: <error>"
+            record_event(cluster, owner, "Warning", "FailedCreate", f"Error creating: {error}", "job-controller")
         return None
     mount_token(cluster, namespace, spec, account)
     pod = {"apiVersion": "v1", "kind": "Pod",

@@ -87,6 +87,10 @@ def schedule(cluster: Cluster, pod: dict) -> bool:
 
 def _misfit(cluster: Cluster, pod: dict, node: Node) -> list[str] | None:
     """Why ``node`` cannot take ``pod`` (each filter that refuses it), None when it can."""
+    if node.unschedulable and untolerated_taint(pod["spec"].get("tolerations") or [], [UNSCHEDULABLE_TAINT]):
+        # The NodeUnschedulable plugin (pkg/scheduler/framework/plugins/nodeunschedulable), first in the default
+        # profile's filters: a cordoned node, unless the pod tolerates its node.kubernetes.io/unschedulable taint.
+        return ["node(s) were unschedulable"]
     if (taint := untolerated_taint(pod["spec"].get("tolerations") or [], node.taints)) is not None:
         return [f"node(s) had untolerated taint {{{taint['key']}: {taint.get('value', '')}}}"]
     if not matches_node(pod["spec"], node.labels, node.name):
@@ -100,6 +104,10 @@ def _misfit(cluster: Cluster, pod: dict, node: Node) -> list[str] | None:
     short = sorted(resource for resource, amount in _requests(pod).items()
                    if used[resource] + amount > node.capacity.get(resource, 0))
     return [f"Insufficient {resource}" for resource in short] or None
+
+
+#: The taint a cordoned node carries (the node lifecycle controller's TaintNodesByCondition).
+UNSCHEDULABLE_TAINT = {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
 
 
 def _unschedulable(cluster: Cluster, pod: dict, message: str) -> bool:

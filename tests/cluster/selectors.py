@@ -5,10 +5,11 @@ Labels: apimachinery ``pkg/labels/selector.go`` ``Parse`` — requirements separ
 (``!=`` and ``notin`` also match objects without the key). An unparsable selector is a 400 BadRequest
 naming it (``unable to parse requirement: ...``), as the real server answers.
 
-Fields: every resource supports ``metadata.name`` and ``metadata.namespace``
-(``pkg/registry/generic`` ``DefaultClusterScopedAttr``/``DefaultNamespaceScopedAttr``), with ``=``, ``==`` and
-``!=``; events add the involved object's fields and ``reason``/``type`` (``pkg/apis/core/v1/conversion.go``
-``AddFieldLabelConversionsForEvent``). Anything else is 400 ``field label not supported``.
+Fields: every resource supports ``metadata.name`` and ``metadata.namespace`` (``pkg/registry/generic``
+``DefaultClusterScopedAttr``/``DefaultNamespaceScopedAttr``), with ``=``, ``==`` and ``!=``; pods add
+``spec.nodeName`` and ``status.phase`` (among others); events add the involved object's fields and
+``reason``/``type`` (``pkg/apis/core/v1/conversion.go`` ``AddFieldLabelConversionsForEvent``). Anything else
+is 400 ``field label not supported``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ _EVENT_FIELDS = {"involvedObject.kind": ("involvedObject", "kind"), "involvedObj
                  "involvedObject.namespace": ("involvedObject", "namespace"),
                  "involvedObject.uid": ("involvedObject", "uid"), "reason": ("reason",), "type": ("type",)}
 _COMMON_FIELDS = {"metadata.name": ("metadata", "name"), "metadata.namespace": ("metadata", "namespace")}
+#: pkg/registry/core/pod/strategy.go ``PodToSelectableFields`` (some): what ``kubectl drain`` lists a node's
+#: pods by (``spec.nodeName=<node>``).
+_POD_FIELDS = {"spec.nodeName": ("spec", "nodeName"), "status.phase": ("status", "phase"),
+               "spec.restartPolicy": ("spec", "restartPolicy"), "spec.schedulerName": ("spec", "schedulerName")}
 
 
 def _bad(message: str) -> Rejection:
@@ -91,7 +96,8 @@ def label_selector(selector: str) -> Selector:
 
 def field_selector(resource: str, selector: str) -> Selector:
     """A predicate on an object's fields, or a 400 naming a field label the resource does not support."""
-    known = {**_COMMON_FIELDS, **(_EVENT_FIELDS if resource == "events" else {})}
+    known = {**_COMMON_FIELDS, **(_EVENT_FIELDS if resource == "events" else {}),
+             **(_POD_FIELDS if resource == "pods" else {})}
     tests: list[tuple[tuple[str, ...], str, bool]] = []
     for requirement in _requirements(selector or ""):
         match = _COMPARE.match(requirement)
@@ -108,4 +114,29 @@ def field_selector(resource: str, selector: str) -> Selector:
 
     def matches(obj: dict) -> bool:
         return all((value_at(obj, path) == value) != negated for path, value, negated in tests)
+    return matches
+
+
+def label_selector_object(selector: dict) -> Selector:
+    """A ``metav1.LabelSelector`` (``matchLabels`` and ``matchExpressions`` with In, NotIn, Exists,
+    DoesNotExist: apimachinery ``LabelSelectorAsSelector``) as a predicate on an object's labels; an empty one
+    matches everything, as upstream (callers that want "nothing" check for emptiness first)."""
+    wanted = dict(selector.get("matchLabels") or {})
+    expressions = list(selector.get("matchExpressions") or [])
+
+    def holds(expression: dict, labels: dict[str, str]) -> bool:
+        key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+        if operator == "In":
+            return labels.get(key) in values
+        if operator == "NotIn":
+            return labels.get(key) not in values
+        if operator == "Exists":
+            return key in labels
+        if operator == "DoesNotExist":
+            return key not in labels
+        raise _bad(f'"{operator}" is not a valid label selector operator')
+
+    def matches(obj: dict) -> bool:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        return all(labels.get(k) == v for k, v in wanted.items()) and all(holds(e, labels) for e in expressions)
     return matches

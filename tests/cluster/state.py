@@ -37,6 +37,8 @@ class Node:
     taints: list[dict[str, str]] = field(default_factory=list)
     capacity: dict[str, int] = field(default_factory=lambda: {
         "cpu": 64_000, "memory": 256 * 2**30, "ephemeral-storage": 2**40, "nvidia.com/gpu": 8})
+    #: ``spec.unschedulable``: cordoned (``kubectl cordon``/``drain``); node_lifecycle.py.
+    unschedulable: bool = False
 
     def __post_init__(self) -> None:
         self.labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
@@ -97,6 +99,12 @@ class Cluster:
     images: ImageRegistry = field(default_factory=ImageRegistry)
     #: Each pod's network namespace and IP (from its first container start to its deletion), by (namespace, pod).
     pod_networks: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    #: Objects marked for deletion that wait for their finalizers: (resource, namespace, name) -> policy.
+    pending_deletions: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    #: Whether the MPI operator runs: without it an MPIJob is stored and nothing ever acts on it.
+    mpi_operator_installed: bool = True
+    #: Pods of each Job (by uid) removed before they finished: the Job controller counts them as failed.
+    lost_job_pods: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lock: threading.RLock = field(default_factory=threading.RLock)
     changed: threading.Condition = field(init=False)
     initial_pv_modes: list[str] = field(default_factory=lambda: ["ReadWriteOnce"])

@@ -1,0 +1,138 @@
+"""Voluntary disruptions on the emulated cluster as Kubernetes and the MPI operator handle them, asserted
+through the real ``kubernetes`` client: the eviction subresource with PodDisruptionBudgets
+(``tests/cluster/disruption.py``), the pods of a node listed as ``kubectl drain`` lists them, and the MPI
+operator re-creating a deleted worker, leaving the launcher alone when a worker is evicted, and never syncing
+a finished job again (``tests/cluster/mpi_operator.py``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from tasks.platforms.cluster.training import mpijob_body
+from tests.cluster_platform_helpers import DATA_IMAGE, client_apis, cluster_platform, spec_for
+
+pytestmark = pytest.mark.slow
+
+
+def _until(condition: Callable[[], Any], what: str, timeout_s: float = 120) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (found := condition()) is not None and found is not False:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _sleeping_job(name: str) -> dict:
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+            "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": {"app": "sleeper"}}, "spec": {
+                "restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
+                "containers": [{"name": "main", "image": DATA_IMAGE, "command": ["sleep", "600"]}]}}}}
+
+
+def _eviction(name: str) -> kubernetes.client.V1Eviction:
+    return kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=name, namespace="lanes"))
+
+
+def test_the_eviction_subresource_honours_disruption_budgets_and_marks_what_it_evicts(emulator: tuple) -> None:
+    emu, _ = emulator
+    cluster_platform(emu)  # the images
+    core, _ = client_apis(emu)
+    batch, policy = kubernetes.client.BatchV1Api(core.api_client), kubernetes.client.PolicyV1Api(core.api_client)
+    batch.create_namespaced_job("lanes", _sleeping_job("sleeper"))
+    pod = _until(lambda: next((p for p in core.list_namespaced_pod("lanes", label_selector="app=sleeper").items
+                               if p.status.phase == "Running"), None), "the Job's pod to run")
+    name = pod.metadata.name
+    # kubectl drain lists a node's pods by field selector.
+    on_node = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={pod.spec.node_name}").items
+    assert name in [p.metadata.name for p in on_node]
+    with pytest.raises(ApiException) as unsupported:
+        core.list_namespaced_pod("lanes", field_selector="spec.hostname=x")
+    assert unsupported.value.status == 400 and "field label not supported: spec.hostname" in unsupported.value.body
+
+    budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "keep-one"},
+              "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "sleeper"}}}}
+    policy.create_namespaced_pod_disruption_budget("lanes", budget)
+    with pytest.raises(ApiException) as refused:
+        core.create_namespaced_pod_eviction(name, "lanes", _eviction(name))
+    assert refused.value.status == 429, refused.value.body
+    assert "Cannot evict pod as it would violate the pod's disruption budget." in refused.value.body
+    assert "The disruption budget keep-one needs 1 healthy pods and has 1 currently" in refused.value.body
+    policy.create_namespaced_pod_disruption_budget("lanes", {**budget, "metadata": {"name": "also-keep-one"}})
+    with pytest.raises(ApiException) as two:
+        core.create_namespaced_pod_eviction(name, "lanes", _eviction(name))
+    assert two.value.status == 500 and "more than one PodDisruptionBudget" in two.value.body
+    with pytest.raises(ApiException) as mismatch:
+        core.create_namespaced_pod_eviction(name, "lanes", _eviction("another-pod"))
+    assert mismatch.value.status == 400
+    assert "name in URL does not match name in Eviction object" in mismatch.value.body
+    assert core.read_namespaced_pod(name, "lanes").metadata.deletion_timestamp is None  # nothing was evicted
+
+    for pdb in ("keep-one", "also-keep-one"):
+        policy.delete_namespaced_pod_disruption_budget(pdb, "lanes")
+    core.create_namespaced_pod_eviction(name, "lanes", _eviction(name))
+    evicted = core.read_namespaced_pod(name, "lanes")
+    assert evicted.metadata.deletion_timestamp is not None  # deleted gracefully: SIGTERM to PID 1 first
+    assert [(c.type, c.reason, c.message) for c in evicted.status.conditions if c.type == "DisruptionTarget"] == \
+        [("DisruptionTarget", "EvictionByEvictionAPI", "Eviction API: evicting")]
+    _until(lambda: not core.list_namespaced_pod("lanes", label_selector="app=sleeper").items, "the pod to go")
+    # The Job controller counts a pod deleted before it finished as failed: backoffLimit 0 ends the Job.
+    job = _until(lambda: (j := batch.read_namespaced_job("sleeper", "lanes")).status.conditions and j,
+                 "the Job to fail")
+    assert [(c.type, c.reason) for c in job.status.conditions] == [("Failed", "BackoffLimitExceeded")]
+    with pytest.raises(ApiException) as gone:
+        core.create_namespaced_pod_eviction(name, "lanes", _eviction(name))
+    assert gone.value.status == 404
+
+
+def test_the_mpi_operator_recreates_a_deleted_worker_leaves_the_launcher_on_eviction_and_stops_when_finished(
+        emulator: tuple) -> None:
+    emu, cluster = emulator
+    platform = cluster_platform(emu)
+    volume = platform.ensure_volume("data")
+    body = mpijob_body(platform, spec_for(volume.name, job="ops-0123456789ab", workers=2))
+    body["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"] = ["sleep", "600"]
+    core, custom = client_apis(emu)
+    custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", body)
+
+    def pod(name: str) -> Any:
+        try:
+            return core.read_namespaced_pod(name, "lanes")
+        except ApiException:
+            return None
+
+    def launcher() -> Any:
+        pods = core.list_namespaced_pod("lanes", label_selector="training.kubeflow.org/job-role=launcher").items
+        return next((p for p in pods if p.status.phase == "Running"), None)
+
+    def conditions() -> dict[str, tuple[str, str]]:
+        job = custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", "ops-0123456789ab")
+        return {c["type"]: (c["status"], c["reason"]) for c in job["status"].get("conditions") or []}
+
+    running = _until(launcher, "the launcher to run")
+    first = pod("ops-0123456789ab-worker-1")
+    core.delete_namespaced_pod("ops-0123456789ab-worker-1", "lanes")
+    again = _until(lambda: (p := pod("ops-0123456789ab-worker-1")) and p.metadata.uid != first.metadata.uid
+                   and p.status.phase == "Running" and p, "the operator to create worker-1 again")
+    assert again.metadata.labels["training.kubeflow.org/replica-index"] == "1"
+
+    cluster.evict("lanes", "ops-0123456789ab-worker-0")  # the kubelet, short of memory
+    _until(lambda: conditions().get("Failed") == ("True", "MPIJobEvicted"), "the job marked evicted")
+    time.sleep(1)  # time for a wrong operator to act on the launcher
+    assert pod(running.metadata.name).status.phase == "Running"  # left to end on its own, as upstream does
+
+    core.delete_namespaced_pod(running.metadata.name, "lanes", grace_period_seconds=0)  # the launcher ends
+    _until(lambda: custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs",
+                                                       "ops-0123456789ab")["status"].get("completionTime"),
+           "the job to finish")
+    _until(lambda: pod("ops-0123456789ab-worker-1") is None, "cleanPodPolicy Running to remove the running worker")
+    finished = conditions()
+    time.sleep(1)
+    assert pod("ops-0123456789ab-worker-1") is None  # a finished job's workers are not created again
+    assert conditions() == finished
