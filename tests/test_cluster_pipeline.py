@@ -1,7 +1,8 @@
 """The cluster platform end to end: the whole train pipeline, its package, prediction and restore, through
 the real ``kubernetes`` client over HTTP to an emulator on 127.0.0.1 that is as strict as the API server
 (published schemas, RBAC from our own manifests) and plays the MPI operator, the Job controller, the
-snapshot controller and the kubelet's logs as their upstream source says (tests.cluster). Pods run their
+snapshot controller and the kubelet's logs as their upstream source says (tests.cluster), and a real MLflow
+server the package is uploaded to from a pod. Pods run their
 real commands through the pod runtime (tests/cluster/runtime.py): images read from deployments/Dockerfile.*,
 namespaces of their own, real sshd in the workers, the real mpirun under ``horovodrun --hostfile`` in the
 launcher. Every call is authorized against what deployments/ grants, and uses all of it."""
@@ -81,14 +82,52 @@ def check_golden(name: str, manifest: dict) -> None:
 
 
 @needs_kubectl
-def test_train_pipeline_runs_green_under_the_shipped_rbac(prefect_server: dict, laneflow_home: Path,
-                                                           served_archive: tuple[str, str],
-                                                           emulator: tuple) -> None:
+def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_into_mlflow_from_a_pod(
+        prefect_server: dict, laneflow_home: Path, served_archive: tuple[str, str], emulator: tuple,
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The whole pipeline with packaging and MLflow tracking, every call authorized against deployments/base.
+    The package is on the claim, which only pods read: a Job in the training image uploads it to the MLflow
+    server as pods reach it, and the version registered from the run is the package, loadable as built."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks import tracking
+    from tests.cluster.network import node_address
+    from tests.mlflow_server import mlflow_server, server_missing
+    from training.package import load_package
+
+    if server_missing() is not None:
+        pytest.skip(server_missing())
     emu, cluster = emulator
     base = rendered("base")
     cluster.load(base)  # every call is now authorized against deployments/base, as on a real cluster
     name = saved(emu, "emu-cluster", namespace="laneflow")
-    result = train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", package=True))
+    uploads: list[tuple[str, str]] = []  # (the uploading pod's image, a line it printed), as the kubelet logs it
+
+    def seen(state, namespace: str, pod: str, line: str) -> None:
+        if pod.startswith("mlflow-"):
+            spec = state.objects["pods"].get((namespace, pod), {}).get("spec", {})
+            uploads.append(((spec.get("containers") or [{}])[0].get("image", "<pod gone>"), line))
+
+    cluster.on_log_line = seen
+    for variable, value in tracking.HTTP_DEFAULTS.items():  # as tracking sets them, and gone after the test
+        monkeypatch.setenv(variable, value)
+    with mlflow_server(tmp_path / "mlflow", host=node_address()) as server:
+        monkeypatch.setenv(tracking.TRACKING_URI_ENV, server.uri)
+        result = train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", package=True))
+        tracked = result["mlflow"]
+        assert tracked is not None and tracked["model_uri"] == f"runs:/{tracked['run_id']}/package", tracked
+        # Uploaded by a pod of the training image, from the claim.
+        published = [image for image, line in uploads if '"event": "published"' in line]
+        assert published == [ClusterPlatform.load(name).image], uploads
+        package_dir = cluster.claim_dir("laneflow", "tusimple") / result["package"]
+        client = MlflowClient(tracking_uri=server.uri)
+        uploaded = {Path(item.path).name for item in client.list_artifacts(tracked["run_id"], "package")}
+        assert uploaded == {path.name for path in package_dir.iterdir() if path.is_file()}
+        model = tracking.registered_model_name("tusimple")
+        version = tracking.register_model_version(client, tracked, model, result["run"])
+        assert client.get_model_version(model, version["version"]).source == f"runs:/{tracked['run_id']}/package"
+        downloaded = client.download_artifacts(tracked["run_id"], "package", str(tmp_path / "download"))
+    assert load_package(Path(downloaded)).manifest["files"] == load_package(package_dir).manifest["files"]
     assert result["metrics"]["images"] == 3 and result["steps"] == 2
     # 2 workers over real ssh with the operator's key, mpirun started by horovodrun --hostfile: OpenMPI's
     # tags on the launcher's lines, and the flow got every step and eval event of the run's record once.

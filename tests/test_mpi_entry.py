@@ -80,8 +80,8 @@ def test_topmost_ranks_are_the_processes_a_launcher_started_not_their_children_n
     processes = {1: Process(1, 0, "python", False), 7: Process(7, 1, "sshd", False),
                  9: Process(9, 7, "orted", False), 11: Process(11, 9, "python", True),
                  12: Process(12, 11, "pt_data_worker", True), 13: Process(13, 9, "python", True),
-                 20: Process(20, 1, "mpirun", False)}
-    assert topmost_ranks(processes) == [11, 13]
+                 20: Process(20, 1, "mpirun", False), 30: Process(30, 1, "python", True)}
+    assert topmost_ranks(processes) == [11, 13]  # 30: a rank's child the kernel handed to PID 1, no rank
     assert mpiruns(processes) == [20]
     mine = read_processes()[os.getpid()]  # this machine's /proc: ppid and name read as ps reads them
     assert mine.parent == os.getppid() and mine.name == Path(f"/proc/{os.getpid()}/comm").read_text().strip()

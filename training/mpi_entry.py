@@ -36,14 +36,14 @@ wait out its whole grace period. A stop heard before the command started means i
 
 from __future__ import annotations
 
+# Only what PID 1 needs before its handlers are up, and cheap to import (no dataclasses, pathlib or subprocess:
+# tens of milliseconds during which a SIGTERM would be dropped).
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from typing import NamedTuple
 
 from training.ranks import is_rank
 
@@ -62,8 +62,7 @@ POLL_S = 0.1
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
 
-@dataclass(frozen=True)
-class Process:
+class Process(NamedTuple):
     """What this needs of one process of the container: its parent, its name, whether it is a rank."""
 
     pid: int
@@ -72,22 +71,25 @@ class Process:
     rank: bool
 
 
-def read_processes(proc: Path = Path("/proc")) -> dict[int, Process]:
-    """Every process of this PID namespace (its ``/proc``); ones that exit while being read are left out."""
+def read_processes(proc: str = "/proc") -> dict[int, Process]:
+    """Every process of this PID namespace (its ``/proc``); ones that exit while being read are left out, and a
+    zombie reads as no rank (its environment is gone)."""
     found = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            environ = (entry / "environ").read_bytes()
+            with open(f"{proc}/{entry}/stat") as handle:
+                stat = handle.read()
+            with open(f"{proc}/{entry}/environ", "rb") as handle:
+                environ = handle.read()
         except OSError:
             continue
         # stat: "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split at the last ')'.
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         parent = int(stat[stat.rindex(")") + 2:].split()[1])
         env = dict(item.split(b"=", 1) for item in environ.split(b"\0") if b"=" in item)
-        found[int(entry.name)] = Process(int(entry.name), parent, name, is_rank(_decoded(env)))
+        found[int(entry)] = Process(int(entry), parent, name, is_rank(_decoded(env)))
     return found
 
 
@@ -95,11 +97,13 @@ def _decoded(env: Mapping[bytes, bytes]) -> dict[str, str]:
     return {key.decode(errors="replace"): value.decode(errors="replace") for key, value in env.items()}
 
 
-def topmost_ranks(processes: Mapping[int, Process]) -> list[int]:
+def topmost_ranks(processes: Mapping[int, Process], init: int = 1) -> list[int]:
     """The training processes to signal: ranks whose parent is not a rank (a rank's data-loader workers
-    inherit its environment, and are the rank's to stop)."""
+    inherit its environment, and are the rank's to stop), nor ``init`` (PID 1 of the namespace, which the
+    kernel hands the children of a rank that has ended: they are no rank, and go with the pod)."""
     return sorted(pid for pid, process in processes.items()
-                  if process.rank and not (processes.get(process.parent) or _NOT_A_RANK).rank)
+                  if process.rank and process.parent != init
+                  and not (processes.get(process.parent) or _NOT_A_RANK).rank)
 
 
 def mpiruns(processes: Mapping[int, Process]) -> list[int]:
@@ -128,7 +132,7 @@ class Init:
     """PID 1 with one child (the pod's real command); what SIGTERM does depends on ``role``."""
 
     def __init__(self, role: str, argv: list[str], early: list[int] | None = None,
-                 proc: Path = Path("/proc")) -> None:
+                 proc: str = "/proc") -> None:
         self.role, self.argv, self.proc = role, argv, proc
         self.early = early if early is not None else []
         self.child = 0
@@ -214,7 +218,8 @@ class Init:
 
     def _ask_ranks(self, processes: Mapping[int, Process]) -> list[int]:
         """SIGTERM to each rank not asked yet; the ones asked now."""
-        sent = _signal([pid for pid in topmost_ranks(processes) if pid not in self.asked], signal.SIGTERM)
+        sent = _signal([pid for pid in topmost_ranks(processes, os.getpid()) if pid not in self.asked],
+                       signal.SIGTERM)
         self.asked.update(sent)
         return sent
 
@@ -223,7 +228,7 @@ class Init:
         rank is left and the ssh sessions ended (or lingered too long), sshd is stopped; done when it has
         exited."""
         processes = read_processes(self.proc)
-        if topmost_ranks(processes):
+        if topmost_ranks(processes, os.getpid()):
             if late := self._ask_ranks(processes):
                 _say(self.role, f"asked {len(late)} more training process(es) ({_pids(late)}) to checkpoint and "
                                 "stop")
@@ -263,6 +268,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     """``laneflow-sshd [SSHD-ARG...]``: the worker's host key, then sshd under this PID 1."""
     early = hear_stops_early()
     if not os.path.exists(HOST_KEY):
+        import subprocess  # here: after the handlers
+
         made = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", HOST_KEY])
         if made.returncode != 0:
             _say("worker", f"ssh-keygen could not make {HOST_KEY} (exit code {made.returncode})")
