@@ -336,3 +336,26 @@ def log_in_to_each_worker(emu, cluster: Cluster, platform: ClusterPlatform, volu
     lines = [text.strip() for _, text in log.lines]
     assert pod["status"]["phase"] == "Succeeded", lines
     return lines
+
+
+def test_a_worker_the_launcher_cannot_reach_at_start_is_retried_once_then_named(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """Workers whose sshd listens where the launcher does not look (port 2222): horovodrun's ssh check meets
+    'Connection refused', what a worker not listening yet looks like. The platform submits the job once more
+    itself; the second time it fails for good, naming ssh's words and what to check."""
+    emu, cluster = emulator
+    _, volume, data_dir = prepared
+    image = "registry.example.org/laneflow-train:sshd-elsewhere"
+    cluster.images.derive(image, "train", ["RUN echo 'Port 2222' >> /etc/ssh/sshd_config.d/laneflow.conf"])
+    platform = cluster_platform(emu, image=image)
+    logged: list[str] = []
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2)
+    with pytest.raises(TrainingFailed) as failed:
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, logged.append, timeout_s=600)
+    message = str(failed.value)
+    assert "could not start on every worker" in message and "Connection refused" in message, message
+    assert "and again when submitted once more" in message and "keep sshd listening" in message, message
+    assert sum("submitting it once more" in line for line in logged) == 1, logged
+    launchers = {event["involvedObject"]["name"] for event in cluster.objects["events"].values()
+                 if event["reason"] == "Scheduled" and "-launcher-" in event["involvedObject"]["name"]}
+    assert len(launchers) == 2, launchers  # the job ran twice, each time with a launcher of its own
