@@ -1,5 +1,5 @@
 """The emulated Kubernetes cluster, for contract tests: an in-process API server on 127.0.0.1 that also plays
-the controllers, the scheduler and the kubelet of one node. Tests import it from here
+the controllers, the scheduler and the kubelet of its nodes (one by default). Tests import it from here
 (``from tests.cluster import KubernetesEmulator``).
 
 It is as strict as the real API server, and its controllers behave as their upstream source says: each
@@ -21,14 +21,17 @@ module models one component and cites the file it follows.
 - ``quantities.py``: Kubernetes quantities as the API server reads them (apimachinery ``pkg/api/resource``).
 - ``updates.py``: PATCH by media type, immutable fields, what an update may change.
 - ``controller_manager.py``: which controller acts on a new object, and on a change of an owned one.
-- ``garbage_collector.py``: deletion propagation (Foreground, Background, Orphan) and graceful pod deletion.
+- ``garbage_collector.py``: deletion propagation (Foreground, Background, Orphan), graceful pod deletion,
+  finalizers that hold a deletion.
+- ``disruption.py``: the eviction subresource and PodDisruptionBudgets (the disruption controller's status).
+- ``node_lifecycle.py``: cordon, ``kubectl drain`` and the kubelet's graceful node shutdown.
 - ``ttl_controller.py``: the TTL-after-finished controller.
 - ``job_controller.py``: the Job controller (kubernetes ``pkg/controller/job``).
 - ``mpi_operator.py``: the MPI operator (kubeflow/mpi-operator ``pkg/controller/mpi_job_controller.go``).
 - ``pod_control.py``: pods made from a controller's template, through ServiceAccount admission.
 - ``pv_binder.py``: PVC binding and provisioning, from a snapshot too (PV controller, external-provisioner).
 - ``snapshot_controller.py``: VolumeSnapshots (kubernetes-csi/external-snapshotter).
-- ``scheduler.py``: kube-scheduler's fit of a pod on the one node.
+- ``scheduler.py``: kube-scheduler's filters and binding over the nodes.
 - ``kubelet.py``: the kubelet: pod start, image pull, container state, crash loop, stop and eviction.
 - ``kubelet_volumes.py``: the kubelet's volumes: PVC, Secret, ConfigMap and emptyDir mounts.
 - ``podlogs.py``: container logs as the kubelet keeps them and ``pods/log`` serves them.
