@@ -112,57 +112,18 @@ def checkpoints_after(platform: ClusterPlatform, volume: VolumeRef, spec, moment
     return [event for event in record if event["event"] in ("checkpoint", "preempted") and event["time"] >= moment]
 
 
-def test_a_worker_evicted_through_the_api_checkpoints_after_its_eviction_and_the_retry_resumes(
+def test_a_worker_evicted_a_node_drained_and_a_node_shutting_down_each_end_in_a_checkpoint_and_the_run_completes(
         emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
-    """The eviction API as a drain or the autoscaler uses it: first refused (429) while a disruption budget
-    needs both workers, then, the budget gone, accepted. The kubelet sends SIGTERM to the worker pod's PID 1
-    only; the ranks checkpoint after the eviction, the wait says preempted, and submitting again (the task's
-    retry) resumes from that checkpoint and completes."""
-    emu, cluster = emulator
-    platform, volume, data_dir = prepared
-    # 24 steps: the eviction lands within a few steps on any machine (stop checks every 5; a step is ~0.3 s here).
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="12", log_every="1", checkpoint_every="1000")
-    worker = f"{spec.job_name}-worker-1"
-    client = kubernetes.config.new_client_from_config_dict(emu.kubeconfig())
-    core, policy = kubernetes.client.CoreV1Api(client), kubernetes.client.PolicyV1Api(client)
-    policy.create_namespaced_pod_disruption_budget("lanes", {
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "keep-both-workers"},
-        "spec": {"minAvailable": 2, "selector": {"matchLabels": {"training.kubeflow.org/job-role": "worker"}}}})
-    refusals: list[kubernetes.client.ApiException] = []
-
-    def evict() -> None:
-        eviction = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=worker,
-                                                                                        namespace="lanes"))
-        try:
-            core.create_namespaced_pod_eviction(worker, "lanes", eviction)
-        except kubernetes.client.ApiException as exc:
-            refusals.append(exc)
-        policy.delete_namespaced_pod_disruption_budget("keep-both-workers", "lanes")
-        core.create_namespaced_pod_eviction(worker, "lanes", eviction)
-
-    evicted = on_each_attempts_first_step(cluster, [evict])
-    with pytest.raises(TrainingInterrupted, match="preempted: it checkpointed and can resume"):
-        platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
-    assert not evicted.errors and evicted.times, evicted.errors
-    assert [exc.status for exc in refusals] == [429], refusals
-    assert "The disruption budget keep-both-workers needs 2 healthy pods and has 2 currently" in refusals[0].body
-    assert "Cannot evict pod as it would violate the pod's disruption budget." in refusals[0].body
-    after = checkpoints_after(platform, volume, spec, evicted.times[0])
-    assert [e["event"] for e in after[-2:]] == ["checkpoint", "preempted"], after
-    assert after[-2]["step"] == after[-1]["step"], after
-    cluster.on_log_line = None
-    outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
-                                         timeout_s=600)
-    assert outcome.resumed_from == after[-1]["step"] and outcome.steps == outcome.total_steps == 24, outcome
-
-
-def test_a_drained_node_and_then_a_node_shutting_down_each_end_in_a_checkpoint_and_the_run_completes(
-        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
-    """Two GPU nodes and a system node. The first attempt's workers run on gpu-a, which is drained (cordon,
-    then the eviction API, as kubectl does); the retry's run on gpu-b, which shuts down (the kubelet's graceful
-    node shutdown: its pods stay Failed, reason Terminated, with a DisruptionTarget). Each time the ranks
-    checkpoint after the node was told, the wait says preempted; gpu-a back in service, the third attempt
-    resumes there and completes."""
+    """Every way the kubelet is told to stop a training pod, one per attempt of one run, on two GPU nodes and a
+    system node — each time SIGTERM to the pod's PID 1 only, never to a rank:
+    1. worker-1 evicted through the eviction API, first refused (429) while a disruption budget needs both
+       workers, then, the budget gone, accepted;
+    2. gpu-a drained as kubectl does it (cordon, then evictions; refused first without
+       --delete-emptydir-data, as a worker's /dev/shm is an emptyDir);
+    3. gpu-b, where the retry runs, shut down (the kubelet's graceful node shutdown: its pods stay Failed,
+       reason Terminated, with a DisruptionTarget).
+    Each time the ranks checkpoint after the pod was told and the wait says preempted; with gpu-a back in
+    service the fourth attempt resumes there from the last checkpoint and completes."""
     emu, cluster = emulator
     _, volume, data_dir = prepared
     # A short grace: the operator re-creates the drained workers and the job's end deletes them again as they
@@ -171,20 +132,36 @@ def test_a_drained_node_and_then_a_node_shutting_down_each_end_in_a_checkpoint_a
     cluster.nodes[NODE_NAME].capacity["nvidia.com/gpu"] = 0
     for name in ("gpu-a", "gpu-b"):
         cluster.nodes[name] = Node(name, labels={"agentpool": "gpu"})
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="15", log_every="1", checkpoint_every="1000")
-    core, _ = client_apis(emu)
-    refused: list[str] = []
+    # 40 steps: each stop lands within a few steps on any machine (stop checks every 5; a step is ~0.3 s here).
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="20", log_every="1", checkpoint_every="1000")
+    client = kubernetes.config.new_client_from_config_dict(emu.kubeconfig())
+    core, policy = kubernetes.client.CoreV1Api(client), kubernetes.client.PolicyV1Api(client)
+    policy.create_namespaced_pod_disruption_budget("lanes", {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "keep-both-workers"},
+        "spec": {"minAvailable": 2, "selector": {"matchLabels": {"training.kubeflow.org/job-role": "worker"}}}})
+    refusals: list[str] = []
+
+    def evict_worker_1() -> None:
+        worker = f"{spec.job_name}-worker-1"
+        eviction = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=worker,
+                                                                                        namespace="lanes"))
+        try:
+            core.create_namespaced_pod_eviction(worker, "lanes", eviction)
+        except kubernetes.client.ApiException as exc:
+            refusals.append(f"{exc.status} {exc.body}")
+        policy.delete_namespaced_pod_disruption_budget("keep-both-workers", "lanes")
+        core.create_namespaced_pod_eviction(worker, "lanes", eviction)
 
     def drain_gpu_a() -> None:
-        try:  # a worker has an emptyDir (its /dev/shm): kubectl drain refuses it without --delete-emptydir-data
+        try:
             drain(core, cluster, "gpu-a")
         except DrainRefused as exc:
-            refused.append(str(exc))
+            refusals.append(str(exc))
         drain(core, cluster, "gpu-a", delete_emptydir_data=True)
 
-    told = on_each_attempts_first_step(cluster, [drain_gpu_a, lambda: shut_down(cluster, "gpu-b")])
+    told = on_each_attempts_first_step(cluster, [evict_worker_1, drain_gpu_a, lambda: shut_down(cluster, "gpu-b")])
     attempts = []
-    for attempt in range(2):
+    for attempt in range(3):
         with pytest.raises(TrainingInterrupted, match="preempted: it checkpointed and can resume"):
             platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
         assert not told.errors and len(told.times) == attempt + 1, told.errors
@@ -192,20 +169,23 @@ def test_a_drained_node_and_then_a_node_shutting_down_each_end_in_a_checkpoint_a
         assert [e["event"] for e in after[-2:]] == ["checkpoint", "preempted"], after
         assert after[-2]["step"] == after[-1]["step"], after
         attempts.append(after[-1]["step"])
-        if attempt == 1:
+        if attempt == 2:
             workers = [pod for (_, name), pod in cluster.objects["pods"].items() if "-worker-" in name]
             assert workers and all(pod["status"]["reason"] == "Terminated" and any(
                 c["type"] == "DisruptionTarget" and c["reason"] == "TerminationByKubelet"
                 for c in pod["status"]["conditions"]) for pod in workers), [p["status"] for p in workers]
-    assert refused == ["cannot drain node 'gpu-a': cannot delete Pods with local storage (use "
-                       "--delete-emptydir-data to override): lanes/train-0123456789ab-worker-0, "
-                       "lanes/train-0123456789ab-worker-1"], refused
+    assert len(refusals) == 2 and refusals[0].startswith("429 "), refusals
+    assert "Cannot evict pod as it would violate the pod's disruption budget." in refusals[0]
+    assert "The disruption budget keep-both-workers needs 2 healthy pods and has 2 currently" in refusals[0]
+    assert refusals[1] == ("cannot drain node 'gpu-a': cannot delete Pods with local storage (use "
+                           "--delete-emptydir-data to override): lanes/train-0123456789ab-worker-0, "
+                           "lanes/train-0123456789ab-worker-1"), refusals
     uncordon(cluster, "gpu-a")
     outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
                                          timeout_s=600)
-    assert attempts[0] < attempts[1] == outcome.resumed_from, (attempts, outcome)
-    assert outcome.steps == outcome.total_steps == 30, outcome
-    # Where each attempt's workers ran, as `kubectl get events` shows it: gpu-a, then gpu-b, then gpu-a.
+    assert attempts[0] < attempts[1] < attempts[2] == outcome.resumed_from, (attempts, outcome)
+    assert outcome.steps == outcome.total_steps == 40, outcome
+    # Where each attempt's workers ran, as `kubectl get events` shows it: gpu-a (twice), gpu-b, then gpu-a.
     placed = [event["message"].rsplit(" to ", 1)[-1] for event in sorted(
         cluster.objects["events"].values(), key=lambda e: int(e["metadata"]["uid"].removeprefix("event-")))
         if event["reason"] == "Scheduled" and "-worker-" in event["involvedObject"]["name"]]
@@ -338,18 +318,17 @@ def log_in_to_each_worker(emu, cluster: Cluster, platform: ClusterPlatform, volu
     return lines
 
 
-def test_a_worker_the_launcher_cannot_reach_at_start_is_retried_once_then_named(
-        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+def test_a_worker_the_launcher_cannot_reach_at_start_is_retried_once_then_named(emulator: tuple) -> None:
     """Workers whose sshd listens where the launcher does not look (port 2222): horovodrun's ssh check meets
     'Connection refused', what a worker not listening yet looks like. The platform submits the job once more
     itself; the second time it fails for good, naming ssh's words and what to check."""
     emu, cluster = emulator
-    _, volume, data_dir = prepared
     image = "registry.example.org/laneflow-train:sshd-elsewhere"
     cluster.images.derive(image, "train", ["RUN echo 'Port 2222' >> /etc/ssh/sshd_config.d/laneflow.conf"])
     platform = cluster_platform(emu, image=image)
+    volume = platform.ensure_volume("data")  # no dataset: training never starts
     logged: list[str] = []
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2)
+    spec = spec_for(volume.name, workers=2)
     with pytest.raises(TrainingFailed) as failed:
         platform.wait_for_training(platform.submit_training(spec), lambda _: None, logged.append, timeout_s=600)
     message = str(failed.value)

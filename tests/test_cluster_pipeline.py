@@ -22,6 +22,7 @@ import yaml
 from flows.restore import restore
 from flows.train import train_pipeline
 from tasks.platforms import ClusterPlatform, VolumeRef
+from tasks.platforms.cluster.training import remove_expired
 from tests.cluster_platform_helpers import create_rwo_claim, saved
 from tests.conftest import PROJECT_ROOT
 from tests.test_pipeline import params_for
@@ -165,12 +166,20 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
     assert predicted["predictions"] == "predictions/p1/predictions.json" and predicted["predicted"] == 14
     assert len((claim / predicted["predictions"]).read_text().splitlines()) == 14
 
-    # Least privilege: the run's calls plus listing snapshots, cancelling and adopting a ReadWriteOnce
-    # claim (its PV patched to ReadWriteMany) use exactly what deployments/ grants, nothing more.
+    # A day later: the TTL-after-finished controller removed the launcher Job; laneflow removes the MPIJob
+    # the operator keeps, and with it the ssh key Secret and hostfile ConfigMap (owned by it).
     platform = ClusterPlatform.load(name)
+    cluster.advance(platform.finished_ttl_s + 60)
+    assert not [key for key in cluster.objects["jobs"] if key[1].endswith("-launcher")]
+    assert remove_expired(platform, lambda _: None) == [run]
+    assert not cluster.objects["mpijobs"] and not [key for kind in ("secrets", "configmaps")
+                                                   for key in cluster.objects[kind] if key[1].startswith(run)]
+
+    # Least privilege: the run's calls plus removing expired jobs, listing snapshots, cancelling and adopting a
+    # ReadWriteOnce claim (its PV patched to ReadWriteMany) use exactly what deployments/ grants, nothing more.
     assert [ref.name for ref in platform.list_snapshots()] == [result["snapshot"]]
     assert platform.find_lineage(result["snapshot"])["dataset_version"] == result["dataset_version"]
-    assert platform.cancel_training(run, VolumeRef(name="tusimple", location="laneflow/tusimple"))
+    assert not platform.cancel_training(run, VolumeRef(name="tusimple", location="laneflow/tusimple"))  # gone
     create_rwo_claim(emu, "legacy", namespace="laneflow")
     message = platform.ensure_shared_access(platform.ensure_volume("legacy"))
     assert "patched to ReadWriteMany and verified" in message

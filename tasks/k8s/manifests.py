@@ -46,6 +46,8 @@ class ClusterLayout:
     #: The MPI pods' terminationGracePeriodSeconds: from the kubelet's SIGTERM to its SIGKILL, the time the
     #: ranks have to reach their next stop check and write a checkpoint.
     termination_grace_s: int = 120
+    #: How long a finished Job or MPIJob is kept (its logs, its pods' ends) before it is removed.
+    finished_ttl_s: int = 86400
 
     def effective_namespace(self) -> str:
         """Run:ai schedules only in ``runai-<project>``."""
@@ -110,7 +112,7 @@ def render_data_job(name: str, layout: ClusterLayout, claim: str, artifacts: lis
                  "command": ["python", *prepare_args(artifacts, MOUNT_PATH)], "volumeMounts": mounts}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},
-            "spec": {"backoffLimit": 0, "ttlSecondsAfterFinished": 86400,
+            "spec": {"backoffLimit": 0, "ttlSecondsAfterFinished": layout.finished_ttl_s,
                      "template": {"metadata": {"labels": labels},
                                   "spec": _pod_spec(layout, container, volumes, restart="Never")}}}
 
@@ -161,7 +163,11 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
         "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},
         "spec": {
             "slotsPerWorker": layout.gpus_per_worker,
-            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
+            # The operator gives ttlSecondsAfterFinished to the launcher Job only (mpi_job_controller.go
+            # newLauncherJob); the MPIJob itself, its ssh Secret and its ConfigMap stay until laneflow removes
+            # them (training.remove_expired).
+            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0,
+                          "ttlSecondsAfterFinished": layout.finished_ttl_s},
             "mpiImplementation": "OpenMPI",
             "launcherCreationPolicy": "WaitForWorkersReady",
             "mpiReplicaSpecs": {

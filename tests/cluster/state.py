@@ -231,19 +231,25 @@ class Cluster:
                     self.rbac_enforced = True
 
     def advance(self, seconds: float) -> None:
-        """``seconds`` pass for what has finished so far: the finish times of the Jobs that finished move back
-        by that much, so the TTL-after-finished controller counts a day in a test (and a Job that finishes
-        later starts its own day then)."""
+        """``seconds`` pass for what has finished so far: the finish times of the Jobs and MPIJobs that finished
+        move back by that much, so the TTL-after-finished controller (and laneflow) counts a day in a test (and
+        one that finishes later starts its own day then)."""
         # Imported here: the controllers import this module (the state they act on).
         from tests.cluster.ttl_controller import ttl_sweep
+
+        def earlier(stamp: str) -> str:
+            return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(
+                calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")) - seconds))
 
         with self.lock:
             for job in self.objects["jobs"].values():
                 for condition in (job.get("status") or {}).get("conditions") or []:
                     if condition.get("type") in ("Complete", "Failed") and condition.get("lastTransitionTime"):
-                        stamp = calendar.timegm(time.strptime(condition["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ"))
-                        condition["lastTransitionTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                        time.gmtime(stamp - seconds))
+                        condition["lastTransitionTime"] = earlier(condition["lastTransitionTime"])
+            for mpijob in self.objects["mpijobs"].values():
+                status = mpijob.get("status") or {}
+                if status.get("completionTime"):
+                    status["completionTime"] = earlier(status["completionTime"])
             ttl_sweep(self)
             self.changed.notify_all()
 

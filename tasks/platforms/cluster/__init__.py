@@ -79,6 +79,9 @@ class ClusterPlatform(Platform):
                                       "(GPUs busy with other jobs, a node an autoscaler adds, a claim being "
                                       "provisioned) before the stage fails naming what it asked for; with Run:ai "
                                       "its queue decides and this does not apply")
+    finished_ttl_s: int = Field(86400, ge=600, le=2**31 - 1, description="how long finished Jobs and MPIJobs (their "
+                                "logs, their pods' ends, the MPIJob's ssh key Secret) are kept before they are "
+                                "removed; at least 10 minutes, so a run never loses a job it is still reading")
     operator_grace_s: float = Field(120.0, gt=0, description="how long an MPIJob may go without any status from the "
                                     "MPI operator (none installed, or it watches other namespaces), or keep getting "
                                     "its warnings that it cannot create the job's pods, before the stage fails "
@@ -157,7 +160,7 @@ class ClusterPlatform(Platform):
                              volume_size=self.volume_size, gpus_per_worker=self.gpus_per_worker,
                              shm_size=self.shm_size, service_account=self.service_account,
                              runai_project=self.runai_project, scheduling=self.scheduling(),
-                             termination_grace_s=self.termination_grace_s)
+                             termination_grace_s=self.termination_grace_s, finished_ttl_s=self.finished_ttl_s)
 
     def scheduling(self) -> WorkerScheduling:
         """Where the training workers may run and what they reserve."""

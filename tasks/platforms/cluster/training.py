@@ -10,6 +10,7 @@ deletes it, so nothing keeps running.
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import kubernetes
@@ -108,6 +109,8 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
         output, cursor = JobOutput(on_event, on_log), LogCursor()
         job = _follow(platform, handle, output, cursor, deadline, timeout_s)
         output.finish()
+        if not resubmitted:
+            remove_expired(platform, on_log)  # once a run ends: earlier runs' finished MPIJobs past their TTL
         if _mpijob_state(job) == "succeeded":
             return outcome_from_events(handle.job_name, _all_events(platform, handle, output, cursor, on_log),
                                        time.monotonic() - started, list(output.tail))
@@ -287,6 +290,47 @@ def _check_warnings(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api
                           "see the message; kubectl describe mpijob " + name)
             raise StageBlocked(f"the MPI operator cannot create MPIJob {name}'s pods ({message}; for "
                                f"{platform.operator_grace_s:.0f} s): {advice}; the job was deleted")
+
+
+def expired(jobs: list[dict], now: datetime, ttl_s: float) -> list[str]:
+    """The names of the finished MPIJobs (Succeeded or Failed, with the operator's completionTime) that
+    finished more than ``ttl_s`` before ``now`` and are not being deleted already."""
+    names = []
+    for job in jobs:
+        finished = (job.get("status") or {}).get("completionTime")
+        if not finished or _mpijob_state(job) not in ("succeeded", "failed") or \
+                job["metadata"].get("deletionTimestamp"):
+            continue
+        at = datetime.strptime(finished, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+        if (now - at).total_seconds() > ttl_s:
+            names.append(job["metadata"]["name"])
+    return sorted(names)
+
+
+def remove_expired(platform: ClusterPlatform, on_log: LogSink) -> list[str]:
+    """Delete laneflow's finished MPIJobs older than the block's ``finished_ttl_s`` (and with them, by their
+    owner references, the ssh key Secret, the hostfile ConfigMap and what is left of their pods): the operator
+    only gives the TTL to the launcher Job. A run's own job is read within seconds of its end, far inside the
+    TTL (at least 10 minutes). Never fails the run: a refusal is said in the log."""
+    _, _, custom = apis(platform)
+    group, version, plural = MPI
+    namespace = platform.effective_namespace()
+    try:
+        listed = call(platform, "list", "mpijobs", custom.list_namespaced_custom_object, group, version, namespace,
+                      plural, label_selector="app.kubernetes.io/managed-by=laneflow")
+        names = expired(listed.get("items") or [], datetime.now(UTC), platform.finished_ttl_s)
+        for name in names:
+            call(platform, "delete", "mpijobs", custom.delete_namespaced_custom_object, group, version, namespace,
+                 plural, name, propagation_policy="Background")
+    except ApiException as exc:
+        advice = " (grant list and delete on mpijobs: deployments/workloads)" if exc.status == 403 else ""
+        on_log(f"laneflow: could not remove finished MPIJobs older than {platform.finished_ttl_s} s: HTTP "
+               f"{exc.status} {exc.reason}{advice}")
+        return []
+    if names:
+        on_log(f"laneflow: removed {len(names)} finished MPIJob(s) older than {platform.finished_ttl_s} s: "
+               f"{', '.join(names)}")
+    return names
 
 
 def _mpijob_state(job: dict) -> str:
