@@ -7,7 +7,6 @@ a finished job again (``tests/cluster/mpi_operator.py``)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import kubernetes
@@ -16,17 +15,11 @@ from kubernetes.client.exceptions import ApiException
 
 from tasks.platforms.cluster.training import mpijob_body
 from tests.cluster_platform_helpers import DATA_IMAGE, client_apis, cluster_platform, spec_for
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def _until(condition: Callable[[], Any], what: str, timeout_s: float = 120) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (found := condition()) is not None and found is not False:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+#: How the waits below poll: a pod or controller reacts within a second or two here.
+SOON = {"timeout_s": 120, "every_s": 0.2}
 
 
 def _sleeping_job(name: str) -> dict:
@@ -46,8 +39,11 @@ def test_the_eviction_subresource_honours_disruption_budgets_and_marks_what_it_e
     core, _ = client_apis(emu)
     batch, policy = kubernetes.client.BatchV1Api(core.api_client), kubernetes.client.PolicyV1Api(core.api_client)
     batch.create_namespaced_job("lanes", _sleeping_job("sleeper"))
-    pod = _until(lambda: next((p for p in core.list_namespaced_pod("lanes", label_selector="app=sleeper").items
-                               if p.status.phase == "Running"), None), "the Job's pod to run")
+    def sleepers() -> list:
+        return core.list_namespaced_pod("lanes", label_selector="app=sleeper").items
+
+    pod = wait_until("the Job's pod to run", lambda: next((p for p in sleepers() if p.status.phase == "Running"),
+                                                          None), **SOON)
     name = pod.metadata.name
     # kubectl drain lists a node's pods by field selector.
     on_node = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={pod.spec.node_name}").items
@@ -81,10 +77,10 @@ def test_the_eviction_subresource_honours_disruption_budgets_and_marks_what_it_e
     assert evicted.metadata.deletion_timestamp is not None  # deleted gracefully: SIGTERM to PID 1 first
     assert [(c.type, c.reason, c.message) for c in evicted.status.conditions if c.type == "DisruptionTarget"] == \
         [("DisruptionTarget", "EvictionByEvictionAPI", "Eviction API: evicting")]
-    _until(lambda: not core.list_namespaced_pod("lanes", label_selector="app=sleeper").items, "the pod to go")
+    wait_until("the pod to go", lambda: not sleepers(), **SOON)
     # The Job controller counts a pod deleted before it finished as failed: backoffLimit 0 ends the Job.
-    job = _until(lambda: (j := batch.read_namespaced_job("sleeper", "lanes")).status.conditions and j,
-                 "the Job to fail")
+    job = wait_until("the Job to fail",
+                     lambda: (j := batch.read_namespaced_job("sleeper", "lanes")).status.conditions and j, **SOON)
     assert [(c.type, c.reason) for c in job.status.conditions] == [("Failed", "BackoffLimitExceeded")]
     with pytest.raises(ApiException) as gone:
         core.create_namespaced_pod_eviction(name, "lanes", _eviction(name))
@@ -115,23 +111,24 @@ def test_the_mpi_operator_recreates_a_deleted_worker_leaves_the_launcher_on_evic
         job = custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", "ops-0123456789ab")
         return {c["type"]: (c["status"], c["reason"]) for c in job["status"].get("conditions") or []}
 
-    running = _until(launcher, "the launcher to run")
+    running = wait_until("the launcher to run", launcher, **SOON)
     first = pod("ops-0123456789ab-worker-1")
     core.delete_namespaced_pod("ops-0123456789ab-worker-1", "lanes")
-    again = _until(lambda: (p := pod("ops-0123456789ab-worker-1")) and p.metadata.uid != first.metadata.uid
-                   and p.status.phase == "Running" and p, "the operator to create worker-1 again")
+    again = wait_until("the operator to create worker-1 again",
+                       lambda: (p := pod("ops-0123456789ab-worker-1")) and p.metadata.uid != first.metadata.uid
+                       and p.status.phase == "Running" and p, **SOON)
     assert again.metadata.labels["training.kubeflow.org/replica-index"] == "1"
 
     cluster.evict("lanes", "ops-0123456789ab-worker-0")  # the kubelet, short of memory
-    _until(lambda: conditions().get("Failed") == ("True", "MPIJobEvicted"), "the job marked evicted")
+    wait_until("the job marked evicted", lambda: conditions().get("Failed") == ("True", "MPIJobEvicted"), **SOON)
     time.sleep(1)  # time for a wrong operator to act on the launcher
     assert pod(running.metadata.name).status.phase == "Running"  # left to end on its own, as upstream does
 
     core.delete_namespaced_pod(running.metadata.name, "lanes", grace_period_seconds=0)  # the launcher ends
-    _until(lambda: custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs",
-                                                       "ops-0123456789ab")["status"].get("completionTime"),
-           "the job to finish")
-    _until(lambda: pod("ops-0123456789ab-worker-1") is None, "cleanPodPolicy Running to remove the running worker")
+    wait_until("the job to finish", lambda: custom.get_namespaced_custom_object(
+        "kubeflow.org", "v2beta1", "lanes", "mpijobs", "ops-0123456789ab")["status"].get("completionTime"), **SOON)
+    wait_until("cleanPodPolicy Running to remove the running worker",
+               lambda: pod("ops-0123456789ab-worker-1") is None, **SOON)
     finished = conditions()
     time.sleep(1)
     assert pod("ops-0123456789ab-worker-1") is None  # a finished job's workers are not created again
