@@ -1,7 +1,7 @@
-"""Horovod's MPI launch path, for real: sshd in the workers, ssh and mpirun in the launcher. A rank killed
-under mpirun; a worker evicted through the API, a node drained and a node shutting down, each of which the
-kubelet tells by SIGTERM to the pod's PID 1 only; a stop request heard by the wait loop, an image without the
-ssh client settings, a claim mounted where the trainer does not look."""
+"""Horovod's MPI launch path, for real: sshd in the workers, ssh and mpirun in the launcher. A rank killed under
+mpirun; a rank over its memory limit; a worker evicted through the API, a node drained and a node shutting
+down, each of which the kubelet tells by SIGTERM to the pod's PID 1 only; a stop request heard by the wait
+loop, an image without the ssh client settings, a claim mounted where the trainer does not look."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted
 from tasks.platforms.cluster.training import mpijob_body
 from tests.cluster import Cluster
 from tests.cluster.node_lifecycle import DrainRefused, drain, shut_down, uncordon
+from tests.cluster.runtime import memory_limits_missing
 from tests.cluster.state import NODE_NAME, Node
 from tests.cluster_platform_helpers import (
     client_apis,
@@ -70,6 +71,31 @@ def test_a_rank_killed_under_mpirun_fails_the_job_naming_the_rank_and_its_signal
         platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
     assert killed, "no rank was found in worker 1"
     assert "a training process was killed by signal 9 on rank 1" in str(stopped.value), str(stopped.value)
+
+
+def test_a_rank_over_its_memory_limit_is_reported_as_out_of_memory_and_not_retried(emulator: tuple) -> None:
+    """Guaranteed workers whose memory limit a rank outgrows (importing torch alone needs more than twice as
+    much, in memory no reclaim can free: a decisive OOM, not a slow thrash of file pages). The kernel's OOM
+    killer ends the rank in its container's memory cgroup and, as the kubelet sets memory.oom.group (cgroup v2),
+    the whole container with it: mpirun loses a daemon or reports the rank's SIGKILL. laneflow reads the worker's OOMKilled: it
+    names the pod, its container and its limit and says what to change, and does not submit the job again
+    (resuming would meet the same limit)."""
+    if missing := memory_limits_missing():
+        pytest.skip(missing)
+    emu, cluster = emulator
+    platform = cluster_platform(emu, worker_cpu="1", worker_memory="64Mi", worker_qos="guaranteed")
+    volume = platform.ensure_volume("data")  # no dataset: the ranks die importing torch
+    logged: list[str] = []
+    with pytest.raises(TrainingFailed) as failed:
+        platform.wait_for_training(platform.submit_training(spec_for(volume.name, workers=2)), lambda _: None,
+                                   logged.append, timeout_s=600)
+    message = str(failed.value)
+    assert "ran out of memory: container worker, exit code 137 (OOMKilled; limits.memory 64Mi)" in message, message
+    assert "raise worker_memory in the platform block" in message, message
+    assert not any("once more" in line for line in logged), logged
+    launchers = {event["involvedObject"]["name"] for event in cluster.objects["events"].values()
+                 if event["reason"] == "Scheduled" and "-launcher-" in event["involvedObject"]["name"]}
+    assert len(launchers) == 1, launchers  # submitted once
 
 
 @dataclass

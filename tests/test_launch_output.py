@@ -264,7 +264,7 @@ def test_a_failed_mpijob_is_read_from_its_pods_first_oom_then_disruption_then_th
     reading = read_mpijob_failure("MPIJobFailed", 1, signalled, [], pod_ends([launcher, oom, running]))
     assert (reading.kind, reading.resumable) == ("out-of-memory", False)
     assert "pod train-x-worker-1 ran out of memory: container worker, exit code 137 (OOMKilled; limits.memory 2Gi)" \
-        in reading.reason and "raise limits.memory" in reading.reason
+        in reading.reason and "raise worker_memory in the platform block" in reading.reason
 
     reading = read_mpijob_failure("MPIJobFailed", 1, LOST, [], pod_ends([launcher, evicted, running]))
     assert (reading.kind, reading.resumable) == ("preempted", True)

@@ -33,6 +33,11 @@ ADVICE = {
     "OOMKilled": "the kernel killed the container for memory: raise limits.memory (a LimitRange of the "
                  "namespace may set one by default: kubectl describe limitrange), or, with no limit, request "
                  "memory so it lands on a node with room; or lower batch_size / the DataLoader's workers",
+    # A training worker's memory is the platform block's to set (tasks.k8s.scheduling.WorkerScheduling).
+    "OOMKilledWorker": "the kernel killed the worker for memory: raise worker_memory in the platform block (with "
+                       "worker_qos guaranteed it is the workers' limits.memory; a LimitRange of the namespace may "
+                       "set a limit by default: kubectl describe limitrange), or lower batch_size / loader_workers; "
+                       "running it again as it is meets the same limit, so it is not retried",
     "WorkerExited": "an MPI worker must keep sshd running for the launcher (the operator waits for every worker "
                     "and never replaces one that exited): its log says why it stopped (kubectl logs <pod>); see "
                     "README, 'What the training image must contain'",
@@ -308,7 +313,8 @@ class PodEnd:
 
     def describe(self) -> str:
         """For an OOM: which pod and container ran out of which memory, and what to change."""
-        return f"pod {self.name} ran out of memory: {self.oom}; {ADVICE['OOMKilled']}"
+        advice = ADVICE["OOMKilledWorker" if self.role == "worker" else "OOMKilled"]
+        return f"pod {self.name} ran out of memory: {self.oom}; {advice}"
 
 
 def pod_ends(pods: list[dict[str, Any]]) -> list[PodEnd]:

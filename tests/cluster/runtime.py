@@ -142,6 +142,13 @@ class MemoryCgroup:
         group = cls(path, v2)
         try:
             (path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_bytes))
+            if v2:
+                # The kubelet (>= 1.28, singleProcessOOMKill false, the default) sets memory.oom.group on cgroup
+                # v2, so the OOM killer ends every process of the container together (kubernetes#117793;
+                # pkg/kubelet/kuberuntime/kuberuntime_container_linux.go ``generateLinuxContainerResources``).
+                # AKS nodes are cgroup v2 (Ubuntu 22.04, Azure Linux). On a v1 host ``kill_together_on_oom``
+                # does the same.
+                (path / "memory.oom.group").write_text("1")
             # No swap for it (the kubelet's default, swapBehavior NoSwap): over the limit is a kill, not a crawl.
             swap = path / ("memory.swap.max" if v2 else "memory.memsw.limit_in_bytes")
             if swap.exists():
@@ -159,6 +166,56 @@ class MemoryCgroup:
         text = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
         counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
         return int(counts.get("oom_kill", 0))
+
+    def kill_together_on_oom(self) -> None:
+        """On a cgroup v1 host, what ``memory.oom.group`` makes the kernel do on v2: once the OOM killer has
+        killed a process of the group, every other one is killed too (v1's own behaviour, which only
+        ``singleProcessOOMKill`` keeps, kills the biggest process alone). The kernel tells an eventfd
+        registered on ``memory.oom_control`` when the group goes under OOM (cgroup-v1 memory.rst, "OOM
+        Control"), as containerd's v1 OOM monitor listens; the kill is then read from the group's count. The
+        eventfd also fires when the group is removed."""
+        if self.v2:
+            return
+        event = os.eventfd(0)
+        control = os.open(self.path / "memory.oom_control", os.O_RDONLY)
+        try:
+            (self.path / "cgroup.event_control").write_text(f"{event} {control}")
+        except OSError:
+            os.close(event)
+            os.close(control)
+            raise
+
+        def watch() -> None:
+            try:
+                while not self._killed_after_notice(event):
+                    if not self.path.exists():
+                        return
+                for _ in range(100):  # until none is left: a process may fork while its siblings are killed
+                    pids = [int(pid) for pid in self.procs.read_text().split()]
+                    if not pids:
+                        return
+                    for pid in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    time.sleep(0.02)
+            except OSError:  # the group was removed: nothing left to kill
+                return
+            finally:
+                os.close(event)
+                os.close(control)
+        threading.Thread(target=watch, daemon=True, name=f"oom-group-{self.path.name}").start()
+
+    def _killed_after_notice(self, event: int) -> bool:
+        """Wait for the kernel's next OOM notice; True once its kill is counted. The notice comes as the group
+        goes under OOM (memcontrol.c ``mem_cgroup_oom_notify``), before the OOM killer has chosen and counted."""
+        os.eventfd_read(event)
+        for _ in range(100):
+            if not self.path.exists():
+                return False
+            if self.oom_kills() > 0:
+                return True
+            time.sleep(0.02)
+        return False
 
     def remove(self) -> None:
         """Once its processes are gone (an exited PID namespace's last processes may still be reaped)."""
@@ -181,8 +238,9 @@ def memory_limits_missing() -> str | None:
         return f"no writable memory cgroup under {CGROUP_ROOT} ({exc.strerror}): memory limits cannot be enforced"
     try:
         group.oom_kills()
+        group.kill_together_on_oom()
     except (OSError, ValueError) as exc:
-        return f"the memory cgroup does not count OOM kills ({exc})"
+        return f"the memory cgroup does not count or tell OOM kills ({exc})"
     finally:
         group.remove()
     return None
@@ -342,6 +400,11 @@ def start(spec: dict, folder: Path, netns: str, grace_s: float, on_line: Callabl
     memory = None
     if memory_limit is not None:
         memory = MemoryCgroup.create(f"laneflow-{os.getpid()}-{time.time_ns():x}", memory_limit)
+        try:
+            memory.kill_together_on_oom()
+        except OSError:
+            memory.remove()
+            raise
         # Into the cgroup before anything of the container runs: everything it starts inherits it.
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(memory.procs), *argv]
     process = subprocess.Popen(

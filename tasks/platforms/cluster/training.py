@@ -183,9 +183,13 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
         raise
 
 
-#: How many more times the pods are read when a rank was killed by a signal while some pod still runs: the
-#: kubelet may report a worker's OOMKilled after the launcher's failure (cgroup v2 kills the whole container).
-SETTLE_READS = 3
+#: Seconds beyond the pods' grace period that a failure read as "a rank was killed by a signal" waits for
+#: the job's pods that still run to end, before it is judged. The kernel's OOM killer is such a signal, and a
+#: worker shows OOMKilled only once its container has ended: on cgroup v2 the whole container dies with the
+#: rank, but the kubelet may report it after the launcher's failure; on cgroup v1 only the rank dies, and the
+#: container ends when the operator deletes the job's running workers (cleanPodPolicy Running), within their
+#: grace period (containerd keeps the OOM as the container's reason, whatever its exit code).
+SETTLE_EXTRA_S = 15.0
 
 
 def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOutput) -> tuple[ExitReading, str]:
@@ -194,7 +198,8 @@ def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOu
     core, _, _ = apis(platform)
     condition = _failed_condition(job)
     reason = condition.get("reason", "")
-    for read in range(SETTLE_READS + 1):
+    settle_until = time.monotonic() + platform.termination_grace_s + SETTLE_EXTRA_S
+    while True:
         pods = [core.api_client.sanitize_for_serialization(pod) for pod in
                 call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
                      label_selector=f"training.kubeflow.org/job-name={name}").items]
@@ -203,7 +208,8 @@ def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOu
         reading = read_mpijob_failure(reason, launchers[-1].exit_code if launchers else None, output.exit_lines,
                                       output.events, ends)
         still_running = any((pod.get("status") or {}).get("phase") in ("Pending", "Running") for pod in pods)
-        if not (reading.kind == PREEMPTED and "signal" in reading.reason and still_running) or read == SETTLE_READS:
+        if not (reading.kind == PREEMPTED and "signal" in reading.reason and still_running) \
+                or time.monotonic() >= settle_until:
             break
         time.sleep(platform.poll_interval_s)
     exited = ", ".join(f"{end.name} {end.container_reason} (exit {end.exit_code})" for end in ends if end.exit_code)
