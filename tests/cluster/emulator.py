@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tests.cluster.apiserver import Handler, Server
 from tests.cluster.authentication import KUBECONFIG_TOKEN, issue_token
+from tests.cluster.dns import ClusterDNS
 from tests.cluster.kubelet import release_network
 from tests.cluster.network import node_address
 from tests.cluster.runtime import KUBERNETES_SERVICE
@@ -47,6 +48,8 @@ class KubernetesEmulator:
         self.cluster.service_endpoint = (address, self.secure_server.server_address[1])
         self.secure_url = f"https://{address}:{self.secure_server.server_address[1]}"
         self.secure_thread = threading.Thread(target=self.secure_server.serve_forever, daemon=True)
+        self.dns = ClusterDNS(self.cluster, address)
+        self.cluster.dns_endpoint = self.dns.address
         self._stopping = threading.Event()
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="k8s-controllers")
 
@@ -92,6 +95,7 @@ class KubernetesEmulator:
         for server in (self.server, self.secure_server):
             server.shutdown()
             server.server_close()
+        self.dns.close()
         with self.cluster.lock:
             self.cluster.closed = True
             containers = list(self.cluster.containers.values()) + self.cluster.terminating

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tests.cluster import runtime
+from tests.cluster.dns import CLUSTER_DNS, resolv_conf
 from tests.cluster.kubelet_volumes import MountFailure, configmap_bytes, container_mounts, secret_bytes
 from tests.cluster.network import PodNetwork
 from tests.cluster.objects import later, now, record_event
@@ -40,6 +41,8 @@ def _pod_network(cluster: Cluster, namespace: str, name: str) -> tuple[str, str]
         cluster.pod_networks[key] = (netns, ip)
         if cluster.service_endpoint is not None:  # the ``kubernetes`` Service, as kube-proxy routes it
             PodNetwork.route_service(netns, runtime.KUBERNETES_SERVICE, cluster.service_endpoint)
+        if cluster.dns_endpoint is not None:  # the ``kube-dns`` Service's DNS port, to the cluster's DNS server
+            PodNetwork.route_service(netns, (CLUSTER_DNS, 53), cluster.dns_endpoint, protocol="udp")
     return cluster.pod_networks[key]
 
 
@@ -48,6 +51,14 @@ def release_network(cluster: Cluster, namespace: str, name: str) -> None:
     network = cluster.pod_networks.pop((namespace, name), None)
     if network is not None:
         PodNetwork.detach(network[0])
+
+
+def _resolv_conf(pod: dict) -> str | None:
+    """The pod's /etc/resolv.conf for its ``dnsPolicy`` (pkg/kubelet/network/dns/dns.go ``getPodDNSType``):
+    the cluster's DNS for ClusterFirst, the default, and for ClusterFirstWithHostNet (no pod here uses the host
+    network); with Default or None the image's own file stays (the node's, or dnsConfig's, is not modelled)."""
+    policy = pod["spec"].get("dnsPolicy") or "ClusterFirst"
+    return resolv_conf(pod["metadata"]["namespace"]) if policy.startswith("ClusterFirst") else None
 
 
 def _fqdn(pod: dict) -> str | None:
@@ -117,8 +128,6 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
         return
     netns, ip = _pod_network(cluster, namespace, name)
     hostname = pod["spec"].get("hostname") or name
-    others = [(cluster.pod_networks[(ns, other)][1], fqdn) for (ns, other), obj in cluster.objects["pods"].items()
-              if ns == namespace and other != name and (ns, other) in cluster.pod_networks and (fqdn := _fqdn(obj))]
     instance = f"c{pod['status'].get('containerStatuses', [{}])[0].get('restartCount', 0)}"
     try:
         if mount_error is not None:
@@ -126,7 +135,8 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
         env = container_env(container, pod, ip, _lookup_key(cluster, namespace))
         env[SESSION_MARKER] = os.environ.get(SESSION_MARKER, "")  # bookkeeping of the test suite, not the pod's
         spec = container_spec(image, container, sandbox=folder / instance / "fs", hostname=hostname,
-                              hosts=hosts_file(ip, hostname, _fqdn(pod), others), env=env, mounts=mounts)
+                              hosts=hosts_file(ip, hostname, _fqdn(pod)), env=env, mounts=mounts,
+                              resolv_conf=_resolv_conf(pod))
     except (LookupError, ValueError) as exc:
         message = f"Error: {exc}"
         set_container_state(pod, {"waiting": {"reason": "CreateContainerConfigError", "message": message}}, False)

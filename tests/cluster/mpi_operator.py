@@ -1,17 +1,16 @@
 """The MPI operator (kubeflow/mpi-operator v0.8 ``pkg/controller/mpi_job_controller.go``,
-``pkg/apis/kubeflow/v2beta1/default.go``, ``pkg/apis/kubeflow/validation/validation.go``): defaults in
-memory (launcher ``restartPolicy: OnFailure``), validates in the controller — a refused job gets one
-Warning event ``ValidationError`` and no condition — creates the Secret ``<job>-ssh`` (a fresh ECDSA
-P-521 key pair), the ConfigMap ``<job>-config`` (``hostfile``, ``discover_hosts.sh`` of Running
-workers), worker pods (host name ``<job>-worker-<i>`` in subdomain ``<job>``, ``K_MPI_JOB_ROLE``, the
-keys at ``sshAuthMountPath``, ``/usr/sbin/sshd -De`` when the container sets no command) and the
-launcher as a batch Job ``<job>-launcher`` (the OpenMPI ``OMPI_MCA_*`` env, the keys, the ConfigMap at
-``/etc/mpi``; at once under ``AtStartup``, after every worker is Ready under ``WaitForWorkersReady``);
-its conditions follow the launcher Job (``BackoffLimitExceeded/<pod reason>``, ``DeadlineExceeded``)
-and evicted workers (``MPIJobEvicted``).
+``pkg/apis/kubeflow/v2beta1/default.go``, ``pkg/apis/kubeflow/validation/validation.go``): defaults in memory
+(launcher ``restartPolicy: OnFailure``), validates in the controller — a refused job gets one Warning event
+``ValidationError`` and no condition — creates the Secret ``<job>-ssh`` (a fresh ECDSA P-521 key pair), the
+headless Service ``<job>`` (cluster DNS), the ConfigMap ``<job>-config`` (``hostfile``, ``discover_hosts.sh``
+of Running workers), worker pods (host name ``<job>-worker-<i>`` in subdomain ``<job>``, ``K_MPI_JOB_ROLE``,
+the keys at ``sshAuthMountPath``, ``/usr/sbin/sshd -De`` when the container sets no command) and the launcher
+as a batch Job ``<job>-launcher`` (the OpenMPI ``OMPI_MCA_*`` env, the keys, the ConfigMap at ``/etc/mpi``; at
+once under ``AtStartup``, after every worker is Ready under ``WaitForWorkersReady``); its conditions follow
+the launcher Job (``BackoffLimitExceeded/<pod reason>``, ``DeadlineExceeded``) and evicted workers
+(``MPIJobEvicted``).
 
-The launcher reaches its workers' real ``sshd`` with the operator's key and runs the real ``mpirun``.
-"""
+The launcher reaches its workers' real ``sshd`` with the operator's key and runs the real ``mpirun``."""
 
 from __future__ import annotations
 
@@ -192,7 +191,15 @@ def _operator_objects(cluster: Cluster, job: dict, spec: dict) -> None:
               "metadata": {"name": f"{name}-config", "namespace": namespace, "labels": {"app": name},
                            "ownerReferences": owner},
               "data": {"hostfile": _hostfile(job, spec), "discover_hosts.sh": _discover_hosts(job, [])}}
-    for resource, obj in (("secrets", secret), ("configmaps", config)):
+    # ``newJobService`` (L1410-1438): headless, selecting the job's pods, publishNotReadyAddresses only when the
+    # launcher is also a worker; the names the hostfile lists resolve through it (tests/cluster/dns.py) once
+    # each worker is Ready. Kept for cluster DNS; the emulated API server does not serve Services.
+    service = {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": name, "namespace": namespace, "labels": {"app": name}, "ownerReferences": owner},
+               "spec": {"clusterIP": "None", "publishNotReadyAddresses": bool(spec.get("runLauncherAsWorker")),
+                        "selector": {"training.kubeflow.org/operator-name": "mpi-operator",
+                                     "training.kubeflow.org/job-name": name}}}
+    for resource, obj in (("secrets", secret), ("configmaps", config), ("services", service)):
         stamp_metadata(cluster, obj, namespace)
         cluster.objects[resource][(namespace, obj["metadata"]["name"])] = obj
 

@@ -109,13 +109,15 @@ class PodNetwork:
         return namespace, address
 
     @staticmethod
-    def route_service(namespace: str, service: tuple[str, int], endpoint: tuple[str, int]) -> None:
+    def route_service(namespace: str, service: tuple[str, int], endpoint: tuple[str, int],
+                      protocol: str = "tcp") -> None:
         """Connections from the pod to a Service's ClusterIP and port go to its endpoint, as kube-proxy's
         iptables mode makes them go (pkg/proxy/iptables: ``KUBE-SERVICES`` → ``KUBE-SVC-*`` → a ``KUBE-SEP-*``
         DNAT to the endpoint). Here the rule is in the pod's own namespace, so each test process's emulator
-        routes its pods to its own API server."""
+        routes its pods to its own API server (TCP) and its own cluster DNS (UDP)."""
         _ip("netns", "exec", namespace, "iptables", "-w", "-t", "nat", "-A", "OUTPUT", "-d", f"{service[0]}/32",
-            "-p", "tcp", "--dport", str(service[1]), "-j", "DNAT", "--to-destination", f"{endpoint[0]}:{endpoint[1]}")
+            "-p", protocol, "--dport", str(service[1]), "-j", "DNAT",
+            "--to-destination", f"{endpoint[0]}:{endpoint[1]}")
 
     @staticmethod
     def detach(namespace: str) -> None:

@@ -101,16 +101,12 @@ class Mount:
     tmpfs_copy: bool = False
 
 
-def hosts_file(ip: str, hostname: str, fqdn: str | None, others: list[tuple[str, str]]) -> str:
-    """The kubelet's managed /etc/hosts (pkg/kubelet/kubelet_pods.go ``managedHostsFileContent``), plus the
-    records cluster DNS would answer for the namespace's pods with a subdomain (``others``: ip, fqdn)."""
+def hosts_file(ip: str, hostname: str, fqdn: str | None) -> str:
+    """The kubelet's managed /etc/hosts (pkg/kubelet/kubelet_pods.go ``managedHostsFileContent``): the pod's
+    own names only; every other pod's name is cluster DNS's to answer (``dns.py``)."""
     lines = ["# Kubernetes-managed hosts file.", "127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
              "fe00::0\tip6-localnet", "fe00::0\tip6-mcastprefix", "fe00::1\tip6-allnodes", "fe00::2\tip6-allrouters"]
     lines.append(f"{ip}\t{fqdn}\t{hostname}" if fqdn else f"{ip}\t{hostname}")
-    lines.append("# cluster DNS (emulated): the namespace's pods by their headless-service names")
-    for other_ip, other_fqdn in others:
-        short = other_fqdn.removesuffix(".cluster.local")
-        lines.append(f"{other_ip}\t{other_fqdn}\t{short}")
     return "\n".join(lines) + "\n"
 
 
@@ -357,9 +353,10 @@ def process_env(image: ImageConfig, kubelet_env: dict[str, str], hostname: str) 
 
 
 def container_spec(image: ImageConfig, container: dict, *, sandbox: Path, hostname: str, hosts: str,
-                   env: dict[str, str], mounts: list[Mount]) -> dict:
+                   env: dict[str, str], mounts: list[Mount], resolv_conf: str | None = None) -> dict:
     """What ``podinit.py`` needs to build the container and exec its command; ``env`` is the kubelet's
-    (``container_env``), which alone ``$(VAR)`` in command and args is expanded from."""
+    (``container_env``), which alone ``$(VAR)`` in command and args is expanded from; ``resolv_conf`` the
+    kubelet's for the pod's DNS policy (None: the image's own)."""
     argv = [expand_references(arg, env) for arg in container_argv(image, container.get("command"),
                                                                   container.get("args"))]
     if not argv:
@@ -373,7 +370,9 @@ def container_spec(image: ImageConfig, container: dict, *, sandbox: Path, hostna
         else:
             binds.append({"source": str(mount.source), "target": mount.target, "readonly": mount.readonly})
     return {"sandbox": str(sandbox), "rootfs": str(image.rootfs), "hostname": hostname, "binds": binds,
-            "tmpfs": tmpfs, "tmpfs_copies": copies, "files": {"/etc/hosts": hosts, "/etc/hostname": hostname + "\n"},
+            "tmpfs": tmpfs, "tmpfs_copies": copies,
+            "files": {"/etc/hosts": hosts, "/etc/hostname": hostname + "\n",
+                      **({"/etc/resolv.conf": resolv_conf} if resolv_conf is not None else {})},
             "cwd": container.get("workingDir") or image.workdir, "env": process_env(image, env, hostname),
             "argv": argv}
 

@@ -162,6 +162,8 @@ class Cluster:
     #: Where pods reach the API server: the ``kubernetes`` Service's endpoint (node address, HTTPS port), set
     #: by the emulator once it listens there.
     service_endpoint: tuple[str, int] | None = None
+    #: Where pods reach cluster DNS (tests/cluster/dns.py): the server's address and UDP port, set by the emulator.
+    dns_endpoint: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
