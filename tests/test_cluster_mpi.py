@@ -77,9 +77,9 @@ def test_a_rank_over_its_memory_limit_is_reported_as_out_of_memory_and_not_retri
     """Guaranteed workers whose memory limit a rank outgrows (importing torch alone needs more than twice as
     much, in memory no reclaim can free: a decisive OOM, not a slow thrash of file pages). The kernel's OOM
     killer ends the rank in its container's memory cgroup and, as the kubelet sets memory.oom.group (cgroup v2),
-    the whole container with it: mpirun loses a daemon or reports the rank's SIGKILL. laneflow reads the worker's OOMKilled: it
-    names the pod, its container and its limit and says what to change, and does not submit the job again
-    (resuming would meet the same limit)."""
+    the whole container with it: mpirun loses a daemon or reports the rank's SIGKILL. laneflow reads the
+    worker's OOMKilled: it names the pod, its container and its limit and says what to change, and does not
+    submit the job again (resuming would meet the same limit)."""
     if missing := memory_limits_missing():
         pytest.skip(missing)
     emu, cluster = emulator
