@@ -353,6 +353,49 @@ def test_a_secret_volume_that_does_not_exist_keeps_the_pod_creating_with_failedm
     assert "s3cret" in core.read_namespaced_pod_log(pod["metadata"]["name"], "lanes")
 
 
+def mpi_pod(name: str, uid: str, ready: str, state: dict, role: str = "worker") -> dict:
+    return {"metadata": {"name": name, "uid": uid, "labels": {"training.kubeflow.org/job-role": role}},
+            "spec": {"nodeName": "gpu-b"},
+            "status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": ready, "lastTransitionTime": "2026-12-03T10:00:00Z"}],
+                "containerStatuses": [{"name": role, "state": state}]}}
+
+
+def test_an_mpi_pod_whose_node_went_silent_is_a_resumable_problem_and_a_ready_or_ended_one_is_not() -> None:
+    """The node lifecycle controller's MarkPodsNotReady turns only the Ready condition False; the containers
+    still read running, as no kubelet reports their end."""
+    silent = mpi_pod("job-worker-1", "u1", "False", {"running": {}})
+    (problem,) = pod_problems([silent], [], exited_workers=True)
+    assert (problem.reason, problem.resumable) == ("NodeNotReady", True)
+    assert problem.message == "node gpu-b stopped reporting since 2026-12-03T10:00:00Z", problem.message
+    assert "resumes from its last checkpoint" in problem.describe()
+    launcher = mpi_pod("job-launcher-x", "u2", "False", {"running": {}}, role="launcher")
+    assert [p.reason for p in pod_problems([launcher], [], exited_workers=True)] == ["NodeNotReady"]
+    ready = mpi_pod("job-worker-0", "u3", "True", {"running": {}})
+    ended = mpi_pod("job-worker-0", "u3", "False", {"terminated": {"exitCode": 0}})
+    assert pod_problems([ready, ended], [], exited_workers=True) == []
+    assert pod_problems([silent], [], exited_workers=False) == []  # a data Job: its controller replaces it
+
+
+def test_a_worker_replaced_once_the_launcher_started_is_a_resumable_problem_but_not_before() -> None:
+    clock = ProblemClock(grace_s=60, scheduling_grace_s=900, first_seen={})
+    running = {"running": {}}
+    launcher = mpi_pod("job-launcher-x", "l", "True", running, role="launcher")
+    created = {**launcher, "status": {"phase": "Pending", "containerStatuses": [
+        {"name": "launcher", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+    assert clock.replacements([mpi_pod("job-worker-1", "first", "True", running)]) == set()
+    # Re-created before the launcher's container started (WaitForWorkersReady): part of the start.
+    assert clock.replacements([mpi_pod("job-worker-1", "second", "True", running), created]) == set()
+    assert clock.replacements([mpi_pod("job-worker-1", "second", "True", running), launcher]) == set()
+    # Replaced under the launcher: for good, whatever the new pod (or the MPIJob's conditions) do next.
+    assert clock.replacements([mpi_pod("job-worker-1", "third", "False", {"waiting": {}}), launcher]) == \
+        {"job-worker-1"}
+    assert clock.replacements([]) == {"job-worker-1"}
+    (problem,) = pod_problems([mpi_pod("job-worker-1", "third", "True", running)], [], exited_workers=True,
+                              replaced=clock.replacements([]))
+    assert (problem.reason, problem.resumable) == ("WorkerReplaced", True)
+
+
 def test_a_worker_killed_for_memory_is_not_resumable() -> None:
     """Exit 137 is SIGKILL, which a preemption also sends; OOMKilled says it was the worker's own memory."""
     oom = {"metadata": {"name": "w", "labels": {"training.kubeflow.org/job-role": "worker"}},

@@ -16,10 +16,10 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingInterrupted, VolumeRef
+from tasks.platforms import ClusterPlatform, StageBlocked, TrainingFailed, TrainingInterrupted, VolumeRef
 from tasks.platforms.cluster.training import mpijob_body
 from tests.cluster import Cluster
-from tests.cluster.node_lifecycle import DrainRefused, drain, shut_down, uncordon
+from tests.cluster.node_lifecycle import DrainRefused, drain, lose, mark_out_of_service, shut_down, uncordon
 from tests.cluster.runtime import memory_limits_missing
 from tests.cluster.state import NODE_NAME, Node
 from tests.cluster_platform_helpers import (
@@ -106,14 +106,16 @@ class Told:
     errors: list[BaseException] = field(default_factory=list)
 
 
-def on_each_attempts_first_step(cluster: Cluster, actions: list[Callable[[], object]]) -> Told:
-    """At the first training step each new launcher logs, run the next of ``actions`` in a thread of its own,
-    as an operator at a terminal would."""
+def on_each_attempts_first_step(cluster: Cluster, actions: list[Callable[[], object]],
+                                at_step: int | None = None) -> Told:
+    """At the first training step each new launcher logs (or step ``at_step``), run the next of ``actions`` in a
+    thread of its own, as an operator at a terminal would."""
     told = Told()
     seen: set[str] = set()
+    wanted = '"event": "step"' if at_step is None else f'"event": "step", "step": {at_step},'
 
     def on_line(cluster: Cluster, namespace: str, pod: str, line: str) -> None:
-        if "-launcher-" not in pod or '"event": "step"' not in line or pod in seen or len(seen) >= len(actions):
+        if "-launcher-" not in pod or wanted not in line or pod in seen or len(seen) >= len(actions):
             return
         seen.add(pod)
         action = actions[len(seen) - 1]
@@ -216,6 +218,64 @@ def test_a_worker_evicted_a_node_drained_and_a_node_shutting_down_each_end_in_a_
         cluster.objects["events"].values(), key=lambda e: int(e["metadata"]["uid"].removeprefix("event-")))
         if event["reason"] == "Scheduled" and "-worker-" in event["involvedObject"]["name"]]
     assert placed[:2] == ["gpu-a", "gpu-a"] and placed[-2:] == ["gpu-a", "gpu-a"] and "gpu-b" in placed, placed
+
+
+def test_nodes_lost_without_a_word_are_noticed_their_jobs_replaced_once_the_nodes_are_gone_and_the_run_completes(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """Nodes that vanish as power loss or a host failure leaves them: the ranks there die at once, their traffic
+    is dropped without a reset (mpirun would wait minutes for OpenMPI's keepalive), the API still shows their
+    pods Running. One run, on four one-GPU nodes and a system node:
+    1. worker-1's node lost with its VM: once the node lifecycle controller marks the node's pods not Ready,
+       then the cloud controller deletes the Node and the pod GC the pod (the operator making a new worker-1),
+       the wait stops the job, resumable; the retry replaces it;
+    2. the retry's worker-1 node cut off, its VM still there: stopped the same way, but now the retry cannot
+       replace the job, whose deletion waits on a pod no kubelet will confirm stopped: the stage fails naming
+       the node and the out-of-service taint;
+    3. the administrator taints the node out of service, the pod GC removes the pod, and the run resumes and
+       completes."""
+    emu, cluster = emulator
+    _, volume, data_dir = prepared
+    # The controllers' periods shortened alike: the pod GC removes the first lost node's pod a second after
+    # its node turned Unknown, well within the wait's grace for the pod's NodeNotReady (3 s).
+    cluster.node_monitor_grace_s, cluster.node_monitor_period_s = 2.0, 0.5
+    cluster.podgc_quarantine_s, cluster.podgc_period_s = 0.5, 1.0
+    platform = cluster_platform(emu, termination_grace_s=2, pod_problem_grace_s=3)
+    cluster.nodes[NODE_NAME].capacity["nvidia.com/gpu"] = 0
+    for name in ("gpu-a", "gpu-b", "gpu-c", "gpu-d"):
+        cluster.nodes[name] = Node(name, labels={"agentpool": "gpu"})
+        cluster.nodes[name].capacity["nvidia.com/gpu"] = 1
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="5", log_every="1", checkpoint_every="1")
+    lost: list[str] = []
+
+    def lose_worker_1(vm_gone: bool) -> Callable[[], None]:
+        def act() -> None:
+            pod = cluster.objects["pods"][("lanes", f"{spec.job_name}-worker-1")]
+            lost.append(pod["spec"]["nodeName"])
+            lose(cluster, lost[-1], vm_gone=vm_gone)
+        return act
+
+    # At step 3 of each attempt: the checkpoints of steps 1 and 2 (each a collective of both ranks) are written.
+    told = on_each_attempts_first_step(cluster, [lose_worker_1(vm_gone=True), lose_worker_1(vm_gone=False)],
+                                       at_step=3)
+    with pytest.raises(TrainingInterrupted, match=r"train-0123456789ab-worker-1 is not running \(WorkerReplaced"):
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
+    assert lost and lost[0] not in cluster.nodes  # the cloud controller deleted it
+    with pytest.raises(TrainingInterrupted) as interrupted:
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
+    assert not told.errors and len(lost) == 2, told.errors
+    assert f"worker-1 is not running (NodeNotReady: node {lost[1]} stopped reporting since" in \
+        str(interrupted.value), str(interrupted.value)
+    with pytest.raises(StageBlocked) as blocked:
+        platform.submit_training(spec)
+    message = str(blocked.value)
+    assert "its pod train-0123456789ab-worker-1 has been terminating" in message and \
+        f"kubectl taint nodes {lost[1]} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute" in message, message
+    mark_out_of_service(cluster, lost[1])
+    outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
+                                         timeout_s=600)
+    assert outcome.resumed_from > 0 and outcome.steps == outcome.total_steps, outcome
+    pods = [pod for (_, name), pod in cluster.objects["pods"].items() if "-worker-" in name]
+    assert pods and not {pod["spec"]["nodeName"] for pod in pods} & set(lost), [p["spec"] for p in pods]
 
 
 def test_a_stop_request_from_the_wait_loop_stops_an_mpijob_after_a_checkpoint_and_it_succeeds(

@@ -6,6 +6,7 @@ a finished job again (``tests/cluster/mpi_operator.py``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -133,3 +134,50 @@ def test_the_mpi_operator_recreates_a_deleted_worker_leaves_the_launcher_on_evic
     time.sleep(1)
     assert pod("ops-0123456789ab-worker-1") is None  # a finished job's workers are not created again
     assert conditions() == finished
+
+
+def test_a_pod_on_a_lost_node_reads_running_then_not_ready_and_stays_terminating_until_its_node_is_out_of_service(
+        emulator: tuple) -> None:
+    """What the API shows of a node that went silent (tests/cluster/node_lifecycle.py ``lose``): its processes
+    are gone but its pod still reads Running and Ready; after the node monitor grace period the pod is not Ready,
+    with the node controller's NodeNotReady Warning; deleted, it stays terminating (no kubelet confirms it),
+    until the node is marked out of service and the pod GC removes it."""
+    from tests.cluster.node_lifecycle import lose, mark_out_of_service
+
+    emu, cluster = emulator
+    cluster_platform(emu)  # the images
+    cluster.node_monitor_grace_s, cluster.podgc_period_s = 1.0, 0.5
+    core, _ = client_apis(emu)
+    kubernetes.client.BatchV1Api(core.api_client).create_namespaced_job("lanes", _sleeping_job("sleeper"))
+    pod = wait_until("the Job's pod to run", lambda: next(
+        (p for p in core.list_namespaced_pod("lanes", label_selector="app=sleeper").items
+         if p.status.phase == "Running"), None), **SOON)
+    name, node = pod.metadata.name, pod.spec.node_name
+    pids = wait_until("the container's processes", lambda: cluster.container_pids("lanes", name), **SOON)
+    lose(cluster, node, vm_gone=False)
+    for pid in pids:  # every process of it is gone ...
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    read = core.read_namespaced_pod(name, "lanes")  # ... which no one has told the API
+    assert read.status.phase == "Running" and read.status.container_statuses[0].state.running is not None
+
+    def not_ready() -> object:
+        conditions = core.read_namespaced_pod(name, "lanes").status.conditions or []
+        return any(c.type == "Ready" and c.status == "False" for c in conditions)
+    wait_until("the node controller to mark the pod not Ready", not_ready, **SOON)
+    (event,) = [e for e in core.list_namespaced_event("lanes", field_selector=f"involvedObject.name={name}").items
+                if e.reason == "NodeNotReady"]
+    assert (event.type, event.message, event.source.component) == ("Warning", "Node is not ready", "node-controller")
+    assert core.read_namespaced_pod(name, "lanes").status.phase == "Running"
+
+    core.delete_namespaced_pod(name, "lanes")
+    assert core.read_namespaced_pod(name, "lanes").metadata.deletion_timestamp is not None
+    mark_out_of_service(cluster, node)
+
+    def gone() -> bool:
+        try:
+            core.read_namespaced_pod(name, "lanes")
+        except ApiException as exc:
+            return exc.status == 404
+        return False
+    wait_until("the pod GC to remove the pod of the out-of-service node", gone, **SOON)

@@ -17,7 +17,7 @@ in its memory cgroup, reported by the container runtime).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 IMAGE = ("check the image reference in the platform block (image for training and evaluation, data_image for "
@@ -38,6 +38,10 @@ ADVICE = {
                        "worker_qos guaranteed it is the workers' limits.memory; a LimitRange of the namespace may "
                        "set a limit by default: kubectl describe limitrange), or lower batch_size / loader_workers; "
                        "running it again as it is meets the same limit, so it is not retried",
+    "NodeNotReady": "its node stopped reporting to the API server (lost, or cut off from the network), so the job "
+                    "cannot go on: mpirun would wait on it for minutes. The run resumes from its last checkpoint "
+                    "on the nodes that remain (kubectl describe node shows the node's state)",
+    "WorkerReplaced": "the job cannot go on without it; the run resumes from its last checkpoint with a new job",
     "WorkerExited": "an MPI worker must keep sshd running for the launcher (the operator waits for every worker "
                     "and never replaces one that exited): its log says why it stopped (kubectl logs <pod>); see "
                     "README, 'What the training image must contain'",
@@ -133,12 +137,15 @@ def scheduling_advice(message: str) -> str:
 
 
 def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
-                 exited_workers: bool = False) -> list[PodProblem]:
+                 exited_workers: bool = False, replaced: frozenset[str] = frozenset()) -> list[PodProblem]:
     """The problems of ``pods`` (API dicts, camelCase), given the namespace's recent ``events``.
 
     ``exited_workers``: an MPIJob's worker that stopped (not evicted) is a problem too. The MPI operator
     marks the job failed only for evicted workers (``updateMPIJobStatus``); with another worker gone, a job
-    waiting for its workers never starts its launcher, and a running one hangs on it."""
+    waiting for its workers never starts its launcher, and a running one hangs on it. So is an MPIJob's pod
+    whose node stopped reporting (``node_silent``): nothing fails the job then, and mpirun notices the lost
+    daemon only when its keepalive gives up (OpenMPI 4.1: 300 s idle, then 9 probes 20 s apart). ``replaced``:
+    the workers whose pod was replaced while the launcher ran (``ProblemClock.replacements``)."""
     pod_events = [e for e in events if (e.get("involvedObject") or {}).get("kind") == "Pod"]
     scaling = {e["involvedObject"]["name"] for e in pod_events if e.get("reason") == "TriggeredScaleUp"}
     mount_failures = failing_mounts(pod_events)
@@ -149,6 +156,11 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
         if pod["metadata"].get("deletionTimestamp"):
             continue  # going away (a finished job's clean-up): not a problem of the stage
         role = ((pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role"))
+        if name in replaced:
+            found.append(PodProblem(name, "WorkerReplaced", "the pod its ranks ran in is gone (deleted, or removed "
+                                    "with its node) and mpirun cannot use the one the operator made in its place",
+                                    resumable=True))
+            continue
         if exited_workers and role == "worker" and status.get("phase") in ("Succeeded", "Failed") and \
                 status.get("reason") != "Evicted":
             terminated = next(((c.get("state") or {}).get("terminated") for c in status.get("containerStatuses") or []
@@ -169,6 +181,9 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
             continue
         if status.get("phase") in ("Succeeded", "Failed"):
             continue  # finished: the Job or MPIJob reports it
+        if exited_workers and role and (silent := node_silent(pod)):
+            found.append(PodProblem(name, "NodeNotReady", silent, resumable=True))
+            continue
         for condition in status.get("conditions") or []:
             if condition.get("type") == "PodScheduled" and condition.get("status") == "False" and \
                     condition.get("reason") == "Unschedulable":
@@ -184,6 +199,24 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
         if uid in mount_failures and (not waiting_reasons or waiting_reasons <= STARTING):
             found.append(PodProblem(name, "FailedMount", mount_failures[uid].get("message", "")))
     return found
+
+
+def node_silent(pod: dict[str, Any]) -> str | None:
+    """How a running pod's node went silent, or None. The node lifecycle controller marks every pod of a node
+    that stopped posting its status not Ready (``MarkPodsNotReady``: the Ready condition False, nothing else),
+    while the pod's containers still read running: the kubelet that would report their end is gone. (The
+    kubelet itself turns Ready False only with a container that stopped, or a failing readiness probe, which
+    laneflow's pods do not have.)"""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running":
+        return None
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    containers = status.get("containerStatuses") or []
+    if ready.get("status") != "False" or not containers or \
+            not all((c.get("state") or {}).get("running") is not None for c in containers):
+        return None
+    since = f" since {ready['lastTransitionTime']}" if ready.get("lastTransitionTime") else ""
+    return f"node {(pod.get('spec') or {}).get('nodeName', '?')} stopped reporting{since}"
 
 
 #: The kubelet's events that follow a successful mount (volumes first, then the image, then the container).
@@ -261,6 +294,30 @@ class ProblemClock:
     grace_s: float
     scheduling_grace_s: float
     first_seen: dict[tuple[str, str], float]
+    #: The uid of each MPI worker pod the launcher started with, and the workers replaced since (``replacements``).
+    worker_uids: dict[str, str] = field(default_factory=dict)
+    replaced: set[str] = field(default_factory=set)
+
+    def replacements(self, pods: list[dict[str, Any]]) -> frozenset[str]:
+        """The MPI workers whose pod was replaced by another of the same name once the launcher had started:
+        the MPI operator creates a deleted worker again (the pod GC removed it with its lost node, say), but
+        mpirun only knows the daemons it started, so the job cannot go on — and may wait minutes for OpenMPI to
+        give the old one up. Before the launcher's container starts a new worker is just part of the start."""
+        def role(pod: dict[str, Any]) -> str | None:
+            return (pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role")
+
+        launcher_started = any(role(pod) == "launcher" and any(
+            (c.get("state") or {}).get(state) is not None for c in (pod.get("status") or {}).get("containerStatuses")
+            or [] for state in ("running", "terminated")) for pod in pods)
+        for pod in pods:
+            if role(pod) != "worker":
+                continue
+            name, uid = pod["metadata"]["name"], pod["metadata"].get("uid", "")
+            if not launcher_started:
+                self.worker_uids[name] = uid
+            elif self.worker_uids.setdefault(name, uid) != uid:
+                self.replaced.add(name)
+        return frozenset(self.replaced)
 
     def grace_for(self, problem: PodProblem) -> float:
         return self.scheduling_grace_s if problem.patient else self.grace_s

@@ -302,8 +302,7 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
             if obj is None:
                 return 404, not_found, []
             policy, warnings = _propagation_policy(resource, query, body)
-            if obj["metadata"].get("deletionTimestamp") or not delete(cluster, resource, obj, policy,
-                                                                       _grace_period(query, body)):
+            if not delete(cluster, resource, obj, policy, _grace_period(query, body)):
                 return 200, obj, warnings  # still there: being deleted (a pod's grace, a Foreground wait)
             return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                          "details": {"name": name, "group": group, "kind": resource,

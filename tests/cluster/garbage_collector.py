@@ -39,8 +39,20 @@ def delete(cluster: Cluster, resource: str, obj: dict, policy: str = "Background
       garbagecollector ``processDeletingDependentsItem``, graph.go ``blockingDependents``)."""
     metadata = obj["metadata"]
     if metadata.get("deletionTimestamp"):
+        if resource == "pods" and grace_s == 0 and not metadata.get("finalizers"):
+            # A force delete (kubectl delete --grace-period=0 --force; the pod GC) cuts a graceful one short
+            # (registry/core/pod/strategy.go ``CheckGracefulDelete``): the pod goes now, whatever runs.
+            _remove(cluster, resource, obj)
+            return True
         return False
     key = (metadata.get("namespace", ""), metadata["name"])
+    if resource == "pods" and grace_s != 0 and obj["spec"].get("nodeName") in cluster.lost_nodes and \
+            obj["status"].get("phase") not in ("Succeeded", "Failed"):
+        # No kubelet confirms the pod stopped (its status manager's delete with grace 0 never comes): it stays,
+        # terminating, until it is force-deleted or the pod GC removes it (node_lifecycle.py).
+        grace = int(obj["spec"].get("terminationGracePeriodSeconds", 30) if grace_s is None else grace_s)
+        metadata.update({"deletionTimestamp": now(), "deletionGracePeriodSeconds": grace})
+        return False
     if resource == "pods" and key in cluster.containers:
         grace = float(obj["spec"].get("terminationGracePeriodSeconds", 30) if grace_s is None else grace_s)
         metadata.update({"deletionTimestamp": now(), "deletionGracePeriodSeconds": int(grace)})

@@ -119,6 +119,12 @@ class PodNetwork:
             "-p", protocol, "--dport", str(service[1]), "-j", "DNAT",
             "--to-destination", f"{endpoint[0]}:{endpoint[1]}")
 
+    def cut(self, namespace: str) -> None:
+        """The pod's link to the bridge goes down: what reaches its address is dropped without a word (no
+        reset, no ICMP), as for a node that lost power, and nothing it sends leaves."""
+        host_side = namespace.replace(f"{self.prefix}-", f"{self.prefix}h", 1)
+        _ip("link", "set", host_side, "down")
+
     @staticmethod
     def detach(namespace: str) -> None:
         """Remove a pod's namespace (its veth pair goes with it) once nothing runs in it."""

@@ -39,6 +39,8 @@ class Node:
         "cpu": 64_000, "memory": 256 * 2**30, "ephemeral-storage": 2**40, "nvidia.com/gpu": 8})
     #: ``spec.unschedulable``: cordoned (``kubectl cordon``/``drain``); node_lifecycle.py.
     unschedulable: bool = False
+    #: Its Ready condition: False once the node lifecycle controller found it silent (node_lifecycle.lose).
+    ready: bool = True
 
     def __post_init__(self) -> None:
         self.labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
@@ -123,6 +125,19 @@ class Cluster:
     nfs_refused: set[tuple[str, str]] = field(default_factory=set)
     #: The nodes the scheduler binds pods to, by name; every pod runs on this machine whichever it is bound to.
     nodes: dict[str, Node] = field(default_factory=lambda: {NODE_NAME: Node(NODE_NAME)})
+    #: Nodes whose kubelet is gone (node_lifecycle.lose): their pods' statuses stay as they were, and a pod
+    #: deleted there stays, terminating, until it is force-deleted or the pod GC removes it.
+    lost_nodes: set[str] = field(default_factory=set)
+    #: The node lifecycle controller's --node-monitor-grace-period (50 s since 1.32, 40 s before; shortened
+    #: by tests): how long a node may go without a heartbeat before it is Unknown and its pods not Ready.
+    node_monitor_grace_s: float = 50.0
+    #: The cloud node lifecycle controller's --node-monitor-period (5 s): how soon it deletes a NotReady node
+    #: whose VM is gone.
+    node_monitor_period_s: float = 5.0
+    #: The pod GC's quarantine before it force-deletes the pods of a node that no longer exists (40 s), and
+    #: its period (gcCheckPeriod, 20 s), which also paces removing terminating pods of an out-of-service node.
+    podgc_quarantine_s: float = 40.0
+    podgc_period_s: float = 20.0
     #: The kubelet's containerLogMaxSize (10 MiB by default upstream).
     log_max_bytes: int = 10 * 1024 * 1024
     #: Cut every follow stream after this many lines (a dropped connection), when set.

@@ -132,8 +132,9 @@ def create_or_adopt(platform: ClusterPlatform, kind: str, create: Callable[[], A
 
 
 def wait_deleted(platform: ClusterPlatform, resource: str, read: Callable[[], Any], what: str,
-                 timeout_s: float = 300) -> None:
-    """Until ``read`` answers 404 (a Foreground delete ends when the object's dependents are gone)."""
+                 timeout_s: float = 300, check: Callable[[], None] | None = None) -> None:
+    """Until ``read`` answers 404 (a Foreground delete ends when the object's dependents are gone); ``check``,
+    called between reads, raises when what it waits for can no longer happen by itself."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -142,6 +143,8 @@ def wait_deleted(platform: ClusterPlatform, resource: str, read: Callable[[], An
             if exc.status == 404:
                 return
             raise
+        if check is not None:
+            check()
         time.sleep(platform.poll_interval_s)
     raise TimeoutError(f"{what} was not deleted within {timeout_s:.0f} s")
 

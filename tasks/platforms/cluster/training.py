@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from tasks.k8s.diagnose import pod_ends
+from tasks.k8s.diagnose import node_silent, pod_ends
 from tasks.k8s.logs import LogCursor
 from tasks.k8s.manifests import render_mpijob
 from tasks.launch import PREEMPTED, START_FAILED, ExitReading, JobOutput, read_mpijob_failure
@@ -90,11 +90,45 @@ def _replace(platform: ClusterPlatform, spec: TrainingSpec, body: dict) -> dict:
     _, _, custom = apis(platform)
     namespace, (group, version, plural) = platform.effective_namespace(), MPI
     platform.cancel_training(spec.job_name, spec.volume)
+    waiting_since = time.monotonic()
     wait_deleted(platform, "mpijobs",
                  lambda: custom.get_namespaced_custom_object(group, version, namespace, plural, spec.job_name),
-                 f"MPIJob {spec.job_name}", timeout_s=300 + platform.termination_grace_s)  # its pods' grace
+                 f"MPIJob {spec.job_name}", timeout_s=300 + platform.termination_grace_s,  # its pods' grace
+                 check=lambda: _check_stuck_pods(platform, spec.job_name, waiting_since))
     return call(platform, "create", "mpijobs", custom.create_namespaced_custom_object, group, version,
                 namespace, plural, body, field_validation=STRICT)
+
+
+def _check_stuck_pods(platform: ClusterPlatform, name: str, waiting_since: float) -> None:
+    """A job's pod on a node that stopped reporting never finishes terminating: no kubelet confirms it stopped,
+    so the job's Foreground deletion waits for ever — unless the Node is deleted (a cloud controller does so
+    when its VM is gone; the pod GC then removes the pod) or marked out of service. Past its grace period and
+    the block's ``pod_problem_grace_s`` that is for an administrator to decide: the stage fails saying how.
+    This wait itself gets ``pod_problem_grace_s`` too: a retry right after the node was marked out of service
+    leaves the pod GC its pass (every 20 s)."""
+    if time.monotonic() - waiting_since <= platform.pod_problem_grace_s:
+        return
+    core, _, _ = apis(platform)
+    pods = [core.api_client.sanitize_for_serialization(pod) for pod in
+            call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
+                 label_selector=f"training.kubeflow.org/job-name={name}").items]
+    now = datetime.now(UTC)
+    for pod in pods:
+        metadata = pod["metadata"]
+        if not metadata.get("deletionTimestamp") or not (silent := node_silent(pod)):
+            continue
+        since = datetime.fromisoformat(str(metadata["deletionTimestamp"]).replace("Z", "+00:00"))
+        waited = (now - since).total_seconds()
+        if waited <= float(metadata.get("deletionGracePeriodSeconds") or 0) + platform.pod_problem_grace_s:
+            continue
+        node = pod["spec"].get("nodeName", "?")
+        raise StageBlocked(
+            f"MPIJob {name} cannot be replaced: its pod {metadata['name']} has been terminating for {waited:.0f} s "
+            f"on a node that is gone ({silent}): no kubelet will confirm it stopped, so Kubernetes removes it only "
+            f"once node {node} is deleted (a cloud controller does so when its VM no longer exists) or marked out "
+            f"of service. Once you know the node is off: kubectl taint nodes {node} "
+            f"node.kubernetes.io/out-of-service=nodeshutdown:NoExecute (or kubectl delete node {node}); then "
+            f"retry the flow run: it resumes from its last checkpoint")
 
 
 def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink, on_log: LogSink,
