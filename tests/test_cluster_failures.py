@@ -358,7 +358,7 @@ def mpi_pod(name: str, uid: str, ready: str, state: dict, role: str = "worker") 
             "spec": {"nodeName": "gpu-b"},
             "status": {"phase": "Running", "conditions": [
                 {"type": "Ready", "status": ready, "lastTransitionTime": "2026-12-03T10:00:00Z"}],
-                "containerStatuses": [{"name": role, "state": state}]}}
+                "containerStatuses": [{"name": role, "ready": "running" in state, "state": state}]}}
 
 
 def test_an_mpi_pod_whose_node_went_silent_is_a_resumable_problem_and_a_ready_or_ended_one_is_not() -> None:
@@ -366,6 +366,7 @@ def test_an_mpi_pod_whose_node_went_silent_is_a_resumable_problem_and_a_ready_or
     still read running, as no kubelet reports their end."""
     silent = mpi_pod("job-worker-1", "u1", "False", {"running": {}})
     (problem,) = pod_problems([silent], [], exited_workers=True)
+    assert pod_problems([silent], [], exited_workers=True, training_alive=True) == []  # its peers still talk
     assert (problem.reason, problem.resumable) == ("NodeNotReady", True)
     assert problem.message == "node gpu-b stopped reporting since 2026-12-03T10:00:00Z", problem.message
     assert "resumes from its last checkpoint" in problem.describe()
@@ -373,7 +374,11 @@ def test_an_mpi_pod_whose_node_went_silent_is_a_resumable_problem_and_a_ready_or
     assert [p.reason for p in pod_problems([launcher], [], exited_workers=True)] == ["NodeNotReady"]
     ready = mpi_pod("job-worker-0", "u3", "True", {"running": {}})
     ended = mpi_pod("job-worker-0", "u3", "False", {"terminated": {"exitCode": 0}})
-    assert pod_problems([ready, ended], [], exited_workers=True) == []
+    # The kubelet's own not-Ready says why: a sidecar's failing readiness probe, say.
+    probed = mpi_pod("job-worker-0", "u3", "False", {"running": {}})
+    probed["status"]["conditions"][0]["reason"] = "ContainersNotReady"
+    probed["status"]["containerStatuses"].append({"name": "proxy", "ready": False, "state": {"running": {}}})
+    assert pod_problems([ready, ended, probed], [], exited_workers=True) == []
     assert pod_problems([silent], [], exited_workers=False) == []  # a data Job: its controller replaces it
 
 
@@ -394,6 +399,12 @@ def test_a_worker_replaced_once_the_launcher_started_is_a_resumable_problem_but_
     (problem,) = pod_problems([mpi_pod("job-worker-1", "third", "True", running)], [], exited_workers=True,
                               replaced=clock.replacements([]))
     assert (problem.reason, problem.resumable) == ("WorkerReplaced", True)
+    # One last seen being stopped gracefully (evicted, drained: its ranks were told to checkpoint) is not lost.
+    stopping = mpi_pod("job-worker-0", "old", "True", running)
+    assert clock.replacements([stopping, launcher]) == {"job-worker-1"}
+    stopping["metadata"]["deletionTimestamp"] = "2026-12-03T10:00:30Z"
+    assert clock.replacements([stopping, launcher]) == {"job-worker-1"}
+    assert clock.replacements([mpi_pod("job-worker-0", "new", "True", running), launcher]) == {"job-worker-1"}
 
 
 def test_a_worker_killed_for_memory_is_not_resumable() -> None:

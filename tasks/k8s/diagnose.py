@@ -90,8 +90,11 @@ class PodProblem:
 
     @property
     def family(self) -> str:
-        """The kubelet alternates ErrImagePull and ImagePullBackOff for one failing pull: one problem."""
-        return "ImagePull" if self.reason in ("ErrImagePull", "ImagePullBackOff") else self.reason
+        """The kubelet alternates ErrImagePull and ImagePullBackOff for one failing pull: one problem. A worker on
+        a silent node that the pod GC then replaces is one loss too: its grace runs on."""
+        if self.reason in ("ErrImagePull", "ImagePullBackOff"):
+            return "ImagePull"
+        return "WorkerLost" if self.reason in ("NodeNotReady", "WorkerReplaced") else self.reason
 
     @property
     def advice(self) -> str:
@@ -137,15 +140,18 @@ def scheduling_advice(message: str) -> str:
 
 
 def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
-                 exited_workers: bool = False, replaced: frozenset[str] = frozenset()) -> list[PodProblem]:
+                 exited_workers: bool = False, replaced: frozenset[str] = frozenset(),
+                 training_alive: bool = False) -> list[PodProblem]:
     """The problems of ``pods`` (API dicts, camelCase), given the namespace's recent ``events``.
 
     ``exited_workers``: an MPIJob's worker that stopped (not evicted) is a problem too. The MPI operator
     marks the job failed only for evicted workers (``updateMPIJobStatus``); with another worker gone, a job
     waiting for its workers never starts its launcher, and a running one hangs on it. So is an MPIJob's pod
     whose node stopped reporting (``node_silent``): nothing fails the job then, and mpirun notices the lost
-    daemon only when its keepalive gives up (OpenMPI 4.1: 300 s idle, then 9 probes 20 s apart). ``replaced``:
-    the workers whose pod was replaced while the launcher ran (``ProblemClock.replacements``)."""
+    daemon only when its keepalive gives up (OpenMPI 4.1: 300 s idle, then 9 probes 20 s apart) — unless
+    ``training_alive`` (the launcher's log still advances: a node cut off from the control plane only, its
+    ranks still talking to their peers). ``replaced``: the workers whose pod was replaced while the launcher
+    ran (``ProblemClock.replacements``)."""
     pod_events = [e for e in events if (e.get("involvedObject") or {}).get("kind") == "Pod"]
     scaling = {e["involvedObject"]["name"] for e in pod_events if e.get("reason") == "TriggeredScaleUp"}
     mount_failures = failing_mounts(pod_events)
@@ -181,7 +187,7 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
             continue
         if status.get("phase") in ("Succeeded", "Failed"):
             continue  # finished: the Job or MPIJob reports it
-        if exited_workers and role and (silent := node_silent(pod)):
+        if exited_workers and role and not training_alive and (silent := node_silent(pod)):
             found.append(PodProblem(name, "NodeNotReady", silent, resumable=True))
             continue
         for condition in status.get("conditions") or []:
@@ -203,17 +209,18 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
 
 def node_silent(pod: dict[str, Any]) -> str | None:
     """How a running pod's node went silent, or None. The node lifecycle controller marks every pod of a node
-    that stopped posting its status not Ready (``MarkPodsNotReady``: the Ready condition False, nothing else),
-    while the pod's containers still read running: the kubelet that would report their end is gone. (The
-    kubelet itself turns Ready False only with a container that stopped, or a failing readiness probe, which
-    laneflow's pods do not have.)"""
+    that stopped posting its status not Ready (``MarkPodsNotReady``: the Ready condition's status False, its
+    reason left as it was, nothing else), while the pod's containers still read running and ready: the kubelet
+    that would report their end is gone. The kubelet itself turns Ready False only with a reason
+    (``ContainersNotReady``, ``ReadinessGatesNotReady``: pkg/kubelet/status ``GeneratePodReadyCondition``) and
+    a container it reports not ready (a sidecar's failing probe, a container that stopped)."""
     status = pod.get("status") or {}
     if status.get("phase") != "Running":
         return None
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
     containers = status.get("containerStatuses") or []
-    if ready.get("status") != "False" or not containers or \
-            not all((c.get("state") or {}).get("running") is not None for c in containers):
+    if ready.get("status") != "False" or ready.get("reason") or not containers or \
+            not all((c.get("state") or {}).get("running") is not None and c.get("ready") for c in containers):
         return None
     since = f" since {ready['lastTransitionTime']}" if ready.get("lastTransitionTime") else ""
     return f"node {(pod.get('spec') or {}).get('nodeName', '?')} stopped reporting{since}"
@@ -294,15 +301,18 @@ class ProblemClock:
     grace_s: float
     scheduling_grace_s: float
     first_seen: dict[tuple[str, str], float]
-    #: The uid of each MPI worker pod the launcher started with, and the workers replaced since (``replacements``).
-    worker_uids: dict[str, str] = field(default_factory=dict)
+    #: Each MPI worker as last seen: its pod's uid, and whether that pod was being stopped gracefully by a node
+    #: that still reports (its ranks told to checkpoint); and the workers replaced since (``replacements``).
+    workers_seen: dict[str, tuple[str, bool]] = field(default_factory=dict)
     replaced: set[str] = field(default_factory=set)
 
     def replacements(self, pods: list[dict[str, Any]]) -> frozenset[str]:
-        """The MPI workers whose pod was replaced by another of the same name once the launcher had started:
-        the MPI operator creates a deleted worker again (the pod GC removed it with its lost node, say), but
-        mpirun only knows the daemons it started, so the job cannot go on — and may wait minutes for OpenMPI to
-        give the old one up. Before the launcher's container starts a new worker is just part of the start."""
+        """The MPI workers whose pod went without its ranks being told and was replaced by another of the same
+        name once the launcher had started: the MPI operator creates a deleted worker again (the pod GC removed
+        it with its lost node, say), but mpirun only knows the daemons it started, so the job cannot go on — and
+        may wait minutes for OpenMPI to give the old one up. A worker stopped gracefully (an eviction, a drain)
+        is not one: its ranks checkpoint and the launcher ends by itself. Before the launcher's container
+        starts a new worker is just part of the start."""
         def role(pod: dict[str, Any]) -> str | None:
             return (pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role")
 
@@ -313,10 +323,11 @@ class ProblemClock:
             if role(pod) != "worker":
                 continue
             name, uid = pod["metadata"]["name"], pod["metadata"].get("uid", "")
-            if not launcher_started:
-                self.worker_uids[name] = uid
-            elif self.worker_uids.setdefault(name, uid) != uid:
+            previous = self.workers_seen.get(name)
+            if launcher_started and previous is not None and previous[0] != uid and not previous[1]:
                 self.replaced.add(name)
+            told = bool(pod["metadata"].get("deletionTimestamp")) and node_silent(pod) is None
+            self.workers_seen[name] = (uid, told)
         return frozenset(self.replaced)
 
     def grace_for(self, problem: PodProblem) -> float:

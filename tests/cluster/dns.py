@@ -158,12 +158,13 @@ class ClusterDNS:
                 continue
             except OSError:
                 return
-            answer = reply(self.cluster, query)
-            if answer is not None:
-                try:
+            try:
+                answer = reply(self.cluster, query)
+                if answer is not None:
                     self.socket.sendto(answer, sender)
-                except OSError:
-                    return
+            except Exception as exc:  # kept, and raised when the emulator stops; the next query is answered
+                with self.cluster.lock:
+                    self.cluster.controller_errors.append(exc)
 
     def close(self) -> None:
         self._closed.set()

@@ -110,3 +110,6 @@ class KubernetesEmulator:
         with self.cluster.lock:
             for namespace, name in list(self.cluster.pod_networks):
                 release_network(self.cluster, namespace, name)
+            errors = list(self.cluster.controller_errors)
+        if errors and exc[0] is None:  # a controller or the DNS server failed while the test ran
+            raise RuntimeError(f"the emulated cluster's background work failed: {errors!r}") from errors[0]

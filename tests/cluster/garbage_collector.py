@@ -51,12 +51,14 @@ def delete(cluster: Cluster, resource: str, obj: dict, policy: str = "Background
         # No kubelet confirms the pod stopped (its status manager's delete with grace 0 never comes): it stays,
         # terminating, until it is force-deleted or the pod GC removes it (node_lifecycle.py).
         grace = int(obj["spec"].get("terminationGracePeriodSeconds", 30) if grace_s is None else grace_s)
-        metadata.update({"deletionTimestamp": now(), "deletionGracePeriodSeconds": grace})
+        metadata.update({"deletionTimestamp": now(grace), "deletionGracePeriodSeconds": grace})
         return False
     if resource == "pods" and key in cluster.containers:
         grace = float(obj["spec"].get("terminationGracePeriodSeconds", 30) if grace_s is None else grace_s)
-        metadata.update({"deletionTimestamp": now(), "deletionGracePeriodSeconds": int(grace)})
-        kill(cluster, *key, grace_s=grace, on_stopped=lambda: _remove(cluster, resource, obj))
+        metadata.update({"deletionTimestamp": now(grace), "deletionGracePeriodSeconds": int(grace)})
+        # Only a kubelet confirms the stop: on a node lost meanwhile the pod stays (node_lifecycle.lose).
+        kill(cluster, *key, grace_s=grace, on_stopped=lambda: None if obj["spec"].get("nodeName") in
+             cluster.lost_nodes else _remove(cluster, resource, obj))
         return False
     if metadata.get("finalizers"):
         # registry/generic/registry/store.go ``updateForGracefulDeletionAndFinalizers``: an object with

@@ -89,6 +89,8 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
     container = pod["spec"]["containers"][0]
     if not schedule(cluster, pod):
         return
+    if pod["spec"].get("nodeName") in cluster.lost_nodes:
+        return  # no kubelet there any more: a pod bound to it (a retry, a back-off's restart) never starts
     folder = cluster.root / "pods" / namespace / name
     try:
         mounts = container_mounts(cluster, pod, container, folder)
@@ -159,8 +161,15 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
     def exited(code: int) -> None:
         with cluster.lock:
             log.running = False
-            if cluster.containers.get((namespace, name)) is running:
-                cluster.containers.pop((namespace, name))
+            ours = cluster.containers.get((namespace, name)) is running
+            # A pod being deleted (its container already taken off by ``kill``) still gets its final status,
+            # which is how an OOM shows on a worker the operator deletes right after; not on a lost node, whose
+            # kubelet is gone, nor once a newer container of the pod runs.
+            stopping = bool(pod["metadata"].get("deletionTimestamp")) and (namespace, name) not in cluster.containers \
+                and cluster.objects["pods"].get((namespace, name)) is pod and \
+                pod["spec"].get("nodeName") not in cluster.lost_nodes
+            if ours or stopping:
+                cluster.containers.pop((namespace, name), None)
                 reason = "OOMKilled" if running.oom_killed else "Completed" if code == 0 else "Error"
                 on_exit({"exitCode": code, "reason": reason, "finishedAt": now()})
             cluster.changed.notify_all()
@@ -178,8 +187,10 @@ def set_container_state(pod: dict, state: dict, ready: bool, restarts: int | Non
         "name": container["name"], "image": container.get("image", ""),
         "imageID": f"{container.get('image', '')}@sha256:{'0' * 64}", "ready": ready,
         "restartCount": previous.get("restartCount", 0) if restarts is None else restarts, "state": state}]
-    pod["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False",
-                                    "lastTransitionTime": now()}]
+    # pkg/kubelet/status GeneratePodReadyCondition: not Ready says why (a reason and the containers).
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "True", "lastTransitionTime": now()} if ready else {
+        "type": "Ready", "status": "False", "lastTransitionTime": now(), "reason": "ContainersNotReady",
+        "message": f"containers with unready status: [{container['name']}]"}]
 
 
 def crash_loop(cluster: Cluster, pod: dict, terminated: dict, restart: Callable[[], None]) -> int:
@@ -202,8 +213,9 @@ def crash_loop(cluster: Cluster, pod: dict, terminated: dict, restart: Callable[
         set_container_state(pod, {"terminated": terminated}, ready=False, restarts=restarts)
     pod["status"]["containerStatuses"][0]["lastState"] = {"terminated": terminated}
 
-    def again() -> None:
-        if cluster.objects["pods"].get((namespace, name)) is pod and (namespace, name) not in cluster.containers:
+    def again() -> None:  # not for a pod being deleted
+        if cluster.objects["pods"].get((namespace, name)) is pod and (namespace, name) not in cluster.containers \
+                and not pod["metadata"].get("deletionTimestamp"):
             start_container(cluster, pod, restart)
     later(cluster, delay, again)
     return restarts

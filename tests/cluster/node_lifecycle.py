@@ -210,10 +210,11 @@ def mark_out_of_service(cluster: Cluster, node: str) -> None:
     with cluster.lock:
         cluster.nodes[node].taints.append({"key": OUT_OF_SERVICE, "value": "nodeshutdown", "effect": "NoExecute"})
 
-    def collect() -> None:  # gcTerminating: the node still there, not Ready, with the taint's key
+    def collect() -> None:  # gcTerminating, every period while the node is there, not Ready, with the taint's key
         if node in cluster.nodes and not cluster.nodes[node].ready and \
                 any(t["key"] == OUT_OF_SERVICE for t in cluster.nodes[node].taints):
             _collect(cluster, node, None, None, terminating_only=True)
+            later(cluster, cluster.podgc_period_s, collect)
     later(cluster, cluster.podgc_period_s, collect)
 
 

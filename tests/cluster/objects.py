@@ -45,8 +45,10 @@ def resource_of(kind: str) -> str:
     return kind.lower() + "s"
 
 
-def now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def now(later_s: float = 0.0) -> str:
+    """The time in RFC 3339, as the API writes it (``later_s`` from now: a graceful deletion's
+    ``deletionTimestamp`` is the moment its grace period ends, apiserver ``rest.BeforeDelete``)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + later_s))
 
 
 def stamp_metadata(cluster: Cluster, obj: dict, namespace: str | None) -> None:

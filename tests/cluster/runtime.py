@@ -39,6 +39,7 @@ import functools
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -183,9 +184,14 @@ class MemoryCgroup:
 
         def watch() -> None:
             try:
-                while not self._killed_after_notice(event):
-                    if not self.path.exists():
+                while True:
+                    noticed, _, _ = select.select([event], [], [], 1.0)
+                    if not self.path.exists():  # removed (the eventfd fires then too): nothing left to watch
                         return
+                    if noticed:
+                        os.eventfd_read(event)
+                        if self._killed_after_notice():
+                            break
                 for _ in range(100):  # until none is left: a process may fork while its siblings are killed
                     pids = [int(pid) for pid in self.procs.read_text().split()]
                     if not pids:
@@ -201,10 +207,9 @@ class MemoryCgroup:
                 os.close(control)
         threading.Thread(target=watch, daemon=True, name=f"oom-group-{self.path.name}").start()
 
-    def _killed_after_notice(self, event: int) -> bool:
-        """Wait for the kernel's next OOM notice; True once its kill is counted. The notice comes as the group
-        goes under OOM (memcontrol.c ``mem_cgroup_oom_notify``), before the OOM killer has chosen and counted."""
-        os.eventfd_read(event)
+    def _killed_after_notice(self) -> bool:
+        """After the kernel's OOM notice: True once its kill is counted. The notice comes as the group goes
+        under OOM (memcontrol.c ``mem_cgroup_oom_notify``), before the OOM killer has chosen and counted."""
         for _ in range(100):
             if not self.path.exists():
                 return False
@@ -406,11 +411,16 @@ def start(spec: dict, folder: Path, netns: str, grace_s: float, on_line: Callabl
             raise
         # Into the cgroup before anything of the container runs: everything it starts inherits it.
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(memory.procs), *argv]
-    process = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
-        start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                     **{k: v for k, v in os.environ.items() if k == "LANEFLOW_TEST_SESSION"}})
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
+            start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                         **{k: v for k, v in os.environ.items() if k == "LANEFLOW_TEST_SESSION"}})
+    except OSError:
+        if memory is not None:
+            memory.remove()  # and with it the OOM watcher
+        raise
     running = ContainerProcess(process, sandbox, grace_s, memory)
 
     def pump() -> None:
@@ -434,8 +444,9 @@ def start(spec: dict, folder: Path, netns: str, grace_s: float, on_line: Callabl
             on_line(held)
         if memory is not None:
             running.oom_killed = memory.oom_kills() > 0
+        on_exit(code)  # first: the kubelet reports an exit at once, whatever the runtime still tidies
+        if memory is not None:
             memory.remove()
-        on_exit(code)
 
     threading.Thread(target=pump, daemon=True, name=f"container-{folder.name}").start()
     return running

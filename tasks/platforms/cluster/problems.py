@@ -26,14 +26,15 @@ def problem_clock(platform: ClusterPlatform) -> ProblemClock:
 
 
 def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, selector: str, clock: ProblemClock,
-               log: LogSink, stopping: str, exited_workers: bool = False) -> None:
+               log: LogSink, stopping: str, exited_workers: bool = False, training_alive: bool = False) -> None:
     """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace.
-    ``exited_workers``: the pods of an MPIJob (see ``pod_problems``)."""
+    ``exited_workers``, ``training_alive``: the pods of an MPIJob, and whether its log still advances (see
+    ``pod_problems``)."""
     pods = [core.api_client.sanitize_for_serialization(pod) for pod in
             call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
                  label_selector=selector).items]
     replaced = clock.replacements(pods) if exited_workers else frozenset()
-    problems = pod_problems(pods, [], exited_workers, replaced)
+    problems = pod_problems(pods, [], exited_workers, replaced, training_alive)
     events: list[dict] = []
     if any(problem.reason == "Unschedulable" for problem in problems):  # is an autoscaler adding a node?
         events += _pod_events(platform, core, "involvedObject.kind=Pod,reason=TriggeredScaleUp")
@@ -42,7 +43,7 @@ def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, sel
         for name in sorted({e["involvedObject"]["name"] for e in failed}):  # did its mounts succeed since?
             events += _pod_events(platform, core, f"involvedObject.kind=Pod,involvedObject.name={name}")
     if events:
-        problems = pod_problems(pods, events, exited_workers, replaced)
+        problems = pod_problems(pods, events, exited_workers, replaced, training_alive)
     act_on(platform, problems, clock, log, stopping)
 
 

@@ -102,8 +102,9 @@ def _replace(platform: ClusterPlatform, spec: TrainingSpec, body: dict) -> dict:
 def _check_stuck_pods(platform: ClusterPlatform, name: str, waiting_since: float) -> None:
     """A job's pod on a node that stopped reporting never finishes terminating: no kubelet confirms it stopped,
     so the job's Foreground deletion waits for ever — unless the Node is deleted (a cloud controller does so
-    when its VM is gone; the pod GC then removes the pod) or marked out of service. Past its grace period and
-    the block's ``pod_problem_grace_s`` that is for an administrator to decide: the stage fails saying how.
+    when its VM is gone; the pod GC then removes the pod) or marked out of service. The block's
+    ``pod_problem_grace_s`` past the pod's grace period that is for an administrator to decide: the stage fails
+    saying how.
     This wait itself gets ``pod_problem_grace_s`` too: a retry right after the node was marked out of service
     leaves the pod GC its pass (every 20 s)."""
     if time.monotonic() - waiting_since <= platform.pod_problem_grace_s:
@@ -117,14 +118,16 @@ def _check_stuck_pods(platform: ClusterPlatform, name: str, waiting_since: float
         metadata = pod["metadata"]
         if not metadata.get("deletionTimestamp") or not (silent := node_silent(pod)):
             continue
-        since = datetime.fromisoformat(str(metadata["deletionTimestamp"]).replace("Z", "+00:00"))
-        waited = (now - since).total_seconds()
-        if waited <= float(metadata.get("deletionGracePeriodSeconds") or 0) + platform.pod_problem_grace_s:
+        # A graceful deletion's deletionTimestamp is when its grace period ends (apiserver rest.BeforeDelete).
+        ended = datetime.fromisoformat(str(metadata["deletionTimestamp"]).replace("Z", "+00:00"))
+        past = (now - ended).total_seconds()
+        if past <= platform.pod_problem_grace_s:
             continue
         node = pod["spec"].get("nodeName", "?")
         raise StageBlocked(
-            f"MPIJob {name} cannot be replaced: its pod {metadata['name']} has been terminating for {waited:.0f} s "
-            f"on a node that is gone ({silent}): no kubelet will confirm it stopped, so Kubernetes removes it only "
+            f"MPIJob {name} cannot be replaced: its pod {metadata['name']} is still terminating {past:.0f} s after "
+            f"its grace period ended, on a node that is gone ({silent}): no kubelet will confirm it stopped, so "
+            f"Kubernetes removes it only "
             f"once node {node} is deleted (a cloud controller does so when its VM no longer exists) or marked out "
             f"of service. Once you know the node is off: kubectl taint nodes {node} "
             f"node.kubernetes.io/out-of-service=nodeshutdown:NoExecute (or kubectl delete node {node}); then "
@@ -182,6 +185,13 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
     warnings_seen: dict[str, tuple[float, int]] = {}
     clock = problem_clock(platform)
     followed_since = time.monotonic()
+    last_line_at = float("-inf")  # when the launcher's log last advanced
+
+    def feed(text: str) -> None:
+        nonlocal last_line_at
+        last_line_at = time.monotonic()
+        output.feed(text)
+
     try:
         while True:
             job = call(platform, "get", "mpijobs", custom.get_namespaced_custom_object, group, version,
@@ -197,11 +207,12 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
             if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
                 try:
                     check_pods(platform, core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
-                               "the MPIJob was deleted", exited_workers=True)
+                               "the MPIJob was deleted", exited_workers=True,
+                               training_alive=time.monotonic() - last_line_at < platform.pod_problem_grace_s)
                 except (StageBlocked, TrainingInterrupted):
                     platform.cancel_training(name, handle.spec.volume)  # a retry submits a fresh one
                     raise
-            streamed = follow_log(platform, core, selector, cursor, output.feed, deadline)
+            streamed = follow_log(platform, core, selector, cursor, feed, deadline)
             if state in ("succeeded", "failed"):
                 return job
             if time.monotonic() > deadline:
@@ -217,12 +228,14 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
         raise
 
 
-#: Seconds beyond the pods' grace period that a failure read as "a rank was killed by a signal" waits for
-#: the job's pods that still run to end, before it is judged. The kernel's OOM killer is such a signal, and a
-#: worker shows OOMKilled only once its container has ended: on cgroup v2 the whole container dies with the
-#: rank, but the kubelet may report it after the launcher's failure; on cgroup v1 only the rank dies, and the
-#: container ends when the operator deletes the job's running workers (cleanPodPolicy Running), within their
-#: grace period (containerd keeps the OOM as the container's reason, whatever its exit code).
+#: Seconds beyond the pods' grace period that a failure read from mpirun's words alone (a rank killed by a
+#: signal, a daemon lost, a daemon that failed at start) waits for the job's pods that still run to end,
+#: before it is judged: the pods' own ends say more. The kernel's OOM killer is behind such words, and a worker
+#: shows OOMKilled only once its container has ended: on cgroup v2 the whole container dies with the rank
+#: (mpirun then loses the daemon), but the kubelet may report it after the launcher's failure; on cgroup v1
+#: only the rank dies, and the container ends when the operator deletes the job's running workers
+#: (cleanPodPolicy Running), within their grace period (containerd keeps the OOM as the container's reason,
+#: whatever its exit code). A pod on a node that stopped reporting never ends: it is not waited for.
 SETTLE_EXTRA_S = 15.0
 
 
@@ -241,8 +254,10 @@ def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOu
         launchers = [end for end in ends if end.role == "launcher" and end.exit_code is not None]
         reading = read_mpijob_failure(reason, launchers[-1].exit_code if launchers else None, output.exit_lines,
                                       output.events, ends)
-        still_running = any((pod.get("status") or {}).get("phase") in ("Pending", "Running") for pod in pods)
-        if not (reading.kind == PREEMPTED and "signal" in reading.reason and still_running) \
+        from_pods = any(end.out_of_memory or end.disruption for end in ends)
+        still_running = any((pod.get("status") or {}).get("phase") in ("Pending", "Running") and not node_silent(pod)
+                            for pod in pods)
+        if not (reading.kind in (PREEMPTED, START_FAILED) and not from_pods and still_running) \
                 or time.monotonic() >= settle_until:
             break
         time.sleep(platform.poll_interval_s)
