@@ -234,9 +234,13 @@ def test_nodes_lost_without_a_word_are_noticed_their_jobs_replaced_once_the_node
        the wait stops the job, resumable; the retry replaces it;
     2. the retry's worker-1 node cut off, its VM still there: stopped the same way, but now the retry cannot
        replace the job, whose deletion waits on a pod no kubelet will confirm stopped: the stage fails naming
-       the node and the out-of-service taint;
-    3. the administrator taints the node out of service, the pod GC removes the pod, and the run resumes and
-       completes."""
+       the node and the out-of-service taint; the administrator taints the node out of service, the pod GC
+       removes the pod, and the retry runs;
+    3. that attempt's launcher node lost with its VM: the pod GC removes the launcher's pod with the Node
+       before any grace ends, and the launcher Job fails without a word from it; as its node was seen silent,
+       the failure is read as a lost node, resumable (the ranks, on nodes that remain, may well train on
+       until the job is replaced: they need no launcher to talk to each other);
+    4. the run completes."""
     emu, cluster = emulator
     _, volume, data_dir = prepared
     # The controllers' periods shortened alike: the pod GC removes the first lost node's pod a second after
@@ -248,8 +252,13 @@ def test_nodes_lost_without_a_word_are_noticed_their_jobs_replaced_once_the_node
     for name in ("gpu-a", "gpu-b", "gpu-c", "gpu-d"):
         cluster.nodes[name] = Node(name, labels={"agentpool": "gpu"})
         cluster.nodes[name].capacity["nvidia.com/gpu"] = 1
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="5", log_every="1", checkpoint_every="1")
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="8", log_every="1", checkpoint_every="1")
     lost: list[str] = []
+
+    def lose_the_launchers_node() -> None:
+        (launcher,) = [pod for (_, name), pod in cluster.objects["pods"].items()
+                       if "-launcher-" in name and pod["status"].get("phase") == "Running"]
+        lose(cluster, launcher["spec"]["nodeName"], vm_gone=True)
 
     def lose_worker_1(vm_gone: bool) -> Callable[[], None]:
         def act() -> None:
@@ -259,7 +268,8 @@ def test_nodes_lost_without_a_word_are_noticed_their_jobs_replaced_once_the_node
         return act
 
     # At each attempt's third step: the checkpoints of the two before (each a collective of both ranks) are written.
-    told = on_each_attempts_first_step(cluster, [lose_worker_1(vm_gone=True), lose_worker_1(vm_gone=False)], nth=3)
+    told = on_each_attempts_first_step(
+        cluster, [lose_worker_1(vm_gone=True), lose_worker_1(vm_gone=False), lose_the_launchers_node], nth=3)
     with pytest.raises(TrainingInterrupted, match=r"train-0123456789ab-worker-1 is not running \(WorkerReplaced"):
         platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
     assert lost and lost[0] not in cluster.nodes  # the cloud controller deleted it
@@ -274,13 +284,17 @@ def test_nodes_lost_without_a_word_are_noticed_their_jobs_replaced_once_the_node
     assert "its pod train-0123456789ab-worker-1 is still terminating" in message and \
         f"kubectl taint nodes {lost[1]} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute" in message, message
     mark_out_of_service(cluster, lost[1])
+    with pytest.raises(TrainingInterrupted, match=r"its pods were on nodes that stopped reporting: "
+                                                  rf"train-0123456789ab-launcher-\w+ \(node {NODE_NAME} stopped"):
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
+    assert NODE_NAME not in cluster.nodes and not told.errors, told.errors
     outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
                                          timeout_s=600)
     assert outcome.resumed_from > 0 and outcome.steps == outcome.total_steps, outcome
     placed = [event["message"].rsplit(" to ", 1)[-1] for event in sorted(
         cluster.objects["events"].values(), key=lambda e: int(e["metadata"]["uid"].removeprefix("event-")))
         if event["reason"] == "Scheduled" and "-worker-" in event["involvedObject"]["name"]]
-    assert len(placed) >= 6 and not set(placed[-2:]) & set(lost), (placed, lost)  # the last attempt's two workers
+    assert len(placed) >= 8 and not set(placed[-2:]) & set(lost), (placed, lost)  # the last attempt's two workers
 
 
 def test_a_stop_request_from_the_wait_loop_stops_an_mpijob_after_a_checkpoint_and_it_succeeds(

@@ -119,9 +119,10 @@ def _remove(cluster: Cluster, resource: str, obj: dict) -> None:
         # Imported here: the controller manager imports the controllers, which import this module.
         from tests.cluster.controller_manager import sync_owner
 
-        if obj["status"].get("phase") not in ("Succeeded", "Failed"):
+        if obj["status"].get("phase") != "Succeeded":
             # pkg/controller/job ``trackJobStatusAndRemoveFinalizers``: a Job's pod deleted before it finished
-            # counts as failed (Job tracking with finalizers, GA in 1.26).
+            # counts as failed, and so does a Failed one removed (the pod GC's, say): its finalizer kept it until
+            # counted (Job tracking with finalizers, GA in 1.26). A Job counts the pods it still has besides.
             for reference in obj["metadata"].get("ownerReferences") or []:
                 if reference.get("kind") == "Job":
                     cluster.lost_job_pods[reference["uid"]] += 1

@@ -26,10 +26,11 @@ def problem_clock(platform: ClusterPlatform) -> ProblemClock:
 
 
 def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, selector: str, clock: ProblemClock,
-               log: LogSink, stopping: str, exited_workers: bool = False, training_alive: bool = False) -> None:
-    """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace.
-    ``exited_workers``, ``training_alive``: the pods of an MPIJob, and whether its log still advances (see
-    ``pod_problems``)."""
+               log: LogSink, stopping: str, exited_workers: bool = False,
+               training_alive: bool = False) -> list[dict]:
+    """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace; the
+    pods read. ``exited_workers``, ``training_alive``: the pods of an MPIJob, and whether its log still
+    advances (see ``pod_problems``)."""
     pods = [core.api_client.sanitize_for_serialization(pod) for pod in
             call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
                  label_selector=selector).items]
@@ -45,6 +46,7 @@ def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, sel
     if events:
         problems = pod_problems(pods, events, exited_workers, replaced, training_alive)
     act_on(platform, problems, clock, log, stopping)
+    return pods
 
 
 def _pod_events(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, selector: str) -> list[dict]:

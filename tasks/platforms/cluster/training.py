@@ -19,7 +19,16 @@ from kubernetes.client.exceptions import ApiException
 from tasks.k8s.diagnose import node_silent, pod_ends
 from tasks.k8s.logs import LogCursor
 from tasks.k8s.manifests import render_mpijob
-from tasks.launch import PREEMPTED, START_FAILED, ExitReading, JobOutput, read_mpijob_failure
+from tasks.launch import (
+    DEADLINE,
+    OUT_OF_MEMORY,
+    PREEMPTED,
+    REFUSED,
+    START_FAILED,
+    ExitReading,
+    JobOutput,
+    read_mpijob_failure,
+)
 from tasks.platforms.base import (
     EventSink,
     LogSink,
@@ -144,14 +153,15 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
     resubmitted = False
     while True:
         output, cursor = JobOutput(on_event, on_log), LogCursor()
-        job = _follow(platform, handle, output, cursor, deadline, timeout_s)
+        silent: dict[str, str] = {}
+        job = _follow(platform, handle, output, cursor, deadline, timeout_s, silent)
         output.finish()
         if not resubmitted:
             remove_expired(platform, on_log)  # once a run ends: earlier runs' finished MPIJobs past their TTL
         if _mpijob_state(job) == "succeeded":
             return outcome_from_events(handle.job_name, _all_events(platform, handle, output, cursor, on_log),
                                        time.monotonic() - started, list(output.tail))
-        reading, detail = _read_failure(platform, handle.job_name, job, output)
+        reading, detail = _read_failure(platform, handle.job_name, job, output, silent)
         if reading.kind != START_FAILED or resubmitted:
             break
         on_log(f"laneflow: MPIJob {handle.job_name} {reading.reason}; submitting it once more")
@@ -175,9 +185,10 @@ START_ADVICE = ("The launcher reaches each worker over ssh by its name in the MP
 
 
 def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput, cursor: LogCursor,
-            deadline: float, timeout_s: float) -> dict:
+            deadline: float, timeout_s: float, silent: dict[str, str]) -> dict:
     """Stream the launcher's log into ``output`` until the MPIJob succeeds or fails; return it then. A pod that
-    cannot run past its grace, the deadline, or anything that interrupts the wait deletes the job."""
+    cannot run past its grace, the deadline, or anything that interrupts the wait deletes the job. ``silent``
+    gets each of the job's pods seen on a node that stopped reporting (how, by pod name)."""
     core, _, custom = apis(platform)
     group, version, plural = MPI
     name = handle.job_name
@@ -206,9 +217,10 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
                     raise
             if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
                 try:
-                    check_pods(platform, core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
-                               "the MPIJob was deleted", exited_workers=True,
-                               training_alive=time.monotonic() - last_line_at < platform.pod_problem_grace_s)
+                    pods = check_pods(platform, core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
+                                      "the MPIJob was deleted", exited_workers=True,
+                                      training_alive=time.monotonic() - last_line_at < platform.pod_problem_grace_s)
+                    silent.update({pod["metadata"]["name"]: how for pod in pods if (how := node_silent(pod))})
                 except (StageBlocked, TrainingInterrupted):
                     platform.cancel_training(name, handle.spec.volume)  # a retry submits a fresh one
                     raise
@@ -239,9 +251,13 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
 SETTLE_EXTRA_S = 15.0
 
 
-def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOutput) -> tuple[ExitReading, str]:
+def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOutput,
+                  silent: dict[str, str] | None = None) -> tuple[ExitReading, str]:
     """How a failed MPIJob ended — from its pods' ends, the operator's reason, the launcher's exit code and
-    output — and the detail a message shows (the condition and every pod that exited non-zero)."""
+    output — and the detail a message shows (the condition and every pod that exited non-zero). A job that
+    failed after some of its pods were seen on a node that stopped reporting (``silent``) lost that node: the
+    launcher's, say, whose pod the pod GC removed with it before it could say a word — it can resume, unless
+    its pods say otherwise (out of memory) or it was refused or ran out of time."""
     core, _, _ = apis(platform)
     condition = _failed_condition(job)
     reason = condition.get("reason", "")
@@ -261,6 +277,10 @@ def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOu
                 or time.monotonic() >= settle_until:
             break
         time.sleep(platform.poll_interval_s)
+    if silent and not reading.resumable and reading.kind not in (OUT_OF_MEMORY, REFUSED, DEADLINE):
+        lost = ", ".join(f"{pod} ({how})" for pod, how in sorted(silent.items()))
+        reading = ExitReading(False, True, f"its pods were on nodes that stopped reporting: {lost}; it failed "
+                                           f"without them ({reading.reason}) and can resume", PREEMPTED)
     exited = ", ".join(f"{end.name} {end.container_reason} (exit {end.exit_code})" for end in ends if end.exit_code)
     return reading, f"{reason}: {condition.get('message', '')}; pods: {exited or 'none found'}"
 
