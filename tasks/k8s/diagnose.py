@@ -161,7 +161,7 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
         status = pod.get("status") or {}
         if pod["metadata"].get("deletionTimestamp"):
             continue  # going away (a finished job's clean-up): not a problem of the stage
-        role = ((pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role"))
+        role = job_role(pod)
         if name in replaced:
             found.append(PodProblem(name, "WorkerReplaced", "the pod its ranks ran in is gone (deleted, or removed "
                                     "with its node) and mpirun cannot use the one the operator made in its place",
@@ -205,6 +205,11 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
         if uid in mount_failures and (not waiting_reasons or waiting_reasons <= STARTING):
             found.append(PodProblem(name, "FailedMount", mount_failures[uid].get("message", "")))
     return found
+
+
+def job_role(pod: dict[str, Any]) -> str | None:
+    """An MPIJob pod's role (``launcher``, ``worker``: the operator's ``training.kubeflow.org/job-role``)."""
+    return (pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role")
 
 
 def node_silent(pod: dict[str, Any]) -> str | None:
@@ -313,14 +318,11 @@ class ProblemClock:
         may wait minutes for OpenMPI to give the old one up. A worker stopped gracefully (an eviction, a drain)
         is not one: its ranks checkpoint and the launcher ends by itself. Before the launcher's container
         starts a new worker is just part of the start."""
-        def role(pod: dict[str, Any]) -> str | None:
-            return (pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role")
-
-        launcher_started = any(role(pod) == "launcher" and any(
+        launcher_started = any(job_role(pod) == "launcher" and any(
             (c.get("state") or {}).get(state) is not None for c in (pod.get("status") or {}).get("containerStatuses")
             or [] for state in ("running", "terminated")) for pod in pods)
         for pod in pods:
-            if role(pod) != "worker":
+            if job_role(pod) != "worker":
                 continue
             name, uid = pod["metadata"]["name"], pod["metadata"].get("uid", "")
             previous = self.workers_seen.get(name)
@@ -408,7 +410,7 @@ def pod_ends(pods: list[dict[str, Any]]) -> list[PodEnd]:
         container, terminated = ended or (None, {})
         reason = terminated.get("reason")
         oom = oom_message(pod, container, terminated.get("exitCode")) if reason == "OOMKilled" else None
-        role = (pod["metadata"].get("labels") or {}).get("training.kubeflow.org/job-role")
+        role = job_role(pod)
         found.append(PodEnd(name, role, terminated.get("exitCode"), reason, disrupted,
                             f"container {container}, {oom}" if oom else None))
     return found

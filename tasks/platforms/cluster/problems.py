@@ -31,9 +31,7 @@ def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, sel
     """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace; the
     pods read. ``exited_workers``, ``training_alive``: the pods of an MPIJob, and whether its log still
     advances (see ``pod_problems``)."""
-    pods = [core.api_client.sanitize_for_serialization(pod) for pod in
-            call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
-                 label_selector=selector).items]
+    pods = list_pods(platform, core, selector)
     replaced = clock.replacements(pods) if exited_workers else frozenset()
     problems = pod_problems(pods, [], exited_workers, replaced, training_alive)
     events: list[dict] = []
@@ -47,6 +45,13 @@ def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, sel
         problems = pod_problems(pods, events, exited_workers, replaced, training_alive)
     act_on(platform, problems, clock, log, stopping)
     return pods
+
+
+def list_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, selector: str) -> list[dict]:
+    """The namespace's pods ``selector`` picks, as API dicts (camelCase), which the readers here take."""
+    return [core.api_client.sanitize_for_serialization(pod) for pod in
+            call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
+                 label_selector=selector).items]
 
 
 def _pod_events(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, selector: str) -> list[dict]:

@@ -45,7 +45,7 @@ from tasks.platforms.base import (
 )
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt, wait_deleted
 from tasks.platforms.cluster.pod_logs import follow_log
-from tasks.platforms.cluster.problems import check_pods, problem_clock
+from tasks.platforms.cluster.problems import check_pods, list_pods, problem_clock
 
 if TYPE_CHECKING:
     from tasks.platforms.cluster import ClusterPlatform
@@ -119,9 +119,7 @@ def _check_stuck_pods(platform: ClusterPlatform, name: str, waiting_since: float
     if time.monotonic() - waiting_since <= platform.pod_problem_grace_s:
         return
     core, _, _ = apis(platform)
-    pods = [core.api_client.sanitize_for_serialization(pod) for pod in
-            call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
-                 label_selector=f"training.kubeflow.org/job-name={name}").items]
+    pods = list_pods(platform, core, f"training.kubeflow.org/job-name={name}")
     now = datetime.now(UTC)
     for pod in pods:
         metadata = pod["metadata"]
@@ -263,9 +261,7 @@ def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOu
     reason = condition.get("reason", "")
     settle_until = time.monotonic() + platform.termination_grace_s + SETTLE_EXTRA_S
     while True:
-        pods = [core.api_client.sanitize_for_serialization(pod) for pod in
-                call(platform, "list", "pods", core.list_namespaced_pod, platform.effective_namespace(),
-                     label_selector=f"training.kubeflow.org/job-name={name}").items]
+        pods = list_pods(platform, core, f"training.kubeflow.org/job-name={name}")
         ends = pod_ends(sorted(pods, key=lambda pod: pod["metadata"].get("creationTimestamp") or ""))  # oldest first
         launchers = [end for end in ends if end.role == "launcher" and end.exit_code is not None]
         reading = read_mpijob_failure(reason, launchers[-1].exit_code if launchers else None, output.exit_lines,
