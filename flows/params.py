@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tasks.dataset_index import check_index_url
 from tasks.names import DNS_LABEL, MAX_NAME, validate_name
+from tasks.platforms.base import ElasticWorkers
 from training.data.sources import Artifact
 
 
@@ -107,6 +108,15 @@ class TrainParams(BaseModel):
     volume: str = Field("tusimple", description="volume (folder or PVC) holding datasets and runs",
                         pattern=DNS_LABEL.pattern, max_length=MAX_NAME)
     timeout_minutes: float = Field(24 * 60, gt=0, description="give up on training after this long")
+    elastic: ElasticWorkers | None = Field(
+        None, description="elastic training (spot nodes): keep training when workers are lost and take them back "
+                          "when they return, between min_workers and max_workers; workers is how many it starts with")
+
+    @model_validator(mode="after")
+    def _elastic_start(self) -> TrainParams:
+        if self.elastic is not None:
+            self.elastic.check_start(self.workers)
+        return self
 
     @field_validator("volume")
     @classmethod
@@ -131,7 +141,8 @@ class TrainParams(BaseModel):
         return {"epochs": str(self.epochs), "batch_size": str(self.batch_size), "lr": repr(self.lr),
                 "max_steps": str(self.max_steps), "num_workers": str(self.loader_workers), "eval_split": "val",
                 # only when set: a training image from before eval_every still takes every other setting
-                **({"eval_every": str(self.eval_every)} if self.eval_every else {})}
+                **({"eval_every": str(self.eval_every)} if self.eval_every else {}),
+                **({"elastic": "1", "commit_every": str(self.elastic.commit_every)} if self.elastic else {})}
 
     def for_record(self) -> dict[str, Any]:
         """Flat and safe to publish: the artifacts' URLs lose query strings and credentials."""

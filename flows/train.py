@@ -134,6 +134,7 @@ def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: Throu
     ensure_shared_access(platform, volume)
     spec = TrainingSpec(job_name=run, volume=volume, data_dir=dataset["dataset_dir"], run_dir=f"runs/{run}",
                         preset=params.preset, workers=params.workers, settings=params.trainer_settings(),
+                        elastic=params.elastic,
                         labels={"flow-run": holder, "dataset-version": dataset["dataset_version"]})
     with gpu_slot(holder, logger.warning):
         # The volume's level is held for as long as the slot: a run queued for a slot holds no costlier level

@@ -85,6 +85,75 @@ def horovodrun_command(horovodrun: str, python: str, spec: TrainingSpec, data_ro
             python, *trainer_args(spec.preset, spec.settings, data_root, run_dir)]
 
 
+#: The script horovodrun polls (every second) for the hosts an elastic run may use: one line per host,
+#: ``<host>`` or ``<host>:<slots>`` (horovod 0.28.1 ``runner/elastic/discovery.py`` ``HostDiscoveryScript``).
+DISCOVERY_SCRIPT = "discover_hosts.sh"
+
+
+@dataclass(frozen=True)
+class ElasticLaunch:
+    """How horovodrun runs an elastic job, besides the run's own bounds: where the host list comes from, the
+    slots a listed host has when it does not say, how long a failed host is left out (``--blacklist-cooldown-
+    range``: without it a host that failed once is never used again, and a replaced worker keeps its name —
+    horovod#3319), how long to wait for enough hosts (``--elastic-timeout``), and the network interface the
+    ranks talk over (given, so horovodrun needs no second host to find one at start)."""
+
+    discovery_script: str
+    slots_per_host: int
+    cooldown_s: tuple[int, int]
+    timeout_s: int
+    network_interface: str
+
+
+def elastic_horovodrun_command(horovodrun: str, python: str, spec: TrainingSpec, data_root: str, run_dir: str,
+                               launch: ElasticLaunch) -> list[str]:
+    """``horovodrun -np N --min-np MIN --max-np MAX --host-discovery-script ... python -m training.train ...``:
+    starts once ``workers`` slots are listed, and grows to ``max_workers`` as hosts appear (elastic runs use
+    Gloo; horovodrun refuses elastic mode without it)."""
+    if spec.elastic is None:
+        raise ValueError(f"training job {spec.job_name} is not elastic")
+    low, high = launch.cooldown_s
+    return [horovodrun, "-np", str(spec.workers), "--min-np", str(spec.elastic.min_workers),
+            "--max-np", str(spec.elastic.max_workers), "--slots-per-host", str(launch.slots_per_host),
+            "--host-discovery-script", launch.discovery_script, "--blacklist-cooldown-range", str(low), str(high),
+            "--elastic-timeout", str(launch.timeout_s), "--network-interface", launch.network_interface,
+            "--cache-capacity", "0", python, *trainer_args(spec.preset, spec.settings, data_root, run_dir)]
+
+
+def local_elastic_hosts(count: int) -> list[str]:
+    """``count`` names of this machine, one per local elastic worker. horovodrun takes a failed worker's whole
+    *host* out (``runner/elastic/registration.py``), so each local worker needs a host name of its own to be lost
+    alone; and it starts a host's workers without ssh when the name resolves to an address of this machine
+    (``runner/gloo_run.py`` ``_exec_command``). Each name is 127.0.0.1 with leading zeros in its last part, which
+    the resolver reads as the same address (``inet_aton``: a part with a leading 0 is octal, and 01 is 1)."""
+    return [f"127.0.0.{'0' * index}1" for index in range(count)]
+
+
+def discovery_script(hosts: list[str], slots: int, what: str) -> str:
+    """A host discovery script that lists ``hosts`` with ``slots`` each."""
+    return "#!/bin/sh\n" + f"# {what}\n" + "".join(f"echo {host}:{slots}\n" for host in hosts)
+
+
+def host_label(host: str) -> str:
+    """A worker's name as a user knows it: the first label of its host name (``train-x-worker-1`` for the MPI
+    operator's ``train-x-worker-1.train-x.ns.svc``); an address stays whole."""
+    return host if host.replace(".", "").isdigit() else host.split(".", 1)[0]
+
+
+def describe_world_change(event: dict[str, Any], max_workers: int | None) -> str:
+    """What an elastic run's ``workers`` event says, for the run's log: who was lost or joined at which step,
+    the steps done again, and how many workers train on."""
+    step, workers = event.get("step"), event.get("workers")
+    said = [f"{', '.join(map(host_label, event.get('lost') or []))} lost at step {step}"] if event.get("lost") else []
+    if event.get("joined"):
+        said.append(f"{', '.join(map(host_label, event['joined']))} joined at step {step}")
+    redone = int(event.get("redone_steps") or 0)
+    again = f" ({redone} step{'s' if redone != 1 else ''} done again)" if redone else ""
+    of = f" of {max_workers}" if max_workers else ""
+    return f"{'; '.join(said) or f'the workers changed at step {step}'}{again}; training continues on {workers}{of} " \
+           f"worker{'s' if (max_workers or workers) != 1 else ''}"
+
+
 @dataclass(frozen=True)
 class OutputLine:
     rank: int | None
@@ -170,6 +239,9 @@ class JobOutput:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL))
     exit_lines: list[str] = field(default_factory=list)
     lines: RankLines = field(default_factory=RankLines)
+    #: An elastic job: whoever is rank 0 now sends the events, and horovodrun tags a process's lines with the
+    #: rank it was started as (``runner/gloo_run.py``), which is not rank 0 once the first rank 0 is lost.
+    events_from_any_rank: bool = False
     #: horovodrun said a host's ssh check failed: ssh's own words follow, and are kept too.
     _ssh_words_next: bool = False
 
@@ -184,7 +256,7 @@ class JobOutput:
             self._take(rank, text, may_be_event=True)
 
     def _take(self, rank: int | None, text: str, may_be_event: bool) -> None:
-        event = decode_event(text) if may_be_event and rank in (None, 0) else None
+        event = decode_event(text) if may_be_event and (rank in (None, 0) or self.events_from_any_rank) else None
         if event is not None:
             self.events.append(event)
             self.on_event(event)

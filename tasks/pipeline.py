@@ -31,6 +31,7 @@ from prefect.exceptions import MissingContextError
 from tasks.champion import selection_accuracy
 from tasks.dataset_index import redact, release_for
 from tasks.holding import join, leave_quietly, settle
+from tasks.launch import describe_world_change
 from tasks.level_holds import LevelHold, describe
 from tasks.lineage import render_lineage_markdown
 from tasks.platforms.base import (
@@ -262,13 +263,24 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
         kind = event.get("event")
         if kind == "start":
             state["total"] = int(event.get("total_steps") or 0)
-            logger.info("training started at step %s of %s on %s worker(s)%s", event.get("step"),
-                        event.get("total_steps"), event.get("world_size"), " (resumed)" if event.get("resumed") else "")
+            logger.info("training started at step %s of %s on %s worker(s)%s%s", event.get("step"),
+                        event.get("total_steps"), event.get("world_size"), " (resumed)" if event.get("resumed") else "",
+                        f", elastic between {spec.elastic.min_workers} and {spec.elastic.max_workers}"
+                        if spec.elastic else "")
         elif kind == "step":
-            logger.info("step %s: loss %.4f, lr %.4g, %.1f img/s, input stall %.0f%%", event["step"], event["loss"],
-                        event["lr"], event["img_per_s"], 100 * event["input_stall"])
+            on = f" on {event['workers']} worker(s)" if "workers" in event else ""
+            logger.info("step %s: loss %.4f, lr %.4g, %.1f img/s, input stall %.0f%%%s", event["step"], event["loss"],
+                        event["lr"], event["img_per_s"], 100 * event["input_stall"], on)
             if state["total"]:
                 update_progress_artifact(progress_id, min(100.0, 100.0 * event["step"] / state["total"]))
+        elif kind == "workers":  # an elastic run lost or gained workers and trains on
+            state["total"] = int(event.get("total_steps") or state["total"])
+            said = describe_world_change(event, spec.elastic.max_workers if spec.elastic else None)
+            (logger.warning if event.get("lost") else logger.info)("%s", said)
+            if state["total"]:
+                update_progress_artifact(progress_id, min(100.0, 100.0 * event["step"] / state["total"]),
+                                         description=f"training {spec.job_name} on {event.get('workers')} "
+                                                     f"worker(s): {said}")
         elif kind == "val":
             logger.info("val at step %s: accuracy %.4f without the 200 ms rule (official %.4f)", event.get("step"),
                         selection_accuracy(event), event.get("accuracy", 0.0))

@@ -34,6 +34,7 @@ class TrainConfig:
     cache: int = 1  # 1: decode each image once into a cache on the data volume; 0: decode every epoch
     #: Gradient allreduce grouping: 0 = one allreduce per tensor as its gradient is ready (overlaps
     #: backward; best for big models on GPUs), N = N grouped allreduces (fewer negotiations; best on CPUs).
+    #: Elastic runs allreduce per tensor whatever this says (``RunParts.distributed_optimizer``).
     allreduce_groups: int = 1
     #: Horovod coordination cycle in ms (0: Horovod's default). Longer cycles leave CPU cores to the
     #: training step when there is one grouped allreduce per step.
@@ -45,6 +46,12 @@ class TrainConfig:
     #: none | fp16: Horovod gradient compression. Off by default: slower on CPUs here, not yet measured
     #: on several GPUs (README "Performance").
     compression: str = "none"
+    #: 1: elastic Horovod (``training.elastic``): ranks may leave and join while the run trains; the launcher
+    #: is ``horovodrun --min-np/--max-np --host-discovery-script``.
+    elastic: int = 0
+    #: Elastic runs: the ranks commit their state in memory every this many steps; a lost worker costs at
+    #: most this many steps of the others' work (they go back to the last commit).
+    commit_every: int = 10
     model_overrides: dict = field(default_factory=dict)
 
 
@@ -92,7 +99,7 @@ def _convert(key: str, value: str, kind: str) -> object:
 
 
 def validate(config: TrainConfig) -> None:
-    for name in ("epochs", "batch_size", "checkpoint_every", "log_every"):
+    for name in ("epochs", "batch_size", "checkpoint_every", "log_every", "commit_every"):
         if getattr(config, name) < 1:
             raise ValueError(f"setting '{name}' must be >= 1, got {getattr(config, name)}")
     if config.lr <= 0:
@@ -101,5 +108,7 @@ def validate(config: TrainConfig) -> None:
            config.cycle_time_ms, config.eval_every) < 0:
         raise ValueError("num_workers, max_steps, warmup_steps, allreduce_groups, cycle_time_ms and eval_every "
                          "must be >= 0")
+    if config.elastic not in (0, 1):
+        raise ValueError(f"setting 'elastic' must be 0 or 1, got {config.elastic}")
     precision.validate(config.precision, config.memory_format, config.compression)
     model_config(config.preset, **config.model_overrides)

@@ -26,7 +26,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import cv2
@@ -45,7 +45,7 @@ from training.dataset import (
     steps_per_epoch,
 )
 from training.evaluate import evaluate_run, score_split
-from training.model import SCNN, SCNNLoss, TrainingDiverged, load_backbone_weights, model_config
+from training.model import SCNN, ModelConfig, SCNNLoss, TrainingDiverged, load_backbone_weights, model_config
 from training.precision import MixedPrecision
 from training.ranks import launcher_rank
 from training.stop_request import STOP_CHECK_EVERY, STOP_REQUEST, StopRequest, read_stop_request
@@ -71,7 +71,16 @@ class Distributed:
             os.environ["HOROVOD_CYCLE_TIME"] = str(cycle_time_ms)
         self.hvd = hvd
         hvd.init()
-        self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+        self.local_rank = hvd.local_rank()  # fixed for the process: which GPU it drives
+
+    @property
+    def rank(self) -> int:
+        """This process's rank now: in an elastic run it changes when workers leave or join."""
+        return self.hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self.hvd.size()
 
     def average(self, value: float, name: str) -> float:
         if self.size == 1:
@@ -94,10 +103,14 @@ class Distributed:
 
     def any(self, flags: tuple[bool, ...], name: str) -> tuple[bool, ...]:
         """For each flag, whether any rank raised it (one allreduce for all of them)."""
+        return tuple(count > 0 for count in self.count(flags, name))
+
+    def count(self, flags: tuple[bool, ...], name: str) -> tuple[int, ...]:
+        """For each flag, how many ranks raised it (one allreduce for all of them)."""
         if self.size == 1:
-            return flags
+            return tuple(int(flag) for flag in flags)
         summed = self.hvd.allreduce(torch.tensor([float(flag) for flag in flags]), name=name, op=self.hvd.Sum)
-        return tuple(bool(value > 0) for value in summed)
+        return tuple(round(float(value)) for value in summed)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -135,174 +148,268 @@ def train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | N
     """Train (or resume) the run in ``run_dir``; what it opens (the TensorBoard writer) is closed on every
     way out: the end, a stop request, SIGTERM, an error such as divergence."""
     with contextlib.ExitStack() as closing:
-        return _train(config, data_root, run_dir, weights, closing)
+        stop = StopRequest()  # first: a stop signal before its handler would end the process unsaved
+        parts = RunParts.build(config, data_root, run_dir, weights, stop, closing)
+        if config.elastic:
+            from training.elastic import train_elastic
+
+            return train_elastic(parts)
+        return _train_fixed(parts)
 
 
-def _train(config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | None,
-           closing: contextlib.ExitStack) -> int:
-    stop = StopRequest()  # first: a stop signal before its handler would end the process unsaved
-    dist = Distributed(config.cycle_time_ms)
-    is_main = dist.rank == 0
-    torch.manual_seed(config.seed)
-    random.seed(config.seed + dist.rank)  # augmentation in the main process (loader workers are seeded by torch)
-    device = torch.device(f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest kernels once
-    found = precision.Device.of(device)
-    run_precision = precision.resolve_precision(config.precision, found)
-    memory_format = precision.resolve_memory_format(config.memory_format, found)
-    mixed = MixedPrecision(run_precision, device.type)
-    model_cfg = model_config(config.preset, **config.model_overrides)
-    dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True,
-                          cache=config.cache)
-    per_epoch = steps_per_epoch(len(dataset), dist.size, config.batch_size)
+@dataclass
+class RunParts:
+    """What a training loop works with, built the same way for a fixed-size run and an elastic one: the
+    model, its optimizer (not yet Horovod's), the data, the precision, and rank 0's records."""
+
+    config: TrainConfig
+    data_root: Path
+    run_dir: Path
+    dist: Distributed
+    stop: StopRequest
+    device: torch.device
+    run_precision: str
+    memory_format: torch.memory_format
+    mixed: MixedPrecision
+    model_cfg: ModelConfig
+    dataset: LaneDataset
+    model: SCNN
+    optimizer: torch.optim.Optimizer
+    criterion: SCNNLoss
+    closing: contextlib.ExitStack
+    board: TensorBoardLog | None = None
+
+    @classmethod
+    def build(cls, config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | None, stop: StopRequest,
+              closing: contextlib.ExitStack) -> RunParts:
+        dist = Distributed(config.cycle_time_ms)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed + dist.rank)  # augmentation in the main process (loader workers are seeded by torch)
+        device = torch.device(f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest kernels once
+        found = precision.Device.of(device)
+        run_precision = precision.resolve_precision(config.precision, found)
+        memory_format = precision.resolve_memory_format(config.memory_format, found)
+        model_cfg = model_config(config.preset, **config.model_overrides)
+        dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True,
+                              cache=config.cache)
+        model = SCNN(model_cfg).to(device, memory_format=memory_format)
+        if weights:
+            count = load_backbone_weights(model, weights)
+            log.info("loaded %d backbone tensors from %s", count, weights)
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr * dist.size, momentum=config.momentum,
+                                    weight_decay=config.weight_decay, nesterov=True)
+        return cls(config, data_root, run_dir, dist, stop, device, run_precision, memory_format,
+                   MixedPrecision(run_precision, device.type), model_cfg, dataset, model, optimizer,
+                   SCNNLoss(check_finite=run_precision != "fp16"), closing)
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.rank == 0
+
+    def distributed_optimizer(self, grouped: bool = True) -> torch.optim.Optimizer:
+        """The optimizer wrapped by Horovod: gradients averaged over the ranks at each step. Not ``grouped``
+        (one allreduce per tensor): Horovod's grouping broadcasts the parameter order when the optimizer is made
+        (horovod 0.28.1 ``torch/optimizer.py`` ``_register_hooks``), a collective an elastic run's newcomer would
+        make alone while the others wait in their state sync."""
+        config, hvd = self.config, self.dist.hvd
+        compression = hvd.Compression.fp16 if config.compression == "fp16" else hvd.Compression.none
+        return hvd.DistributedOptimizer(self.optimizer, named_parameters=self.model.named_parameters(),
+                                        groups=(config.allreduce_groups or None) if grouped else None,
+                                        compression=compression)
+
+    def write_config(self) -> None:
+        """Rank 0: the run's settings beside its checkpoints, and a stop request left by an earlier attempt
+        dropped (the orchestrator asks again if it still wants)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps({
+            "train": asdict(self.config), "model": asdict(self.model_cfg), "world_size": self.dist.size}, indent=2))
+        if (stale := read_stop_request(self.run_dir)) is not None:
+            log.warning("ignoring a stop request left from an earlier attempt: %s", stale)
+            (self.run_dir / STOP_REQUEST).unlink(missing_ok=True)
+
+    def record(self, event: str, step: int, /, **payload: object) -> None:
+        """Rank 0: one event for the orchestrator (stdout), ``metrics.jsonl`` and TensorBoard (at ``step``)."""
+        if not self.is_main:
+            return
+        if self.board is None:  # opened by the process that is rank 0 when it first records
+            self.board = self.closing.enter_context(TensorBoardLog.open(self.run_dir / TENSORBOARD_DIR, step))
+        # When it happened (Unix seconds): wall time, time to an accuracy and the curves over time of
+        # `laneflow compare` come from these, whichever machine or pod the run's attempts ran on.
+        stamped = {**payload, "time": round(time.time(), 3)}
+        emit(event, **stamped)
+        with (self.run_dir / "metrics.jsonl").open("a") as handle:
+            handle.write(json.dumps({"event": event, **stamped}) + "\n")
+        self.board.write(event, payload, step)
+
+    def checkpoint(self, step: int, optimizer: torch.optim.Optimizer, **extra: object) -> None:
+        """Every rank at the same step (BatchNorm statistics are averaged first: a collective); rank 0 writes."""
+        self.dist.average_buffers(self.model)
+        if self.is_main:
+            path = save_checkpoint(self.run_dir, {
+                "step": step, "model": self.model.state_dict(), "optimizer": optimizer.state_dict(),
+                "model_config": asdict(self.model_cfg), "train_config": asdict(self.config),
+                "world_size": self.dist.size, "precision": self.run_precision, "scaler": self.mixed.state_dict(),
+                **extra})
+            self.record("checkpoint", step, step=step, path=str(path))
+
+    def resume(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """Rank 0: the newest checkpoint loaded into the model and ``optimizer`` (None when there is none)."""
+        state = load_latest_checkpoint(self.run_dir)
+        if state is None:
+            return None
+        check_compatible(state, self.model_cfg, state["path"])
+        self.model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        log.info("resuming from %s at step %d (written in %s; %s)", state["path"], state["step"],
+                 state.get("precision", "fp32"), self.mixed.load_state_dict(state.get("scaler")))
+        return state
+
+    def start_event(self, step: int, total_steps: int, resumed: bool, **extra: object) -> None:
+        self.record("start", step, step=step, total_steps=total_steps, world_size=self.dist.size, resumed=resumed,
+                    precision=self.run_precision, memory_format="channels_last"
+                    if self.memory_format == torch.channels_last else "contiguous", device=self.device.type, **extra)
+
+    def step(self, images: torch.Tensor, masks: torch.Tensor, exist: torch.Tensor, optimizer: torch.optim.Optimizer,
+             step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """One SGD step; a diverged loss names the step and the learning rate it had (exit 2: running it again
+        diverges again)."""
+        try:
+            return train_step(self.model, images, masks, exist, self.criterion, optimizer, self.mixed,
+                              self.memory_format, distributed=optimizer is not self.optimizer)  # Horovod's
+        except TrainingDiverged as exc:
+            raise TrainingDiverged(f"{exc} at step {step + 1}, learning rate {optimizer.param_groups[0]['lr']:.4g} "
+                                   f"(lr {self.config.lr} x {self.dist.size} worker(s), poly schedule): lower lr") \
+                from None
+
+    def validate(self, step: int) -> float:
+        """Every rank (BatchNorm statistics averaged first); rank 0 scores val. The seconds it took."""
+        started = time.perf_counter()
+        self.dist.average_buffers(self.model)
+        if self.is_main:
+            scores = score_split(self.model, self.model_cfg, self.data_root, "val", self.device)
+            self.record("val", step, step=step, **{k: v for k, v in scores.items() if k != "split"})
+        self.model.train()
+        return time.perf_counter() - started
+
+    def finish(self, step: int) -> int:
+        """The end of a run trained to its end: BatchNorm statistics averaged, rank 0 writes ``model.pt``,
+        scores it (``eval``) and says ``done``."""
+        self.dist.average_buffers(self.model)
+        if self.is_main and (late := read_stop_request(self.run_dir)) is not None:  # came after the last check
+            log.info("a stop request came after the last check; the run trained to its end: %s", late)
+            (self.run_dir / STOP_REQUEST).unlink(missing_ok=True)
+        # Every rank reports what it ended with: diverged replicas would show here first.
+        log.info("final weights sha256 %s (rank %d)", weights_digest(self.model), self.dist.rank)
+        if self.is_main:
+            model_cfg = asdict(self.model_cfg)
+            torch.save({"model": self.model.state_dict(), "model_config": model_cfg, "step": step},
+                       self.run_dir / "model.pt.tmp")
+            os.replace(self.run_dir / "model.pt.tmp", self.run_dir / "model.pt")
+            result = evaluate_run(self.model, self.model_cfg, self.data_root, self.run_dir, self.config.eval_split,
+                                  self.device)
+            self.record("eval", step, **result)
+            emit("done", step=step, weights_sha256=weights_digest(self.model))
+        return 0
+
+
+@dataclass
+class StepWindow:
+    """What a ``step`` event reports over the steps since the one before: a window runs across epoch ends
+    (their checkpoint and the loader's restart are training time too), so summed, the windows cover every
+    step of the attempt; time spent scoring val is left out (img/s counts training time only)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    waited: float = 0.0
+    images: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def event(self, parts: RunParts, step: int, epoch: int, lr: float, parts_loss: dict[str, float],
+              **extra: object) -> dict[str, object]:
+        elapsed = time.perf_counter() - self.started
+        return dict(step=step, epoch=epoch, loss=parts.dist.average(sum(self.losses) / len(self.losses), "loss"),
+                    lr=lr, img_per_s=self.images * parts.dist.size / elapsed, input_stall=self.waited / elapsed,
+                    seconds=round(elapsed, 6), **extra, **parts_loss)
+
+
+def _train_fixed(parts: RunParts) -> int:
+    """A run on a fixed number of ranks: every rank starts together and any rank's end ends the job."""
+    config, dist, run_dir, stop = parts.config, parts.dist, parts.run_dir, parts.stop
+    per_epoch = steps_per_epoch(len(parts.dataset), dist.size, config.batch_size)
     if per_epoch == 0:
-        raise DataError(f"the train split has {len(dataset)} images: too few for {dist.size} worker(s) "
+        raise DataError(f"the train split has {len(parts.dataset)} images: too few for {dist.size} worker(s) "
                         f"x batch size {config.batch_size}; lower batch_size or add data")
     total_steps = per_epoch * config.epochs
     if config.max_steps:
         total_steps = min(total_steps, config.max_steps)
-
-    model = SCNN(model_cfg).to(device, memory_format=memory_format)
-    if weights:
-        count = load_backbone_weights(model, weights)
-        log.info("loaded %d backbone tensors from %s", count, weights)
     lr = config.lr * dist.size  # linear scaling with the number of workers
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum,
-                                weight_decay=config.weight_decay, nesterov=True)
-    step = 0
-    state = load_latest_checkpoint(run_dir) if is_main else None
-    if is_main and state is not None:
-        check_compatible(state, model_cfg, state["path"])
+    state = parts.resume(parts.optimizer) if parts.is_main else None
     # Everyone learns rank 0's decision and starting point.
     step = int(dist.hvd.broadcast_object(state["step"] if state else 0, root_rank=0, name="resume_step"))
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        log.info("resuming from %s at step %d (written in %s; %s)", state["path"], step,
-                 state.get("precision", "fp32"), mixed.load_state_dict(state.get("scaler")))
-    dist.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    dist.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    if dist.size > 1:  # alone, there is nothing to reduce: skip Horovod's per-step round trip
-        compression = dist.hvd.Compression.fp16 if config.compression == "fp16" else dist.hvd.Compression.none
-        optimizer = dist.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                  groups=config.allreduce_groups or None, compression=compression)
-
-    criterion = SCNNLoss(check_finite=run_precision != "fp16")
-    metrics_file = run_dir / "metrics.jsonl"
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps({"train": asdict(config), "model": asdict(model_cfg),
-                                                          "world_size": dist.size}, indent=2))
-    board = closing.enter_context(TensorBoardLog.open(run_dir / TENSORBOARD_DIR, step) if is_main
-                                  else TensorBoardLog())
-
-    def record(event: str, **payload: object) -> None:
-        if is_main:
-            # When it happened (Unix seconds): wall time, time to an accuracy and the curves over time of
-            # `laneflow compare` come from these, whichever machine or pod the run's attempts ran on.
-            stamped = {**payload, "time": round(time.time(), 3)}
-            emit(event, **stamped)
-            with metrics_file.open("a") as handle:
-                handle.write(json.dumps({"event": event, **stamped}) + "\n")
-            board.write(event, payload, step)
-
-    def checkpoint() -> None:
-        dist.average_buffers(model)  # a collective: every rank calls checkpoint() at the same steps
-        if is_main:
-            path = save_checkpoint(run_dir, {
-                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "model_config": asdict(model_cfg), "train_config": asdict(config), "world_size": dist.size,
-                "precision": run_precision, "scaler": mixed.state_dict(),
-            })
-            record("checkpoint", step=step, path=str(path))
-
-    if is_main and (stale := read_stop_request(run_dir)) is not None:
-        # Left by a request this run's previous attempt never saw: the orchestrator asks again if it still wants.
-        log.warning("ignoring a stop request left from an earlier attempt: %s", stale)
-        (run_dir / STOP_REQUEST).unlink(missing_ok=True)
-    record("start", step=step, total_steps=total_steps, world_size=dist.size, resumed=state is not None,
-           precision=run_precision, memory_format="channels_last" if memory_format == torch.channels_last
-           else "contiguous", device=device.type)
-    model.train()
-    sampler = ResumableDistributedSampler(dataset, dist.size, dist.rank, config.seed, step % per_epoch,
+    dist.hvd.broadcast_parameters(parts.model.state_dict(), root_rank=0)
+    dist.hvd.broadcast_optimizer_state(parts.optimizer, root_rank=0)
+    # alone, there is nothing to reduce: skip Horovod's per-step round trip
+    optimizer = parts.distributed_optimizer() if dist.size > 1 else parts.optimizer
+    if parts.is_main:
+        parts.write_config()
+    parts.start_event(step, total_steps, state is not None)
+    parts.model.train()
+    sampler = ResumableDistributedSampler(parts.dataset, dist.size, dist.rank, config.seed, step % per_epoch,
                                           config.batch_size)
-    loader = make_loader(dataset, config.batch_size, sampler, config.num_workers, device.type == "cuda")
-    # A step event's window runs from the event before it, across epoch ends (their checkpoint and the
-    # loader's restart are training time too): summed, the windows cover every step of the attempt.
-    window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
+    loader = make_loader(parts.dataset, config.batch_size, sampler, config.num_workers, parts.device.type == "cuda")
+    window = StepWindow()
     while step < total_steps:
         epoch = step // per_epoch
         sampler.set_epoch(epoch)
         fetch_start = time.perf_counter()
         for images, masks, exist in loader:
-            waited += time.perf_counter() - fetch_start
+            window.waited += time.perf_counter() - fetch_start
             for group in optimizer.param_groups:
                 group["lr"] = poly_lr(step, total_steps, lr, config.warmup_steps)
-            try:
-                loss, parts = train_step(model, images, masks, exist, criterion, optimizer, mixed, memory_format,
-                                         distributed=dist.size > 1)
-            except TrainingDiverged as exc:  # exit 2: running it again diverges again
-                raise TrainingDiverged(f"{exc} at step {step + 1}, learning rate {optimizer.param_groups[0]['lr']:.4g} "
-                                       f"(lr {config.lr} x {dist.size} worker(s), poly schedule): lower lr") from None
+            loss, loss_parts = parts.step(images, masks, exist, optimizer, step)
             step += 1
-            images_seen += images.shape[0]
-            losses.append(loss.item())
+            window.images += images.shape[0]
+            window.losses.append(loss.item())
             if step % config.log_every == 0 or step == total_steps:
-                elapsed = time.perf_counter() - window_start
-                record("step", step=step, epoch=epoch, loss=dist.average(sum(losses) / len(losses), "loss"),
-                       lr=optimizer.param_groups[0]["lr"], img_per_s=images_seen * dist.size / elapsed,
-                       input_stall=waited / elapsed, seconds=round(elapsed, 6), **parts)
-                window_start, waited, images_seen, losses = time.perf_counter(), 0.0, 0, []
+                parts.record("step", step, **window.event(parts, step, epoch, optimizer.param_groups[0]["lr"],
+                                                          loss_parts))
+                window = StepWindow()
             if config.eval_every and step % config.eval_every == 0 and step < total_steps:
-                scoring_started = time.perf_counter()
-                dist.average_buffers(model)  # a collective: every rank reaches it at the same step
-                if is_main:
-                    scores = score_split(model, model_cfg, data_root, "val", device)
-                    record("val", step=step, **{k: v for k, v in scores.items() if k != "split"})
-                model.train()
-                window_start += time.perf_counter() - scoring_started  # img/s counts training time only
+                window.started += parts.validate(step)
             if step % STOP_CHECK_EVERY == 0:
-                request = read_stop_request(run_dir) if is_main else None
+                request = read_stop_request(run_dir) if parts.is_main else None
                 signalled, asked = dist.any((stop.requested, request is not None), "stop")
                 if signalled:
-                    checkpoint()
-                    record("preempted", step=step)
+                    parts.checkpoint(step, optimizer)
+                    parts.record("preempted", step, step=step)
                     # Every rank waits here until rank 0 has written it: mpirun ends the job when the first
                     # rank exits non-zero, which would kill rank 0 in the middle of its save.
                     dist.any((False,), "checkpointed")
                     return EXIT_PREEMPTED
                 if asked and step < total_steps:  # at its end a run finishes: nothing is saved by stopping
-                    checkpoint()
-                    if is_main:
-                        log.info("stopping at step %d as requested: %s", step, request)
-                        record("stopped", step=step, **request)
-                        (run_dir / STOP_REQUEST).unlink(missing_ok=True)
-                    return 0
+                    return stop_as_requested(parts, step, optimizer, request)
             if step % config.checkpoint_every == 0:
-                checkpoint()
+                parts.checkpoint(step, optimizer)
             if step >= total_steps:
                 break
             fetch_start = time.perf_counter()
         if step % per_epoch == 0 or step >= total_steps:
-            record("epoch", epoch=epoch, step=step)
+            parts.record("epoch", step, epoch=epoch, step=step)
             if step % config.checkpoint_every:
-                checkpoint()
+                parts.checkpoint(step, optimizer)
+    return parts.finish(step)
 
-    dist.average_buffers(model)
-    if is_main and (late := read_stop_request(run_dir)) is not None:  # came after the last check: the run is done
-        log.info("a stop request came after the last check; the run trained to its end: %s", late)
-        (run_dir / STOP_REQUEST).unlink(missing_ok=True)
-    # Every rank reports what it ended with: diverged replicas would show here first.
-    log.info("final weights sha256 %s (rank %d)", weights_digest(model), dist.rank)
-    if is_main:
-        torch.save({"model": model.state_dict(), "model_config": asdict(model_cfg), "step": step},
-                   run_dir / "model.pt.tmp")
-        os.replace(run_dir / "model.pt.tmp", run_dir / "model.pt")
-        result = evaluate_run(model, model_cfg, data_root, run_dir, config.eval_split, device)
-        record("eval", **result)
-        emit("done", step=step, weights_sha256=weights_digest(model))
+
+def stop_as_requested(parts: RunParts, step: int, optimizer: torch.optim.Optimizer, request: dict | None,
+                      **extra: object) -> int:
+    """The orchestrator asked this run to stop for good (a pruned trial): checkpoint, say ``stopped``, exit 0."""
+    parts.checkpoint(step, optimizer, **extra)
+    if parts.is_main:
+        log.info("stopping at step %d as requested: %s", step, request)
+        parts.record("stopped", step, step=step, **(request or {}))
+        (parts.run_dir / STOP_REQUEST).unlink(missing_ok=True)
     return 0
 
 

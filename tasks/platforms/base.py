@@ -18,7 +18,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from prefect.blocks.core import Block
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from training.data.sources import Artifact
 
@@ -81,6 +81,32 @@ class VolumeRef(BaseModel):
     created: bool = False
 
 
+class ElasticWorkers(BaseModel):
+    """Elastic Horovod: the run goes on when workers are lost (spot nodes reclaimed) and takes them back when
+    they return, between ``min_workers`` and ``max_workers``, without restarting the job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_workers: int = Field(1, ge=1, le=512, description="the fewest workers the run trains on; with fewer it "
+                                                          "stops and resumes from its checkpoint when resubmitted")
+    max_workers: int = Field(ge=1, le=512, description="the most workers the run grows to as they become available")
+    commit_every: int = Field(10, ge=1, le=100_000, description="steps between the workers' in-memory commits: a "
+                                                               "lost worker costs the others at most this many steps")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ElasticWorkers:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) is more than max_workers ({self.max_workers}): the "
+                             "run could never have enough workers; raise max_workers or lower min_workers")
+        return self
+
+    def check_start(self, workers: int) -> None:
+        """``workers`` (what the run starts with) must lie between the two bounds."""
+        if not self.min_workers <= workers <= self.max_workers:
+            raise ValueError(f"workers ({workers}) must lie between elastic.min_workers ({self.min_workers}) and "
+                             f"elastic.max_workers ({self.max_workers}): the run starts once that many are there")
+
+
 class TrainingSpec(BaseModel):
     """What to train: everything a launcher needs, with paths relative to the volume root."""
 
@@ -92,6 +118,13 @@ class TrainingSpec(BaseModel):
     workers: int = Field(ge=1, description="Horovod processes (one per GPU on a cluster)")
     settings: dict[str, str] = Field(default_factory=dict, description="trainer --set key=value overrides")
     labels: dict[str, str] = Field(default_factory=dict, description="lineage labels for the job")
+    elastic: ElasticWorkers | None = Field(None, description="elastic Horovod bounds; None: a fixed-size run")
+
+    @model_validator(mode="after")
+    def _elastic_start(self) -> TrainingSpec:
+        if self.elastic is not None:
+            self.elastic.check_start(self.workers)
+        return self
 
 
 class TrainingHandle(BaseModel):
@@ -133,12 +166,13 @@ def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s:
                         log_tail: list[str]) -> TrainingOutcome:
     """What a finished job's event stream says: last step, where the last attempt started, its evaluation."""
     starts = [e for e in events if e.get("event") == "start"]
+    plans = [e for e in events if e.get("event") in ("start", "workers") and "total_steps" in e]  # elastic: re-planned
     steps = [e for e in events if e.get("event") in ("step", "done", "stopped")]
     evals = [e for e in events if e.get("event") == "eval"]
     stopped = [e for e in events if e.get("event") == "stopped"]
     return TrainingOutcome(
         job_name=job_name, steps=int(steps[-1]["step"]) if steps else 0,
-        total_steps=int(starts[-1]["total_steps"]) if starts else 0,
+        total_steps=int(plans[-1]["total_steps"]) if plans else 0,
         resumed_from=int(starts[-1]["step"]) if starts else 0,
         eval=_payload(evals[-1]) if evals else {},
         duration_s=round(duration_s, 3), log_tail=log_tail,

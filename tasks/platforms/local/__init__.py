@@ -64,6 +64,11 @@ class LocalPlatform(Platform):
                                                 "or ~/.laneflow/local")
     python: str | None = Field(None, description="interpreter with torch + horovod; default: this one")
     threads_per_worker: int = Field(1, ge=1, description="OMP threads per Horovod process")
+    elastic_cooldown_min_s: int = Field(5, ge=1, le=3600, description="elastic runs: the shortest time a failed "
+                                                                      "worker is left out before it is tried again")
+    elastic_cooldown_max_s: int = Field(60, ge=1, le=3600, description="elastic runs: the longest such time (it "
+                                                                       "doubles with each failure of the same worker)")
+    elastic_timeout_s: int = Field(600, ge=1, description="elastic runs: how long to wait for min_workers to be there")
 
     # --- paths ---------------------------------------------------------------------------------------
     def home_dir(self) -> Path:

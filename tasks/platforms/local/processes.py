@@ -19,7 +19,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.launch import STOPPED_ON_REQUEST, JobOutput, horovodrun_command, read_exit
+from tasks.launch import (
+    DISCOVERY_SCRIPT,
+    STOPPED_ON_REQUEST,
+    ElasticLaunch,
+    JobOutput,
+    discovery_script,
+    elastic_horovodrun_command,
+    horovodrun_command,
+    local_elastic_hosts,
+    read_exit,
+)
 from tasks.platforms.base import (
     EventSink,
     LogSink,
@@ -63,9 +73,8 @@ def submit(platform: LocalPlatform, spec: TrainingSpec) -> TrainingHandle:
             # Started by an earlier process of this flow run that is gone: stop it before resuming.
             _stop_group(int(record["pgid"]), str(run_dir))
         python = platform.interpreter()
-        cmd = horovodrun_command(str(Path(python).parent / "horovodrun"), python, spec,
-                                 str(platform.inside(spec.volume, spec.data_dir)), str(run_dir))
         run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = _launcher_command(platform, spec, python, run_dir)
         env = {**os.environ, "OMP_NUM_THREADS": str(platform.threads_per_worker), "PYTHONUNBUFFERED": "1",
                "PATH": f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
@@ -89,7 +98,7 @@ def wait(platform: LocalPlatform, handle: TrainingHandle, on_event: EventSink, o
         raise TrainingInterrupted(f"job {handle.job_name} is not running in this process any more; "
                                   "submitting it again resumes it from its newest checkpoint")
     started = time.monotonic()
-    output = JobOutput(on_event, on_log)
+    output = JobOutput(on_event, on_log, events_from_any_rank=handle.spec.elastic is not None)
     try:
         for stream, raw in _merged_lines(process, deadline=started + timeout_s):
             output.feed(raw, may_be_event=stream == "stdout")
@@ -126,6 +135,42 @@ def cancel(platform: LocalPlatform, job_name: str, volume: VolumeRef) -> bool:
     if stopped:
         _finish_record(run_dir, None, "cancelled")
     return stopped
+
+
+#: The most workers a local elastic run may have: each is a host name of its own (``local_elastic_hosts``).
+LOCAL_ELASTIC_MAX_WORKERS = 32
+
+
+def _launcher_command(platform: LocalPlatform, spec: TrainingSpec, python: str, run_dir: Path) -> list[str]:
+    """horovodrun for the job: a fixed one on localhost, or an elastic one over the hosts of a discovery script
+    written into the run's folder (one host name per worker slot, all of them this machine)."""
+    horovodrun, data_root = str(Path(python).parent / "horovodrun"), str(platform.inside(spec.volume, spec.data_dir))
+    if spec.elastic is None:
+        return horovodrun_command(horovodrun, python, spec, data_root, str(run_dir))
+    if spec.elastic.max_workers > LOCAL_ELASTIC_MAX_WORKERS:
+        raise ValueError(f"elastic.max_workers {spec.elastic.max_workers} is more than the local platform's "
+                         f"{LOCAL_ELASTIC_MAX_WORKERS}; lower it, or train on a cluster")
+    _check_gloo(python)
+    script = run_dir / DISCOVERY_SCRIPT
+    script.write_text(discovery_script(local_elastic_hosts(spec.elastic.max_workers), 1,
+                                       f"laneflow: the local hosts of elastic run {spec.job_name}, one per worker"))
+    script.chmod(0o755)
+    launch = ElasticLaunch(str(script), 1, (platform.elastic_cooldown_min_s, platform.elastic_cooldown_max_s),
+                           platform.elastic_timeout_s, "lo")
+    return elastic_horovodrun_command(horovodrun, python, spec, data_root, str(run_dir), launch)
+
+
+def _check_gloo(python: str) -> None:
+    """Elastic runs need Horovod's Gloo controller (horovodrun refuses elastic mode without it): said before
+    anything starts, with what to do."""
+    probe = subprocess.run([python, "-c", "import sys, horovod.torch as hvd; sys.exit(0 if hvd.gloo_built() else 3)"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode == 3:
+        raise ValueError(f"elastic training needs Horovod built with Gloo, and the Horovod of {python} has none: "
+                         "rebuild it with HOROVOD_WITH_GLOO=1 (scripts/install_horovod.sh), or train without elastic")
+    if probe.returncode != 0:
+        raise ValueError(f"could not import horovod.torch with {python} to check it for Gloo: "
+                         f"{probe.stderr.strip().splitlines()[-1:] or probe.returncode}")
 
 
 # --- the other stages -------------------------------------------------------------------------------
