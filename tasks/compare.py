@@ -126,21 +126,26 @@ def _attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return attempts
 
 
-def training_windows(events: list[dict[str, Any]], batch_size: int) -> list[tuple[int, float, float]]:
-    """(images, seconds, input stall share) of each ``step`` event's window, over every attempt."""
+def training_windows(events: list[dict[str, Any]], batch_size: int) -> list[tuple[int, float, float, int]]:
+    """(images, seconds, input stall share, workers) of each ``step`` event's window, over every attempt. An
+    elastic run's step events say how many workers trained them, and its ``workers`` events move the count of
+    steps back to where the survivors resumed (the steps done again were trained too)."""
     windows = []
     for attempt in _attempts(events):
         start = attempt[0]
         world = int(start.get("world_size") or 1)
         previous = int(start.get("step") or 0) if start.get("event") == "start" else 0
         for event in attempt:
+            if event.get("event") == "workers" and "step" in event:
+                previous = int(event["step"])
             if event.get("event") != "step" or not event.get("img_per_s"):
                 continue
-            images = (int(event["step"]) - previous) * batch_size * world
+            workers = int(event.get("workers") or world)
+            images = (int(event["step"]) - previous) * batch_size * workers
             previous = int(event["step"])
             # The trainer's own clock for the window; a run from before it recorded one: its images at its rate.
             seconds = float(event["seconds"]) if "seconds" in event else images / float(event["img_per_s"])
-            windows.append((images, seconds, float(event.get("input_stall") or 0.0)))
+            windows.append((images, seconds, float(event.get("input_stall") or 0.0), workers))
     return windows
 
 
@@ -171,9 +176,13 @@ def run_figures(records: RunRecords, target_accuracy: float) -> RunFigures:
     if batch_size <= 0:
         raise CompareError(f"{records.name}: its lineage records no batch_size parameter")
     windows = training_windows(events, batch_size)
-    images = sum(images for images, _, _ in windows)
-    seconds = sum(seconds for _, seconds, _ in windows)
+    images = sum(images for images, _, _, _ in windows)
+    seconds = sum(seconds for _, seconds, _, _ in windows)
     workers = int(starts[-1].get("world_size") or params.get("workers") or 1)
+    # An elastic run's workers came and went: its worker count is the one its training time had on average.
+    worker_seconds = sum(seconds * count for _, seconds, _, count in windows)
+    if seconds and any(count != workers for *_, count in windows):
+        workers = max(1, round(worker_seconds / seconds))
     stamped = [float(event["time"]) for event in events if "time" in event]
     wall = (max(stamped) - float(starts[0]["time"])) if stamped and "time" in starts[0] else \
         (lineage.get("training") or {}).get("duration_s")
@@ -195,14 +204,15 @@ def run_figures(records: RunRecords, target_accuracy: float) -> RunFigures:
         steps=max(steps, default=int((lineage.get("training") or {}).get("steps") or 0)),
         images_seen=images, wall_s=float(wall) if wall is not None else None, training_s=seconds,
         img_per_s=images / seconds if seconds else 0.0,
-        img_per_s_per_worker=images / seconds / workers if seconds else 0.0,
-        input_stall=sum(stall * seconds for _, seconds, stall in windows) / seconds if seconds else 0.0,
+        img_per_s_per_worker=images / worker_seconds if worker_seconds else 0.0,
+        input_stall=sum(stall * seconds for _, seconds, stall, _ in windows) / seconds if seconds else 0.0,
         val_accuracy=_number(trainer_eval.get("accuracy")),
         val_untimed_accuracy=_number(trainer_eval.get("untimed_accuracy")),
         test_accuracy=_number(metrics.get("accuracy")) if on_test else None,
         test_untimed_accuracy=_number(metrics.get("untimed_accuracy")) if on_test else None,
         time_to_target_s=reached,
-        worker_hours=workers * float(wall) / 3600 if wall is not None else None,
+        worker_hours=(worker_seconds / seconds if seconds else workers) * float(wall) / 3600
+        if wall is not None else None,
         service_level=level.get("training"), quota_tib=_number(level.get("quota_tib")),
         val_curve=[(at, untimed) for at, untimed, _ in points])
 

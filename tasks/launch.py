@@ -105,19 +105,26 @@ class ElasticLaunch:
     network_interface: str
 
 
+def elastic_horovodrun_args(workers: int, min_workers: int, max_workers: int, launch: ElasticLaunch) -> list[str]:
+    """horovodrun's flags for an elastic run: ``-np N --min-np MIN --max-np MAX --host-discovery-script ...``. It
+    starts once ``workers`` slots are listed and grows to ``max_workers`` as hosts appear (elastic runs use Gloo;
+    horovodrun refuses elastic mode without it). ``--cache-capacity 0``: with Horovod's response cache, a world
+    re-formed with a newcomer fails in Gloo (``op.preamble.length <= op.nbytes``), as seen here."""
+    low, high = launch.cooldown_s
+    return ["-np", str(workers), "--min-np", str(min_workers), "--max-np", str(max_workers),
+            "--slots-per-host", str(launch.slots_per_host), "--host-discovery-script", launch.discovery_script,
+            "--blacklist-cooldown-range", str(low), str(high), "--elastic-timeout", str(launch.timeout_s),
+            "--network-interface", launch.network_interface, "--cache-capacity", "0"]
+
+
 def elastic_horovodrun_command(horovodrun: str, python: str, spec: TrainingSpec, data_root: str, run_dir: str,
                                launch: ElasticLaunch) -> list[str]:
-    """``horovodrun -np N --min-np MIN --max-np MAX --host-discovery-script ... python -m training.train ...``:
-    starts once ``workers`` slots are listed, and grows to ``max_workers`` as hosts appear (elastic runs use
-    Gloo; horovodrun refuses elastic mode without it)."""
+    """The launcher's argument list for an elastic run of ``spec``: ``horovodrun <elastic flags> python ...``."""
     if spec.elastic is None:
         raise ValueError(f"training job {spec.job_name} is not elastic")
-    low, high = launch.cooldown_s
-    return [horovodrun, "-np", str(spec.workers), "--min-np", str(spec.elastic.min_workers),
-            "--max-np", str(spec.elastic.max_workers), "--slots-per-host", str(launch.slots_per_host),
-            "--host-discovery-script", launch.discovery_script, "--blacklist-cooldown-range", str(low), str(high),
-            "--elastic-timeout", str(launch.timeout_s), "--network-interface", launch.network_interface,
-            "--cache-capacity", "0", python, *trainer_args(spec.preset, spec.settings, data_root, run_dir)]
+    return [horovodrun, *elastic_horovodrun_args(spec.workers, spec.elastic.min_workers, spec.elastic.max_workers,
+                                                 launch),
+            python, *trainer_args(spec.preset, spec.settings, data_root, run_dir)]
 
 
 def local_elastic_hosts(count: int) -> list[str]:

@@ -57,6 +57,17 @@ def eval_series(events: list[dict[str, Any]]) -> list[tuple[int, float]]:
     return points
 
 
+def world_changes(steps: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(step, workers) where an elastic run's logged steps change their worker count (none for a fixed run)."""
+    changes, current = [], None
+    for event in steps:
+        workers = event.get("workers")
+        if workers is not None and current is not None and workers != current:
+            changes.append((int(event["step"]), int(workers)))
+        current = workers if workers is not None else current
+    return changes
+
+
 def training_curve_png(steps: list[dict[str, Any]], title: str,
                        validation: list[tuple[int, float]] | None = None) -> bytes:
     """Loss and learning rate on their own axes, per-epoch validation accuracy below when known (PNG)."""
@@ -83,6 +94,11 @@ def training_curve_png(steps: list[dict[str, Any]], title: str,
         lr_axis.tick_params(axis="y", labelcolor="tab:green")
         lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         loss_axis.grid(alpha=0.3)
+        for step, workers in world_changes(steps):  # an elastic run: where it lost or took back workers
+            loss_axis.axvline(step, color="tab:gray", linestyle=":", linewidth=1)
+            loss_axis.annotate(f"{workers} worker{'s' if workers != 1 else ''}", (step, 1.0),
+                               xycoords=("data", "axes fraction"), xytext=(2, -10), textcoords="offset points",
+                               fontsize=8, color="tab:gray")
     if validation:
         axis = axes[1]
         axis.plot([s for s, _ in validation], [a for _, a in validation], color="tab:blue", marker="o")

@@ -157,3 +157,23 @@ def test_a_sampler_s_padding_is_still_the_same_work_and_more_epochs_are_not() ->
     longer = compare([timed("one", 1, 100.0, 24_000), timed("three", 3, 40.0, 48_000)])
     assert longer.rows[1]["speed-up"] == "not the same work (48000 images seen, baseline 24000)"
     assert "`three` (3 worker(s) against 1): no speed-up: not the same work" in render_markdown(longer)
+
+
+def test_an_elastic_run_counts_the_workers_each_window_had_and_the_steps_it_redid() -> None:
+    """Two workers to step 10, one lost there (the survivor back at its commit, step 8) trains steps 8-20 alone,
+    the worker back at 20, two to step 30; every window 10 s."""
+    t0 = 1_000.0
+    events = [{"event": "start", "step": 0, "world_size": 2, "time": t0},
+              {"event": "step", "step": 10, "img_per_s": 4.0, "seconds": 10.0, "workers": 2, "time": t0 + 10},
+              {"event": "workers", "step": 8, "workers": 1, "lost": ["b"], "joined": [], "time": t0 + 11},
+              {"event": "step", "step": 20, "img_per_s": 2.4, "seconds": 10.0, "workers": 1, "time": t0 + 21},
+              {"event": "workers", "step": 20, "workers": 2, "lost": [], "joined": ["b"], "time": t0 + 22},
+              {"event": "step", "step": 30, "img_per_s": 4.0, "seconds": 10.0, "workers": 2, "time": t0 + 32}]
+    lineage = {"run": "e", "platform": "local", "volume": "v", "dataset_version": "v1",
+               "parameters": {"batch_size": 2, "preset": "cpu-demo", "workers": 2}, "training": {}, "metrics": {}}
+    figures = run_figures(RunRecords("e", lineage, events), target_accuracy=0.5)
+    # 10 x 2 x 2 = 40, then 12 x 2 x 1 = 24 (steps 9 and 10 trained twice), then 10 x 2 x 2 = 40.
+    assert figures.images_seen == 104 and math.isclose(figures.training_s, 30.0)
+    assert figures.workers == 2  # 50 worker-seconds over 30 s of training: 1.67 on average
+    assert math.isclose(figures.img_per_s_per_worker, 104 / 50)
+    assert math.isclose(figures.worker_hours, 50 / 30 * 32 / 3600)

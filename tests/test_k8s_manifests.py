@@ -22,6 +22,7 @@ from tasks.k8s.manifests import (
     render_pvc,
     render_snapshot,
 )
+from tasks.k8s.scheduling import WorkerScheduling
 from tasks.names import InvalidName, validate_mpijob_name
 from tests.cluster.admission import check
 from tests.cluster.apierrors import Rejection
@@ -103,6 +104,37 @@ def test_launcher_never_restarts_and_waits_for_ready_workers() -> None:
     assert job["spec"]["mpiReplicaSpecs"]["Launcher"]["restartPolicy"] == "Never"
     assert "restartPolicy" not in job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
     assert job["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"
+
+
+def test_an_elastic_mpijob_starts_at_once_over_the_discovery_script_with_a_replica_per_max_worker() -> None:
+    spot = {"key": "kubernetes.azure.com/scalesetpriority", "operator": "Equal", "value": "spot",
+            "effect": "NoSchedule"}
+    layout = ClusterLayout(**{**LAYOUT.__dict__, "scheduling": WorkerScheduling(tolerations=[spot]),
+                              "elastic_cooldown_s": (30, 600), "elastic_timeout_s": 900})
+    job = render_mpijob("train-7d2eaa95c8df", layout, "tusimple", "tusimple", 4, "datasets/x",
+                        "runs/train-7d2eaa95c8df", {**SETTINGS, "elastic": "1"}, LABELS, elastic=(2, 6))
+    check_golden("mpijob-elastic", job)
+    assert check(job, "Strict").warnings == []
+    assert job["spec"]["launcherCreationPolicy"] == "AtStartup"
+    worker = job["spec"]["mpiReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 3  # max_workers 6 over 2 GPUs per worker
+    assert worker["template"]["spec"]["tolerations"] == [spot]
+    command = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["laneflow-launcher", "horovodrun"] and "--hostfile" not in command
+    flags = {flag: command[command.index(flag) + 1] for flag in command if flag.startswith("--") and flag != "--set"}
+    assert (command[command.index("-np") + 1], flags["--min-np"], flags["--max-np"]) == ("4", "2", "6")
+    assert flags["--slots-per-host"] == "2"  # the operator's discover_hosts.sh lists no slot counts
+    assert flags["--host-discovery-script"] == "/etc/mpi/discover_hosts.sh"
+    assert command[command.index("--blacklist-cooldown-range") + 1:][:2] == ["30", "600"]
+    assert flags["--elastic-timeout"] == "900" and flags["--network-interface"] == "eth0"
+    # A gang of the launcher and min_workers' pods: Run:ai (KAI-Scheduler) gangs every replica otherwise.
+    assert job["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 2}
+    runai = render_mpijob("train-1", ClusterLayout(**{**layout.__dict__, "runai_project": "perception"}), "c",
+                          "tusimple", 4, "d", "r", SETTINGS, LABELS, elastic=(2, 6))
+    assert runai["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 2}
+    assert check(runai, "Strict").warnings == []
+    with pytest.raises(ValueError, match=r"elastic\.min_workers=3 is not a multiple of gpus_per_worker=2"):
+        render_mpijob("train-1", layout, "c", "tusimple", 4, "d", "r", SETTINGS, LABELS, elastic=(3, 6))
 
 
 @pytest.mark.parametrize("replicas", [1, 3, 8])

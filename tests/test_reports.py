@@ -10,7 +10,7 @@ import pytest
 
 from flows.params import TrainParams
 from tasks.lineage import build_lineage, render_lineage_markdown
-from tasks.report import eval_series, metrics_rows, step_series, thumbnail_jpeg, training_curve_png
+from tasks.report import eval_series, metrics_rows, step_series, thumbnail_jpeg, training_curve_png, world_changes
 from tests.unit_helpers import SHA, source
 
 STEPS = [{"event": "step", "step": s, "loss": 1.0 / s, "lr": 0.01 * s, "img_per_s": 10.0, "input_stall": 0.1}
@@ -72,3 +72,14 @@ def test_lineage_markdown_has_every_fact_and_no_secret() -> None:
     for fact in ("train-1", "happy-fox", "dv1", SHA, "train_set.zip", "git:abc", "v-train-1", "0.9000", "cpu-demo"):
         assert fact in text
     assert "secret" not in text and "secret" not in json.dumps(lineage)
+
+
+def test_an_elastic_runs_curve_marks_where_its_worker_count_changed() -> None:
+    steps = [{"event": "step", "step": step, "loss": 1.0 / step, "lr": 0.1, "workers": workers}
+             for step, workers in ((10, 2), (20, 2), (30, 1), (40, 1), (50, 2))]
+    assert world_changes(steps) == [(30, 1), (50, 2)]
+    assert world_changes(STEPS) == []  # a fixed run's steps carry no count
+    plain = cv2.imdecode(np.frombuffer(training_curve_png([{**s, "workers": 2} for s in steps], "run"), np.uint8),
+                         cv2.IMREAD_COLOR)
+    marked = cv2.imdecode(np.frombuffer(training_curve_png(steps, "run"), np.uint8), cv2.IMREAD_COLOR)
+    assert colour_pixels(marked, (127, 127, 127)) > colour_pixels(plain, (127, 127, 127)) + 50  # the markers

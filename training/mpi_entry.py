@@ -22,7 +22,8 @@ So each pod runs this as PID 1, with its real command as its one child:
   that takes 3 s to save never finishes), before any checkpoint is written.
   mpirun is sent SIGUSR1 instead, which it forwards to every rank of the job
   (OpenMPI 4.1 ``mpirun(1)``, "Signal Propagation"): the ranks checkpoint and exit 75 as for SIGTERM.
-  Before mpirun runs there is nothing to save: horovodrun gets the SIGTERM.
+  Before mpirun runs there is nothing to save: horovodrun gets the SIGTERM, as does an elastic horovodrun, which
+  runs no mpirun (``training.elastic``: the ranks there checkpoint when their own pods are told to stop).
 
 PID 1 also reaps the orphans the kernel hands it (ssh sessions' processes), as an init must. Its handlers are
 the first thing it sets up: the kernel drops a signal sent to a PID namespace's first process while it has no
@@ -213,7 +214,10 @@ class Init:
             _say(self.role, f"signal {signum}: asked every rank, through mpirun ({_pids(sent)}), to checkpoint "
                             "and stop")
         elif self.child_code is None:
-            _say(self.role, f"signal {signum}: mpirun has not started; stopping {self.argv[0]}")
+            # An elastic horovodrun runs no mpirun at all: it ends its ssh sessions; the workers' own pods, stopped
+            # with the job, have their ranks checkpoint (every rank told: a durable checkpoint, exit 75).
+            what = "an elastic horovodrun runs none" if "--host-discovery-script" in self.argv else "it has not started"
+            _say(self.role, f"signal {signum}: no mpirun ({what}); stopping {self.argv[0]}")
             _signal([self.child], signal.SIGTERM)
 
     def _ask_ranks(self, processes: Mapping[int, Process]) -> list[int]:

@@ -11,13 +11,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.k8s.scheduling import WorkerScheduling
-from tasks.launch import prepare_args, trainer_args
+from tasks.launch import ElasticLaunch, elastic_horovodrun_args, prepare_args, trainer_args
 from tasks.names import validate_mpijob_name, validate_name
 from training.data.sources import Artifact
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "laneflow"}
 MOUNT_PATH = "/data"
 MPI_HOSTFILE = "/etc/mpi/hostfile"
+#: The MPI operator's script of the job's Running workers, in the same ConfigMap (v2beta1
+#: ``updateDiscoverHostsInConfigMap``): one ``echo <worker>.<job>.<ns>.svc`` per worker, no slot counts.
+MPI_DISCOVER_HOSTS = "/etc/mpi/discover_hosts.sh"
+#: The network interface of a pod (the CNI's): elastic horovodrun is told it, so it needs no second host to
+#: find a common one at start (horovod ``runner/gloo_run.py`` ``_get_min_start_hosts``).
+POD_INTERFACE = "eth0"
 RUNAI_SCHEDULER = "runai-scheduler"
 #: Run:ai selects the project (its queue) by this label; ``project`` is the key older versions read.
 RUNAI_QUEUE_LABEL = "runai/queue"
@@ -48,6 +54,10 @@ class ClusterLayout:
     termination_grace_s: int = 120
     #: How long a finished Job or MPIJob is kept (its logs, its pods' ends) before it is removed.
     finished_ttl_s: int = 86400
+    #: Elastic runs: how long a failed worker host is left out before horovodrun tries it again (the shortest
+    #: time, doubled with each failure, and the longest), and how long it waits for enough workers.
+    elastic_cooldown_s: tuple[int, int] = (30, 600)
+    elastic_timeout_s: int = 600
 
     def effective_namespace(self) -> str:
         """Run:ai schedules only in ``runai-<project>``."""
@@ -126,7 +136,8 @@ LAUNCHER_ENTRY = ["laneflow-launcher"]
 
 
 def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, workers: int, data_dir: str,
-                  run_dir: str, settings: dict[str, str], labels: dict[str, str]) -> dict:
+                  run_dir: str, settings: dict[str, str], labels: dict[str, str],
+                  elastic: tuple[int, int] | None = None) -> dict:
     """The Horovod MPIJob (kubeflow.org/v2beta1): a launcher running horovodrun, GPU workers, the claim mounted.
 
     Two settings differ from the operator's defaults (kubeflow/mpi-operator
@@ -139,13 +150,30 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
       workers may still be pulling a multi-GB image, and its SSH attempts fail the job.
     Both pods run under ``training.mpi_entry`` as PID 1, with the block's grace period, so that a pod told to
     stop (drain, eviction, node shutdown) has its ranks checkpoint first.
+
+    ``elastic`` (min_workers, max_workers): elastic Horovod over the operator's ``discover_hosts.sh``, with a
+    worker replica for each of ``max_workers`` (the ones that cannot be scheduled yet join when they can) and
+    ``launcherCreationPolicy: AtStartup`` — waiting for every worker to be Ready would wait for all of them,
+    and horovodrun itself waits for ``workers`` of them. Its gang is the launcher and ``min_workers``' pods
+    (``runPolicy.schedulingPolicy.minAvailable``): a gang scheduler otherwise waits for every replica at once.
+    Run:ai's (NVIDIA KAI-Scheduler) reads it as the PodGroup's minMember, else it sums every replica
+    (``pkg/podgrouper/podgrouper/plugins/kubeflow/distributed_common.go``), and reclaims pods beyond it one by
+    one (``plugins/proportion``); the MPI operator's own gang scheduling reads it too.
     """
-    if workers % layout.gpus_per_worker:
-        raise ValueError(f"workers={workers} is not a multiple of gpus_per_worker={layout.gpus_per_worker}")
-    replicas = workers // layout.gpus_per_worker
+    gpus = layout.gpus_per_worker
+    for count, what in ((workers, "workers"), *(zip(elastic, ("elastic.min_workers", "elastic.max_workers"),
+                                                     strict=True) if elastic else ())):
+        if count % gpus:
+            raise ValueError(f"{what}={count} is not a multiple of gpus_per_worker={gpus}")
+    replicas = (elastic[1] if elastic else workers) // gpus
     validate_mpijob_name(name, replicas)
-    command = [*LAUNCHER_ENTRY, "horovodrun", "-np", str(workers), "--hostfile", MPI_HOSTFILE, "python",
-               *trainer_args(preset, settings, f"{MOUNT_PATH}/{data_dir}", f"{MOUNT_PATH}/{run_dir}")]
+    trainer = ["python", *trainer_args(preset, settings, f"{MOUNT_PATH}/{data_dir}", f"{MOUNT_PATH}/{run_dir}")]
+    if elastic:
+        launch = ElasticLaunch(MPI_DISCOVER_HOSTS, gpus, layout.elastic_cooldown_s, layout.elastic_timeout_s,
+                               POD_INTERFACE)
+        command = [*LAUNCHER_ENTRY, "horovodrun", *elastic_horovodrun_args(workers, *elastic, launch), *trainer]
+    else:
+        command = [*LAUNCHER_ENTRY, "horovodrun", "-np", str(workers), "--hostfile", MPI_HOSTFILE, *trainer]
     volumes, mounts = _volume_mounts(claim, layout.shm_size)
     launcher = {"name": "launcher", "image": layout.image, "command": command,
                 "resources": {"requests": {"cpu": "1", "memory": "2Gi"}}}
@@ -167,9 +195,10 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
             # newLauncherJob); the MPIJob itself, its ssh Secret and its ConfigMap stay until laneflow removes
             # them (training.remove_expired).
             "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0,
-                          "ttlSecondsAfterFinished": layout.finished_ttl_s},
+                          "ttlSecondsAfterFinished": layout.finished_ttl_s,
+                          **({"schedulingPolicy": {"minAvailable": 1 + elastic[0] // gpus}} if elastic else {})},
             "mpiImplementation": "OpenMPI",
-            "launcherCreationPolicy": "WaitForWorkersReady",
+            "launcherCreationPolicy": "AtStartup" if elastic else "WaitForWorkersReady",
             "mpiReplicaSpecs": {
                 "Launcher": {"replicas": 1, "restartPolicy": "Never", "template": {
                     "metadata": {"labels": role_labels["launcher"]},

@@ -107,6 +107,13 @@ class ElasticWorkers(BaseModel):
                              f"elastic.max_workers ({self.max_workers}): the run starts once that many are there")
 
 
+def check_cooldown(low: int, high: int) -> None:
+    """A platform's elastic cooldown range: horovodrun's ``--blacklist-cooldown-range MIN MAX``."""
+    if low > high:
+        raise ValueError(f"elastic_cooldown_min_s ({low}) is more than elastic_cooldown_max_s ({high}); make the "
+                         "longest cooldown at least the shortest")
+
+
 class TrainingSpec(BaseModel):
     """What to train: everything a launcher needs, with paths relative to the volume root."""
 

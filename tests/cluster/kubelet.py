@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING
 
 from tests.cluster import runtime
 from tests.cluster.dns import CLUSTER_DNS, resolv_conf
-from tests.cluster.kubelet_volumes import MountFailure, configmap_bytes, container_mounts, secret_bytes
+from tests.cluster.kubelet_volumes import (
+    MountFailure,
+    configmap_bytes,
+    container_mounts,
+    refresh_configmaps,
+    secret_bytes,
+)
 from tests.cluster.network import PodNetwork
 from tests.cluster.objects import later, now, record_event
 from tests.cluster.podlogs import append_log
@@ -30,6 +36,8 @@ from tests.cluster.state import ContainerLog
 from tests.leaks import MARKER as SESSION_MARKER
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from tests.cluster.state import Cluster
 
 
@@ -178,6 +186,23 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
     memory = quantity_bytes(str(limit)) if limit is not None and memory_limits_missing() is None else None
     running = runtime.start(spec, folder / instance, netns, grace, line, exited, memory_limit=memory)
     cluster.containers[(namespace, name)] = running
+    _sync_configmaps(cluster, pod, container, folder, running)
+
+
+def _sync_configmaps(cluster: Cluster, pod: dict, container: dict, folder: Path, running: object) -> None:
+    """Every ``configmap_sync_s`` while the container runs, its ConfigMap volumes take the ConfigMaps' current
+    data (``refresh_configmaps``); never on a lost node, whose kubelet is gone."""
+    namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+
+    def sync() -> None:
+        if cluster.containers.get((namespace, name)) is not running or \
+                pod["spec"].get("nodeName") in cluster.lost_nodes:
+            return
+        refresh_configmaps(cluster, pod, container, folder)
+        later(cluster, cluster.configmap_sync_s, sync)
+
+    if any("configMap" in volume for volume in pod["spec"].get("volumes") or []):
+        later(cluster, cluster.configmap_sync_s, sync)
 
 
 def set_container_state(pod: dict, state: dict, ready: bool, restarts: int | None = None) -> None:

@@ -160,6 +160,61 @@ def stage_files(folder: Path, data: dict[str, bytes], items: list[dict] | None, 
     return folder
 
 
+def refresh_configmaps(cluster: Cluster, pod: dict, container: dict, folder: Path) -> list[str]:
+    """A running pod's ConfigMap volumes brought up to date, as the kubelet's pod sync does (every
+    ``--sync-frequency``, 1 min, through its ConfigMap cache: "the total delay from the moment when the ConfigMap is
+    updated to the moment when new keys are projected to the Pod can be as long as the kubelet sync period + cache
+    propagation delay", kubernetes.io "ConfigMaps", Mounted ConfigMaps are updated automatically). The files change
+    atomically (``update_files``). A ConfigMap gone keeps the files as they were. The volumes it updated."""
+    namespace = pod["metadata"]["namespace"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    updated = []
+    for mount in container.get("volumeMounts") or []:
+        source = (volumes.get(mount["name"]) or {}).get("configMap")
+        configmap = cluster.objects["configmaps"].get((namespace, source.get("name"))) if source else None
+        if configmap is None:
+            continue
+        if update_files(folder / "volumes" / mount["name"], configmap_bytes(configmap), source.get("items"),
+                        source.get("defaultMode", 0o644)):
+            updated.append(mount["name"])
+    return updated
+
+
+def update_files(folder: Path, data: dict[str, bytes], items: list[dict] | None, default_mode: int) -> bool:
+    """A staged volume given new content the way the kubelet's atomic writer does it
+    (pkg/volume/util/atomic_writer.go ``Write``): nothing when the payload is unchanged; else the new payload in a
+    fresh ``..<time>`` directory, a ``..data_tmp`` symlink to it renamed over ``..data`` (one atomic step: a reader
+    sees the old files or the new ones), new top-level names linked, the links of keys gone removed, and the old
+    directory removed. Whether it changed anything."""
+    current = (folder / "..data").resolve()
+    chosen = items if items else [{"key": key, "path": key} for key in data]
+    unchanged = all((current / item["path"]).is_file() and item["key"] in data and
+                    (current / item["path"]).read_bytes() == data[item["key"]] for item in chosen) and \
+        sorted(str(path.relative_to(current)) for path in current.rglob("*") if path.is_file()) == \
+        sorted(item["path"] for item in chosen)
+    if unchanged:
+        return False
+    stamp = time.strftime("..%Y_%m_%d_%H_%M_%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}"
+    payload = folder / stamp
+    payload.mkdir()
+    for item in chosen:
+        target = payload / item["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data[item["key"]])
+        os.chmod(target, item.get("mode", default_mode))
+    (folder / "..data_tmp").symlink_to(stamp)
+    os.replace(folder / "..data_tmp", folder / "..data")
+    tops = {Path(item["path"]).parts[0] for item in chosen}
+    for top in sorted(tops):
+        if not (folder / top).is_symlink():
+            (folder / top).symlink_to(f"..data/{top}")
+    for stale in folder.iterdir():  # a key the ConfigMap no longer has
+        if stale.is_symlink() and not stale.name.startswith("..") and stale.name not in tops:
+            stale.unlink()
+    shutil.rmtree(current)
+    return True
+
+
 def secret_bytes(secret: dict) -> dict[str, bytes]:
     return {key: base64.b64decode(value) for key, value in (secret.get("data") or {}).items()} | \
         {key: value.encode() for key, value in (secret.get("stringData") or {}).items()}

@@ -138,6 +138,9 @@ class Cluster:
     #: its period (gcCheckPeriod, 20 s), which also paces removing terminating pods of an out-of-service node.
     podgc_quarantine_s: float = 40.0
     podgc_period_s: float = 20.0
+    #: How soon a changed ConfigMap reaches the files of the pods that mount it: the kubelet's pod sync
+    #: (--sync-frequency, 1 min upstream) plus its ConfigMap cache's propagation; a fixed period here.
+    configmap_sync_s: float = 60.0
     #: The kubelet's containerLogMaxSize (10 MiB by default upstream).
     log_max_bytes: int = 10 * 1024 * 1024
     #: Cut every follow stream after this many lines (a dropped connection), when set.

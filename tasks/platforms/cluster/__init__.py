@@ -45,6 +45,7 @@ from tasks.platforms.base import (
     TrainingOutcome,
     TrainingSpec,
     VolumeRef,
+    check_cooldown,
 )
 from tasks.platforms.cluster import jobs, snapshots, training, volumes
 from tasks.platforms.cluster.api import NamespaceNotFound, _ClientCache
@@ -117,6 +118,13 @@ class ClusterPlatform(Platform):
     worker_qos: QualityOfService = Field("burstable", description="burstable: requests only; guaranteed: limits "
                                          "equal to the requests (the last pods evicted; needs worker_cpu and "
                                          "worker_memory)")
+    elastic_cooldown_min_s: int = Field(30, ge=1, le=3600, description="elastic runs: the shortest time a worker "
+                                        "that failed (its pod gone) is left out before horovodrun tries it again; it "
+                                        "doubles with each failure of the same worker, while its replacement waits "
+                                        "for a node")
+    elastic_cooldown_max_s: int = Field(600, ge=1, le=3600, description="elastic runs: the longest such time")
+    elastic_timeout_s: int = Field(600, ge=1, description="elastic runs: how long horovodrun waits for "
+                                                          "min_workers workers before the run fails")
     anf: AnfVolume | None = Field(None, description="the Azure NetApp Files account and pools of the claims' volumes, "
                                                     "to change their service level around training (each claim's "
                                                     "own volume is read from its PV)")
@@ -134,6 +142,7 @@ class ClusterPlatform(Platform):
     @model_validator(mode="after")
     def _scheduling_is_valid(self) -> ClusterPlatform:
         self.scheduling()  # refuses what the API server would refuse in the MPIJob, naming the field
+        check_cooldown(self.elastic_cooldown_min_s, self.elastic_cooldown_max_s)
         return self
 
     @field_validator("namespace")
@@ -160,7 +169,9 @@ class ClusterPlatform(Platform):
                              volume_size=self.volume_size, gpus_per_worker=self.gpus_per_worker,
                              shm_size=self.shm_size, service_account=self.service_account,
                              runai_project=self.runai_project, scheduling=self.scheduling(),
-                             termination_grace_s=self.termination_grace_s, finished_ttl_s=self.finished_ttl_s)
+                             termination_grace_s=self.termination_grace_s, finished_ttl_s=self.finished_ttl_s,
+                             elastic_cooldown_s=(self.elastic_cooldown_min_s, self.elastic_cooldown_max_s),
+                             elastic_timeout_s=self.elastic_timeout_s)
 
     def scheduling(self) -> WorkerScheduling:
         """Where the training workers may run and what they reserve."""

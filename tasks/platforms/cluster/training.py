@@ -63,8 +63,9 @@ CREATE_FAILED_REASON = "MPIJobFailed"
 def mpijob_body(platform: ClusterPlatform, spec: TrainingSpec) -> dict:
     """The MPIJob laneflow sends for ``spec``, labelled with the run's lineage."""
     labels = platform.job_labels(spec.job_name, spec.labels)
+    elastic = (spec.elastic.min_workers, spec.elastic.max_workers) if spec.elastic else None
     return render_mpijob(spec.job_name, platform.layout(), spec.volume.name, spec.preset, spec.workers,
-                         spec.data_dir, spec.run_dir, spec.settings, labels)
+                         spec.data_dir, spec.run_dir, spec.settings, labels, elastic)
 
 
 def submit(platform: ClusterPlatform, spec: TrainingSpec) -> TrainingHandle:
@@ -150,7 +151,7 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
     deadline = started + timeout_s
     resubmitted = False
     while True:
-        output, cursor = JobOutput(on_event, on_log), LogCursor()
+        output, cursor = JobOutput(on_event, on_log, events_from_any_rank=handle.spec.elastic is not None), LogCursor()
         silent: dict[str, str] = {}
         job = _follow(platform, handle, output, cursor, deadline, timeout_s, silent)
         output.finish()
@@ -215,8 +216,9 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
                     raise
             if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
                 try:
+                    # An elastic job goes on without a worker that exited or was replaced, and takes it back.
                     pods = check_pods(platform, core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
-                                      "the MPIJob was deleted", exited_workers=True,
+                                      "the MPIJob was deleted", exited_workers=handle.spec.elastic is None,
                                       training_alive=time.monotonic() - last_line_at < platform.pod_problem_grace_s)
                     silent.update({pod["metadata"]["name"]: how for pod in pods if (how := node_silent(pod))})
                 except (StageBlocked, TrainingInterrupted):

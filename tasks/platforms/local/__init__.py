@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.launch import prepare_args
 from tasks.names import validate_name, validate_subdomain
@@ -37,6 +37,7 @@ from tasks.platforms.base import (
     TrainingOutcome,
     TrainingSpec,
     VolumeRef,
+    check_cooldown,
     paths_in,
 )
 from tasks.platforms.local import processes, snapshots
@@ -69,6 +70,11 @@ class LocalPlatform(Platform):
     elastic_cooldown_max_s: int = Field(60, ge=1, le=3600, description="elastic runs: the longest such time (it "
                                                                        "doubles with each failure of the same worker)")
     elastic_timeout_s: int = Field(600, ge=1, description="elastic runs: how long to wait for min_workers to be there")
+
+    @model_validator(mode="after")
+    def _cooldown_is_a_range(self) -> LocalPlatform:
+        check_cooldown(self.elastic_cooldown_min_s, self.elastic_cooldown_max_s)
+        return self
 
     # --- paths ---------------------------------------------------------------------------------------
     def home_dir(self) -> Path:
