@@ -110,7 +110,8 @@ class TrainParams(BaseModel):
     timeout_minutes: float = Field(24 * 60, gt=0, description="give up on training after this long")
     elastic: ElasticWorkers | None = Field(
         None, description="elastic training (spot nodes): keep training when workers are lost and take them back "
-                          "when they return, between min_workers and max_workers; workers is how many it starts with")
+                          "when they return, between min_workers and max_workers; it starts once `workers` are there "
+                          "and takes every worker there is, up to max_workers")
 
     @model_validator(mode="after")
     def _elastic_start(self) -> TrainParams:
@@ -142,7 +143,8 @@ class TrainParams(BaseModel):
                 "max_steps": str(self.max_steps), "num_workers": str(self.loader_workers), "eval_split": "val",
                 # only when set: a training image from before eval_every still takes every other setting
                 **({"eval_every": str(self.eval_every)} if self.eval_every else {}),
-                **({"elastic": "1", "commit_every": str(self.elastic.commit_every)} if self.elastic else {})}
+                **({"elastic": "1", "commit_every": str(self.elastic.commit_every),
+                    "min_workers": str(self.elastic.min_workers)} if self.elastic else {})}
 
     def for_record(self) -> dict[str, Any]:
         """Flat and safe to publish: the artifacts' URLs lose query strings and credentials."""

@@ -100,7 +100,9 @@ def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any
         params = params.pinned_to(artifacts)
 
     volume = ensure_dataset_volume(platform, params.volume)
-    need = ThroughputNeed(workers=params.workers, images_per_second_per_worker=params.images_per_second_per_worker,
+    # An elastic run takes every worker there is, up to its max_workers: the volume must serve that many.
+    need = ThroughputNeed(workers=params.elastic.max_workers if params.elastic else params.workers,
+                          images_per_second_per_worker=params.images_per_second_per_worker,
                           bytes_per_image=params.bytes_per_image)
     # However the run fails (a promotion that itself failed included), it leaves its hold on the level; a
     # stage that is retried does not get here, and leaves the level where it is.

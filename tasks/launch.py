@@ -57,6 +57,11 @@ _START_RACE = re.compile(
 #: then ``could not connect to some hosts via ssh``): without a race above, a setting (host keys, the key, the
 #: user) that running it again does not change.
 _SSH_CHECK_FAILED = re.compile(r"ssh not successful for host|could not connect to some hosts via ssh")
+#: What an elastic horovodrun says when it had fewer than ``--min-np`` workers for ``--elastic-timeout`` after the
+#: run started (horovod 0.28.1 ``runner/elastic/registration.py``: ``failed to activate new hosts -> stop running``
+#: around ``driver.py``'s ``Timed out waiting for minimum number of slots to become available``); it then exits
+#: without a word from any rank. The durable checkpoint is still there: running it again resumes.
+_ELASTIC_SHORT = re.compile(r"failed to activate new hosts|Timed out waiting for minimum number of slots")
 #: What mpirun prints when a worker went away while the job ran (its node lost, its pod killed without a word
 #: to the ranks): ORTE's ``[node-died]`` (``help-errmgr-base.txt``) and ssh's end of the orted session.
 _LOST_WORKER = re.compile(r"ORTE has lost communication with a remote daemon"
@@ -280,7 +285,8 @@ def is_exit_report(text: str) -> bool:
     worker, or that it lost one."""
     text = text.strip()
     return bool(_PROCESS_NAME.match(text) or _RANK_EXIT.match(text) or _RANK_SIGNAL.match(text)
-                or _START_RACE.search(text) or _SSH_CHECK_FAILED.search(text) or _LOST_WORKER.search(text))
+                or _START_RACE.search(text) or _SSH_CHECK_FAILED.search(text) or _LOST_WORKER.search(text)
+                or _ELASTIC_SHORT.search(text))
 
 
 @dataclass(frozen=True)
@@ -355,6 +361,9 @@ def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]
     if (checkpointed := _checkpointed(launcher_code, lines, events)) is not None:
         return ExitReading(False, True, checkpointed, PREEMPTED)
     texts = [parse_output_line(line).text.strip() for line in lines]
+    if "start" in names and (short := next((text for text in texts if _ELASTIC_SHORT.search(text)), None)):
+        return ExitReading(False, True, f"an elastic run had fewer workers than its min_workers for its elastic "
+                                        f"timeout ({short}); it can resume from its last checkpoint", PREEMPTED)
     if "start" not in names and (race := next((text for text in texts if _START_RACE.search(text)), None)):
         return ExitReading(False, True, f"could not start on every worker ({race})", START_FAILED)
     if "start" not in names and (check := next((i for i, text in enumerate(texts) if _SSH_CHECK_FAILED.search(text)),

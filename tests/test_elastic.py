@@ -46,7 +46,8 @@ def test_elastic_bounds_are_checked_with_what_to_change() -> None:
 
 def test_elastic_params_reach_the_trainer_and_sweeps_expand_over_them() -> None:
     params = TrainParams(source=source(), workers=2, elastic=ELASTIC)
-    assert params.trainer_settings()["elastic"] == "1" and params.trainer_settings()["commit_every"] == "5"
+    settings = params.trainer_settings()
+    assert (settings["elastic"], settings["commit_every"], settings["min_workers"]) == ("1", "5", "1")
     assert "elastic" not in TrainParams(source=source()).trainer_settings()
     runs = expand_sweep(TrainParams(source=source(), workers=1), {"elastic": [None, {"max_workers": 3}]}, [])
     assert [run.elastic for run in runs] == [None, ElasticWorkers(min_workers=1, max_workers=3)]
@@ -250,3 +251,51 @@ def test_losing_every_worker_falls_back_to_checkpoint_and_resubmit(
     record = json.loads((run_dir / "launcher.json").read_text())
     assert record["attempts"] == 2 and record["exit_code"] == 0
     assert [run.run_count for run in task_runs(UUID(result["flow_run_id"]))["wait_for_training"]] == [2]
+
+
+# --- the orchestrator's reading of an elastic job ------------------------------------------------------
+
+def _worker(name: str, phase: str, state: dict, reason: str | None = None, ready: str = "True",
+            role: str = "worker") -> dict:
+    return {"metadata": {"name": name, "uid": name, "labels": {"training.kubeflow.org/job-role": role}},
+            "spec": {"nodeName": "spot-1"},
+            "status": {"phase": phase, **({"reason": reason} if reason else {}), "conditions": [
+                {"type": "Ready", "status": ready, "lastTransitionTime": "2026-12-04T10:00:00Z"}],
+                "containerStatuses": [{"name": role, "ready": "running" in state, "state": state}]}}
+
+
+def test_an_elastic_job_is_not_failed_for_a_worker_stopped_from_outside_but_is_for_its_own_failure() -> None:
+    from tasks.k8s.diagnose import pod_problems
+
+    stopped = _worker("j-worker-1", "Failed", {"terminated": {"exitCode": 143, "reason": "Error"}})
+    silent = _worker("j-worker-0", "Running", {"running": {}}, ready="False")
+    crashed = _worker("j-worker-1", "Failed", {"terminated": {"exitCode": 1, "reason": "Error"}})
+    oom = _worker("j-worker-1", "Failed", {"terminated": {"exitCode": 137, "reason": "OOMKilled"}})
+    launcher = _worker("j-launcher-x", "Running", {"running": {}}, ready="False", role="launcher")
+    elastic = {"exited_workers": True, "elastic": True}
+    assert pod_problems([stopped, silent], [], **elastic) == []
+    assert [p.reason for p in pod_problems([stopped, silent], [], exited_workers=True)] == \
+        ["WorkerExited", "NodeNotReady"]  # a fixed-size job cannot go on without them
+    assert [p.reason for p in pod_problems([crashed], [], **elastic)] == ["WorkerExited"]
+    assert [p.reason for p in pod_problems([oom], [], **elastic)] == ["OOMKilled"]
+    assert [p.reason for p in pod_problems([launcher], [], **elastic)] == ["NodeNotReady"]
+
+
+def test_an_elastic_run_short_of_workers_after_it_started_can_resume() -> None:
+    from tasks.launch import PREEMPTED, JobOutput, read_exit
+
+    output = JobOutput(lambda _: None, lambda _: None, events_from_any_rank=True)
+    output.feed('[1]<stdout>:{"event": "start", "step": 0, "total_steps": 40}')  # rank 1 now leads
+    for line in ("ERROR:root:failed to activate new hosts -> stop running",
+                 "Traceback (most recent call last):",
+                 "TimeoutError: Timed out waiting for minimum number of slots to become available. Please check that "
+                 "you have enough resources to run at least 2 Horovod processes."):
+        output.feed(line, may_be_event=False)
+    assert [event["event"] for event in output.events] == ["start"]
+    reading = read_exit(0, output.exit_lines, output.events)
+    assert (reading.resumable, reading.kind) == (True, PREEMPTED), reading
+    assert "fewer workers than its min_workers" in reading.reason
+    # A fixed-size job's events come from rank 0 alone.
+    fixed = JobOutput(lambda _: None, lambda _: None)
+    fixed.feed('[1]<stdout>:{"event": "start", "step": 0, "total_steps": 40}')
+    assert fixed.events == []

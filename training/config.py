@@ -52,6 +52,8 @@ class TrainConfig:
     #: Elastic runs: the ranks commit their state in memory every this many steps; a lost worker costs at
     #: most this many steps of the others' work (they go back to the last commit).
     commit_every: int = 10
+    #: Elastic runs: the fewest workers the run trains on; when a stop would leave fewer, every rank checkpoints.
+    min_workers: int = 1
     model_overrides: dict = field(default_factory=dict)
 
 
@@ -99,7 +101,7 @@ def _convert(key: str, value: str, kind: str) -> object:
 
 
 def validate(config: TrainConfig) -> None:
-    for name in ("epochs", "batch_size", "checkpoint_every", "log_every", "commit_every"):
+    for name in ("epochs", "batch_size", "checkpoint_every", "log_every", "commit_every", "min_workers"):
         if getattr(config, name) < 1:
             raise ValueError(f"setting '{name}' must be >= 1, got {getattr(config, name)}")
     if config.lr <= 0:

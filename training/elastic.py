@@ -16,8 +16,9 @@ the data is read again. Here the ranks that are left go on (horovod 0.28.1 ``hor
   planned again over the steps left at the new size;
 - a stop signal to some ranks (their pod told to stop: a spot node reclaimed, a drain) makes every rank commit
   at the next stop check, and those ranks leave with exit 75 (a non-zero exit: Horovod takes the host out for
-  its cooldown, and an exit 0 would end the whole job as a success): nothing is done again. A signal to every
-  rank (the whole job stopped) is handled as in the fixed loop: a durable checkpoint, exit 75, resubmission;
+  its cooldown, and an exit 0 would end the whole job as a success): the others go back to that commit, a step
+  or so. A signal to every rank (the whole job stopped), or to so many that fewer than ``min_workers`` would be
+  left, is handled as in the fixed loop: a durable checkpoint, exit 75, resubmission;
 - whoever is rank 0 writes the durable checkpoints (with the sampler's position, so a resubmitted run resumes
   mid-epoch) and the records. Every ``step`` event says how many ``workers`` there are; every change of the
   world is a ``workers`` event: step, workers, hosts, lost, joined, and ``redone_steps`` (the steps the
@@ -122,13 +123,16 @@ def train_elastic(parts: RunParts) -> int:
         parts.start_event(step, plan.total_steps(step, epoch, processed, dist.size), checkpoint is not None,
                           elastic=True)
     loader = make_loader(parts.dataset, config.batch_size, sampler, config.num_workers, parts.device.type == "cuda")
-    state = _state_class(hvd)(model=parts.model, optimizer=optimizer, sampler=sampler, step=step, hosts=[])
+    # The loss scale (fp16) too: ranks that unscale averaged gradients by different scales apply different updates.
+    state = _state_class(hvd)(model=parts.model, optimizer=optimizer, sampler=sampler, step=step, hosts=[],
+                              scaler=parts.mixed.state_dict())
     furthest = [step]  # the furthest step this process reached: how many steps a roll-back redoes
 
     def position(state: hvd.elastic.TorchState) -> tuple[int, int]:
         return state.sampler.epoch, state.sampler.processed_num
 
     def commit(state: hvd.elastic.TorchState) -> None:
+        state.scaler = parts.mixed.state_dict()
         state.commit()
         furthest[0] = state.step
 
@@ -150,6 +154,11 @@ def train_elastic(parts: RunParts) -> int:
                      len(hosts), state.step, lost or "none", joined or "none", redone)
         state.hosts = hosts
         furthest[0] = max(furthest[0], state.step)
+        if state.scaler is not None:
+            parts.mixed.load_state_dict(state.scaler)
+        # What was synced or restored is this world's first commit: a failure before the next one comes back here
+        # (a newcomer's own saved state would otherwise be the one it was made with, and the hosts the old ones).
+        state.save()
 
     @hvd.elastic.run
     def loop(state: hvd.elastic.TorchState) -> int:
@@ -179,7 +188,7 @@ def train_elastic(parts: RunParts) -> int:
                     window = StepWindow()
                 if config.eval_every and state.step % config.eval_every == 0 and state.step < total_steps:
                     window.started += parts.validate(state.step)
-                if state.step % STOP_CHECK_EVERY == 0 and (stopped := stop_check(state)) is not None:
+                if state.step % STOP_CHECK_EVERY == 0 and (stopped := stop_check(state, total_steps)) is not None:
                     return stopped
                 if state.step % config.checkpoint_every == 0:
                     checkpoint_now(state)
@@ -197,16 +206,18 @@ def train_elastic(parts: RunParts) -> int:
             commit(state)
         return parts.finish(state.step)
 
-    def stop_check(state: hvd.elastic.TorchState) -> int | None:
+    def stop_check(state: hvd.elastic.TorchState, total_steps: int) -> int | None:
         """Agree on the stop signals and requests; what this rank exits with when it stops (None: go on)."""
         request = read_stop_request(parts.run_dir) if parts.is_main else None
         signalled, asked = dist.count((parts.stop.requested, request is not None), "stop")
-        if signalled and signalled == dist.size:  # the whole job is being stopped: checkpoint for a resubmission
+        if signalled and dist.size - signalled < config.min_workers:
+            # The whole job is being stopped, or too few would be left to go on: a durable checkpoint, exit 75,
+            # and the run is resubmitted (horovodrun would wait for min_workers and then fail without one).
             checkpoint_now(state)
             parts.record("preempted", state.step, step=state.step)
             dist.any((False,), "checkpointed")  # nobody exits before rank 0 has written it
             return EXIT_PREEMPTED
-        if asked:
+        if asked and state.step < total_steps:  # at its end a run finishes: nothing is saved by stopping
             return stop_as_requested(parts, state.step, optimizer, request, sampler=state.sampler.state_dict())
         if not signalled:
             return None

@@ -261,6 +261,9 @@ class RunParts:
         if state is None:
             return None
         check_compatible(state, self.model_cfg, state["path"])
+        if "sampler" in state and not self.config.elastic:
+            raise ValueError(f"checkpoint {state['path']} was written by an elastic run, whose steps do not say where "
+                             "in the data it was: resume it as an elastic run, or train in a new run")
         self.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         log.info("resuming from %s at step %d (written in %s; %s)", state["path"], state["step"],
@@ -345,13 +348,16 @@ def _train_fixed(parts: RunParts) -> int:
     if config.max_steps:
         total_steps = min(total_steps, config.max_steps)
     lr = config.lr * dist.size  # linear scaling with the number of workers
-    state = parts.resume(parts.optimizer) if parts.is_main else None
-    # Everyone learns rank 0's decision and starting point.
-    step = int(dist.hvd.broadcast_object(state["step"] if state else 0, root_rank=0, name="resume_step"))
-    dist.hvd.broadcast_parameters(parts.model.state_dict(), root_rank=0)
-    dist.hvd.broadcast_optimizer_state(parts.optimizer, root_rank=0)
-    # alone, there is nothing to reduce: skip Horovod's per-step round trip
+    # Alone, there is nothing to reduce: skip Horovod's per-step round trip. Wrapped before the checkpoint is
+    # loaded: Horovod's optimizer is a new one over the same parameters, without the momentum of the one it wraps.
     optimizer = parts.distributed_optimizer() if dist.size > 1 else parts.optimizer
+    state = parts.resume(optimizer) if parts.is_main else None
+    # Everyone learns rank 0's decision and starting point: the optimizer's state first (Horovod gives an empty
+    # one its state by a local step, which moves the weights), then the weights, and the loss scale.
+    step = int(dist.hvd.broadcast_object(state["step"] if state else 0, root_rank=0, name="resume_step"))
+    dist.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    dist.hvd.broadcast_parameters(parts.model.state_dict(), root_rank=0)
+    parts.mixed.load_state_dict(dist.hvd.broadcast_object(parts.mixed.state_dict(), root_rank=0, name="scaler"))
     if parts.is_main:
         parts.write_config()
     parts.start_event(step, total_steps, state is not None)

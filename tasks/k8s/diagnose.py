@@ -141,7 +141,7 @@ def scheduling_advice(message: str) -> str:
 
 def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
                  exited_workers: bool = False, replaced: frozenset[str] = frozenset(),
-                 training_alive: bool = False) -> list[PodProblem]:
+                 training_alive: bool = False, elastic: bool = False) -> list[PodProblem]:
     """The problems of ``pods`` (API dicts, camelCase), given the namespace's recent ``events``.
 
     ``exited_workers``: an MPIJob's worker that stopped (not evicted) is a problem too. The MPI operator
@@ -151,7 +151,9 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
     daemon only when its keepalive gives up (OpenMPI 4.1: 300 s idle, then 9 probes 20 s apart) — unless
     ``training_alive`` (the launcher's log still advances: a node cut off from the control plane only, its
     ranks still talking to their peers). ``replaced``: the workers whose pod was replaced while the launcher
-    ran (``ProblemClock.replacements``)."""
+    ran (``ProblemClock.replacements``). ``elastic``: an elastic job goes on without a worker that was stopped
+    from outside or whose node went silent, and takes its replacement back: only a worker's own failure (out of
+    memory, an error exit, which would meet every worker) is its problem."""
     pod_events = [e for e in events if (e.get("involvedObject") or {}).get("kind") == "Pod"]
     scaling = {e["involvedObject"]["name"] for e in pod_events if e.get("reason") == "TriggeredScaleUp"}
     mount_failures = failing_mounts(pod_events)
@@ -183,11 +185,13 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
             # A signal (128 + n) or a node that shut down: not the worker's own failure, a retry resumes.
             resumable = (isinstance(code, int) and 128 < code <= 128 + 64) or \
                 status.get("reason") in ("Shutdown", "NodeShutdown", "Terminated", "NodeLost")
-            found.append(PodProblem(name, "WorkerExited", described, resumable=resumable))
+            if not (elastic and resumable):
+                found.append(PodProblem(name, "WorkerExited", described, resumable=resumable))
             continue
         if status.get("phase") in ("Succeeded", "Failed"):
             continue  # finished: the Job or MPIJob reports it
-        if exited_workers and role and not training_alive and (silent := node_silent(pod)):
+        if exited_workers and role and not training_alive and not (elastic and role == "worker") and \
+                (silent := node_silent(pod)):
             found.append(PodProblem(name, "NodeNotReady", silent, resumable=True))
             continue
         for condition in status.get("conditions") or []:

@@ -198,7 +198,11 @@ def _sync_configmaps(cluster: Cluster, pod: dict, container: dict, folder: Path,
         if cluster.containers.get((namespace, name)) is not running or \
                 pod["spec"].get("nodeName") in cluster.lost_nodes:
             return
-        refresh_configmaps(cluster, pod, container, folder)
+        try:
+            refresh_configmaps(cluster, pod, container, folder)
+        except KeyError as exc:  # an item the ConfigMap lost: the files stay, the next sync tries again
+            record_event(cluster, pod, "Warning", "FailedMount", f"MountVolume.SetUp failed: {exc.args[0]}",
+                         "kubelet")
         later(cluster, cluster.configmap_sync_s, sync)
 
     if any("configMap" in volume for volume in pod["spec"].get("volumes") or []):

@@ -188,6 +188,9 @@ def update_files(folder: Path, data: dict[str, bytes], items: list[dict] | None,
     directory removed. Whether it changed anything."""
     current = (folder / "..data").resolve()
     chosen = items if items else [{"key": key, "path": key} for key in data]
+    if missing := [item["key"] for item in chosen if item["key"] not in data]:
+        # The kubelet's volume manager logs the error and tries again at its next sync; the files stay as they were.
+        raise KeyError(f"couldn't find key {missing[0]} in the volume's source")
     unchanged = all((current / item["path"]).is_file() and item["key"] in data and
                     (current / item["path"]).read_bytes() == data[item["key"]] for item in chosen) and \
         sorted(str(path.relative_to(current)) for path in current.rglob("*") if path.is_file()) == \

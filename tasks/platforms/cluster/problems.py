@@ -27,13 +27,13 @@ def problem_clock(platform: ClusterPlatform) -> ProblemClock:
 
 def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, selector: str, clock: ProblemClock,
                log: LogSink, stopping: str, exited_workers: bool = False,
-               training_alive: bool = False) -> list[dict]:
+               training_alive: bool = False, elastic: bool = False) -> list[dict]:
     """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace; the
-    pods read. ``exited_workers``, ``training_alive``: the pods of an MPIJob, and whether its log still
-    advances (see ``pod_problems``)."""
+    pods read. ``exited_workers``, ``training_alive``, ``elastic``: the pods of an MPIJob, whether its log still
+    advances, and whether it is elastic (see ``pod_problems``)."""
     pods = list_pods(platform, core, selector)
-    replaced = clock.replacements(pods) if exited_workers else frozenset()
-    problems = pod_problems(pods, [], exited_workers, replaced, training_alive)
+    replaced = clock.replacements(pods) if exited_workers and not elastic else frozenset()
+    problems = pod_problems(pods, [], exited_workers, replaced, training_alive, elastic)
     events: list[dict] = []
     if any(problem.reason == "Unschedulable" for problem in problems):  # is an autoscaler adding a node?
         events += _pod_events(platform, core, "involvedObject.kind=Pod,reason=TriggeredScaleUp")
@@ -42,7 +42,7 @@ def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, sel
         for name in sorted({e["involvedObject"]["name"] for e in failed}):  # did its mounts succeed since?
             events += _pod_events(platform, core, f"involvedObject.kind=Pod,involvedObject.name={name}")
     if events:
-        problems = pod_problems(pods, events, exited_workers, replaced, training_alive)
+        problems = pod_problems(pods, events, exited_workers, replaced, training_alive, elastic)
     act_on(platform, problems, clock, log, stopping)
     return pods
 

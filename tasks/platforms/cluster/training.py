@@ -216,10 +216,10 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
                     raise
             if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
                 try:
-                    # An elastic job goes on without a worker that exited or was replaced, and takes it back.
                     pods = check_pods(platform, core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
-                                      "the MPIJob was deleted", exited_workers=handle.spec.elastic is None,
-                                      training_alive=time.monotonic() - last_line_at < platform.pod_problem_grace_s)
+                                      "the MPIJob was deleted", exited_workers=True,
+                                      training_alive=time.monotonic() - last_line_at < platform.pod_problem_grace_s,
+                                      elastic=handle.spec.elastic is not None)
                     silent.update({pod["metadata"]["name"]: how for pod in pods if (how := node_silent(pod))})
                 except (StageBlocked, TrainingInterrupted):
                     platform.cancel_training(name, handle.spec.volume)  # a retry submits a fresh one
