@@ -47,11 +47,11 @@ def delete_a_worker_at(cluster: Cluster, core: kubernetes.client.CoreV1Api, pod:
 def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_replacement_back(
         emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
     emu, cluster = emulator
-    cluster.configmap_sync_s = 3.0  # the kubelet's sync (1 min upstream), shortened
+    cluster.configmap_sync_s = 2.0  # the kubelet's sync (1 min upstream), shortened
     _, volume, data_dir = prepared
     platform = cluster_platform(emu, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
-    # 8 images, one per step: 4 steps an epoch on two workers, 8 on one; about 90 steps in all.
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="20", batch_size="1", log_every="2",
+    # 8 images, one per step: 4 steps an epoch on two workers, 8 on one; about 60 steps in all.
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="13", batch_size="1", log_every="2",
                     checkpoint_every="1000", elastic="1", commit_every=str(COMMIT_EVERY))
     spec = spec.model_copy(update={"elastic": ElasticWorkers(min_workers=1, max_workers=2,
                                                              commit_every=COMMIT_EVERY)})

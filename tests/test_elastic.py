@@ -189,12 +189,15 @@ pipeline = pytest.mark.slow
 def test_local_elastic_run_loses_a_worker_goes_on_and_takes_it_back(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
     from flows.train import train_pipeline
+    from tasks.platforms import LocalPlatform
     from tests.test_pipeline import params_for, task_runs
 
+    # A short cooldown: the lost worker is tried again after 2 to 3 s (the block's default: 10 to 15 s).
+    LocalPlatform(elastic_cooldown_min_s=1, elastic_cooldown_max_s=10).save("quick-return", overwrite=True)
     killed: list[tuple[int, int]] = []
     watcher = _on_run(laneflow_home / "volumes" / "elastic" / "runs", _kill_a_worker_mid_training, killed)
-    state = train_pipeline(**params_for(synthetic_archive, epochs=60, volume="elastic", snapshot=False,
-                                        elastic=ELASTIC), return_state=True)
+    state = train_pipeline(**params_for(synthetic_archive, epochs=35, volume="elastic", snapshot=False,
+                                        elastic=ELASTIC, platform="quick-return"), return_state=True)
     watcher.join(timeout=10)
     assert killed, "the test never killed a worker"
     assert state.is_completed(), state.message
@@ -239,7 +242,7 @@ def test_losing_every_worker_falls_back_to_checkpoint_and_resubmit(
 
     stopped: list[int] = []
     watcher = _on_run(laneflow_home / "volumes" / "all-lost" / "runs", _stop_every_worker, stopped)
-    state = train_pipeline(**params_for(synthetic_archive, epochs=30, volume="all-lost", snapshot=False,
+    state = train_pipeline(**params_for(synthetic_archive, epochs=15, volume="all-lost", snapshot=False,
                                         elastic=ELASTIC), return_state=True)
     watcher.join(timeout=10)
     assert stopped == [2]
