@@ -57,6 +57,8 @@ _jobs_lock = threading.Lock()
 # --- training ---------------------------------------------------------------------------------------
 def submit(platform: LocalPlatform, spec: TrainingSpec) -> TrainingHandle:
     run_dir = platform.inside(spec.volume, spec.run_dir)
+    if spec.elastic is not None:  # a probe of seconds: before the lock every submit of this process takes
+        _check_elastic(platform, spec)
     record_file = run_dir / LAUNCHER_RECORD
     with _jobs_lock:
         running = _jobs.get(spec.job_name)
@@ -147,10 +149,6 @@ def _launcher_command(platform: LocalPlatform, spec: TrainingSpec, python: str, 
     horovodrun, data_root = str(Path(python).parent / "horovodrun"), str(platform.inside(spec.volume, spec.data_dir))
     if spec.elastic is None:
         return horovodrun_command(horovodrun, python, spec, data_root, str(run_dir))
-    if spec.elastic.max_workers > LOCAL_ELASTIC_MAX_WORKERS:
-        raise ValueError(f"elastic.max_workers {spec.elastic.max_workers} is more than the local platform's "
-                         f"{LOCAL_ELASTIC_MAX_WORKERS}; lower it, or train on a cluster")
-    _check_gloo(python)
     script = run_dir / DISCOVERY_SCRIPT
     script.write_text(discovery_script(local_elastic_hosts(spec.elastic.max_workers), 1,
                                        f"laneflow: the local hosts of elastic run {spec.job_name}, one per worker"))
@@ -160,9 +158,14 @@ def _launcher_command(platform: LocalPlatform, spec: TrainingSpec, python: str, 
     return elastic_horovodrun_command(horovodrun, python, spec, data_root, str(run_dir), launch)
 
 
-def _check_gloo(python: str) -> None:
-    """Elastic runs need Horovod's Gloo controller (horovodrun refuses elastic mode without it): said before
-    anything starts, with what to do."""
+def _check_elastic(platform: LocalPlatform, spec: TrainingSpec) -> None:
+    """What an elastic run needs here, said before anything starts, with what to do: at most
+    ``LOCAL_ELASTIC_MAX_WORKERS`` workers, and Horovod's Gloo controller (horovodrun refuses elastic mode without
+    it)."""
+    if spec.elastic is not None and spec.elastic.max_workers > LOCAL_ELASTIC_MAX_WORKERS:
+        raise ValueError(f"elastic.max_workers {spec.elastic.max_workers} is more than the local platform's "
+                         f"{LOCAL_ELASTIC_MAX_WORKERS}; lower it, or train on a cluster")
+    python = platform.interpreter()
     probe = subprocess.run([python, "-c", "import sys, horovod.torch as hvd; sys.exit(0 if hvd.gloo_built() else 3)"],
                            capture_output=True, text=True, timeout=300)
     if probe.returncode == 3:
