@@ -5,6 +5,7 @@ in a sweep) and returned however a run ends, no secrets out."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -153,7 +154,7 @@ def test_anf_snapshot_and_configuration_errors(arm: tuple) -> None:
 
 def test_a_snapshot_azure_is_still_taking_is_listed_as_not_ready(arm: tuple) -> None:
     emulator, state = arm
-    state.operation_s = 3.0
+    state.operation_s = math.inf  # still being taken after any wait, until run_out
     volume = anf_volume(emulator, operation_timeout_s=0.5)
     with pytest.raises(AnfError, match="'tusimple-train-0123456789ab' of volume 'tusimple' was not created within"):
         volume.create_snapshot("tusimple-train-0123456789ab")
@@ -251,7 +252,7 @@ def test_a_promotion_that_times_out_while_azure_moves_the_volume_still_ends_on_i
     emulator, state = arm
     if missing := pod_runtime_missing():  # the promotion comes after the dataset stage, which runs in a pod
         pytest.skip(missing)
-    state.operation_s = 4.5  # Azure's clock: the move ends 1.5 s after laneflow stopped waiting for it
+    state.operation_s = 5.0  # Azure's clock: the move ends 2 s after laneflow stopped waiting for it
     k8s = KubernetesEmulator(tmp_path / "k8s")
     on_anf(k8s, state)
     with k8s:
@@ -271,7 +272,7 @@ def test_a_volume_that_cannot_be_returned_is_reported_with_the_command_and_the_n
     emulator, state = arm
     if missing := pod_runtime_missing():
         pytest.skip(missing)
-    state.operation_s = 8.0  # longer than all laneflow waits for it: 1 s, then 3 tries of 1 s to return it
+    state.operation_s = math.inf  # outlasts all laneflow waits for it (1 s, then 3 tries to return it), however slow
     k8s = KubernetesEmulator(tmp_path / "k8s")
     on_anf(k8s, state)
     with k8s:

@@ -32,6 +32,7 @@ operation name; ``fail_operations`` makes an operation's long-running part end F
 from __future__ import annotations
 
 import json
+import math
 import re
 import ssl
 import threading
@@ -80,7 +81,8 @@ class Arm:
     operations: dict[str, dict] = field(default_factory=dict)
     faults: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # op -> statuses
     fail_operations: set[str] = field(default_factory=set)  # ops whose LRO ends Failed
-    #: How long a long-running operation runs on Azure's side, from its acceptance.
+    #: How long a long-running operation runs on Azure's side, from its acceptance; ``math.inf``: until
+    #: ``run_out`` (a move that outlasts every wait of laneflow's however slow the machine is).
     operation_s: float = 0.2
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)  # (method, path, headers)
     actions: list[str] = field(default_factory=list)  # the RBAC action of each ARM request
@@ -100,7 +102,13 @@ class Arm:
                         record["outcome"] = ("Succeeded", record["effect"](record["due_at"]))
 
     def run_out(self) -> None:
-        """Let every accepted operation reach its end (what Azure does while nobody looks), for assertions."""
+        """Let every accepted operation reach its end (what Azure does while nobody looks), for assertions.
+        An operation accepted with ``operation_s = math.inf`` (one that outlasts whatever laneflow waits, on any
+        machine's speed) ends now."""
+        with self.lock:
+            for record in self.operations.values():
+                if "outcome" not in record and math.isinf(record["due"]):
+                    record["due"], record["due_at"] = time.monotonic(), time.time()
         pending = [r["due"] for r in self.operations.values() if "outcome" not in r]
         if pending:
             time.sleep(max(0.0, max(pending) - time.monotonic()))
