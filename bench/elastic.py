@@ -133,8 +133,11 @@ def main() -> None:
                       (platform.inside(volume, spec.run_dir) / "metrics.jsonl").read_text().splitlines() if line]
             recovered, rejoin = time_lost(events, killed_at, reached)
             lost[name] = recovered + rejoin
+            joins = [event for event in events if event["event"] == "workers" and event.get("joined")]
+            how = ", a warm spare" if joins and all(e["joined_warm"] == e["joined"] for e in joins) else \
+                (", started cold" if joins else "")
             print(f"{name:24s} lost {lost[name]:5.1f} s: back past step {reached} {recovered:5.1f} s after the kill, "
-                  f"taking the worker back {rejoin:4.1f} s ({attempts} attempt(s))", flush=True)
+                  f"taking the worker back {rejoin:4.1f} s{how} ({attempts} attempt(s))", flush=True)
         ratio = lost["elastic"] / lost["checkpoint-and-resubmit"]
         print(f"time lost per worker loss: elastic / checkpoint-and-resubmit = {ratio:.2f}  (target <= 0.25)")
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -83,10 +84,15 @@ def prepare_args(artifacts: list[Artifact], volume_path: str) -> list[str]:
     return ["-m", "training.data.prepare", *sources, "--volume", volume_path]
 
 
-def horovodrun_command(horovodrun: str, python: str, spec: TrainingSpec, data_root: str, run_dir: str,
-                       hosts: str | None = None) -> list[str]:
+def _launcher(horovodrun: str | Sequence[str]) -> list[str]:
+    """horovodrun's own argument list: its path, or a command that is horovodrun (``python -m training.horovodrun``)."""
+    return [horovodrun] if isinstance(horovodrun, str) else list(horovodrun)
+
+
+def horovodrun_command(horovodrun: str | Sequence[str], python: str, spec: TrainingSpec, data_root: str,
+                       run_dir: str, hosts: str | None = None) -> list[str]:
     """The launcher's argument list (never a shell string): ``horovodrun -np N -H localhost:N --gloo python ...``."""
-    return [horovodrun, "-np", str(spec.workers), "-H", hosts or f"localhost:{spec.workers}", "--gloo",
+    return [*_launcher(horovodrun), "-np", str(spec.workers), "-H", hosts or f"localhost:{spec.workers}", "--gloo",
             python, *trainer_args(spec.preset, spec.settings, data_root, run_dir)]
 
 
@@ -122,14 +128,20 @@ def elastic_horovodrun_args(workers: int, min_workers: int, max_workers: int, la
             "--network-interface", launch.network_interface, "--cache-capacity", "0"]
 
 
-def elastic_horovodrun_command(horovodrun: str, python: str, spec: TrainingSpec, data_root: str, run_dir: str,
-                               launch: ElasticLaunch) -> list[str]:
-    """The launcher's argument list for an elastic run of ``spec``: ``horovodrun <elastic flags> python ...``."""
+#: A worker started through a warm spare when one is ready (``training.warm``), else cold: the same trainer.
+THROUGH_A_SPARE = ["-m", "training.warm", "run", "--"]
+
+
+def elastic_horovodrun_command(horovodrun: str | Sequence[str], python: str, spec: TrainingSpec, data_root: str,
+                               run_dir: str, launch: ElasticLaunch, through_spares: bool = False) -> list[str]:
+    """The launcher's argument list for an elastic run of ``spec``: ``horovodrun <elastic flags> python ...``;
+    with ``through_spares``, each worker is started by ``training.warm run`` (the launcher keeps spares)."""
     if spec.elastic is None:
         raise ValueError(f"training job {spec.job_name} is not elastic")
-    return [horovodrun, *elastic_horovodrun_args(spec.workers, spec.elastic.min_workers, spec.elastic.max_workers,
-                                                 launch),
-            python, *trainer_args(spec.preset, spec.settings, data_root, run_dir)]
+    bounds = (spec.workers, spec.elastic.min_workers, spec.elastic.max_workers)
+    return [*_launcher(horovodrun), *elastic_horovodrun_args(*bounds, launch),
+            python, *(THROUGH_A_SPARE if through_spares else []),
+            *trainer_args(spec.preset, spec.settings, data_root, run_dir)]
 
 
 def local_elastic_hosts(count: int) -> list[str]:
@@ -141,9 +153,10 @@ def local_elastic_hosts(count: int) -> list[str]:
     return [f"127.0.0.{'0' * index}1" for index in range(count)]
 
 
-def discovery_script(hosts: list[str], slots: int, what: str) -> str:
-    """A host discovery script that lists ``hosts`` with ``slots`` each."""
-    return "#!/bin/sh\n" + f"# {what}\n" + "".join(f"echo {host}:{slots}\n" for host in hosts)
+def discovery_script(hosts_file: str, what: str) -> str:
+    """A host discovery script that prints ``hosts_file`` (``<host>:<slots>`` a line; its writer replaces it
+    whole, ``training.warm.write_hosts_file``)."""
+    return "#!/bin/sh\n" + f"# {what}\n" + f"exec cat {shlex.quote(hosts_file)}\n"
 
 
 def host_label(host: str) -> str:
@@ -158,7 +171,8 @@ def describe_world_change(event: dict[str, Any], max_workers: int | None) -> str
     step, workers = event.get("step"), event.get("workers")
     said = [f"{', '.join(map(host_label, event.get('lost') or []))} lost at step {step}"] if event.get("lost") else []
     if event.get("joined"):
-        said.append(f"{', '.join(map(host_label, event['joined']))} joined at step {step}")
+        warm = " (from a warm spare)" if set(event["joined"]) <= set(event.get("joined_warm") or []) else ""
+        said.append(f"{', '.join(map(host_label, event['joined']))} joined at step {step}{warm}")
     redone = int(event.get("redone_steps") or 0)
     again = f" ({redone} step{'s' if redone != 1 else ''} done again)" if redone else ""
     of = f" of {max_workers}" if max_workers else ""

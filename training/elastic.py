@@ -21,8 +21,8 @@ the data is read again. Here the ranks that are left go on (horovod 0.28.1 ``hor
   left, is handled as in the fixed loop: a durable checkpoint, exit 75, resubmission;
 - whoever is rank 0 writes the durable checkpoints (with the sampler's position, so a resubmitted run resumes
   mid-epoch) and the records. Every ``step`` event says how many ``workers`` there are; every change of the
-  world is a ``workers`` event: step, workers, hosts, lost, joined, and ``redone_steps`` (the steps the
-  survivors went back over).
+  world is a ``workers`` event: step, workers, hosts, lost, joined (``joined_warm``: those a warm spare of the
+  launcher became, ``training.warm``), and ``redone_steps`` (the steps the survivors went back over).
 """
 
 from __future__ import annotations
@@ -87,6 +87,13 @@ def this_host() -> str:
     return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
+def started_warm() -> bool:
+    """Whether this worker is a warm spare the launcher kept (``training.warm``), not a process started cold."""
+    from training.warm import STARTED_WARM_ENV
+
+    return os.environ.get(STARTED_WARM_ENV) == "1"
+
+
 def _state_class(hvd: object) -> type:
     """``hvd.elastic.TorchState`` that syncs the optimizer before the model. Horovod syncs the model first, then
     gives a newcomer's still empty optimizer its state by one local step on zero gradients
@@ -141,14 +148,15 @@ def train_elastic(parts: RunParts) -> int:
 
     def note_world(state: hvd.elastic.TorchState) -> None:
         """Every rank, on (re)entering the loop: who is here; rank 0 records a change of the world."""
-        world = hvd.allgather_object((this_host(), furthest[0]), name="world")
-        hosts = [host for host, _ in world]
+        world = hvd.allgather_object((this_host(), furthest[0], started_warm()), name="world")
+        hosts = [host for host, _, _ in world]
         if state.hosts and hosts != state.hosts:
             lost, joined = world_change(state.hosts, hosts)
-            redone = max(0, max(reached for _, reached in world) - state.step)
+            redone = max(0, max(reached for _, reached, _ in world) - state.step)
             if parts.is_main:
                 parts.record("workers", state.step, step=state.step, workers=len(hosts), hosts=hosts, lost=lost,
-                             joined=joined, redone_steps=redone,
+                             joined=joined, joined_warm=[host for host, _, warm in world if warm and host in joined],
+                             redone_steps=redone,
                              total_steps=plan.total_steps(state.step, *position(state), len(hosts)))
             log.info("the run goes on with %d worker(s) from step %d (lost %s, joined %s; %d step(s) redone)",
                      len(hosts), state.step, lost or "none", joined or "none", redone)

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from tasks.platforms.local import LocalPlatform
 
 LAUNCHER_RECORD = "launcher.json"
+ELASTIC_HOSTS_FILE = "elastic_hosts"  # what the discovery script prints
 
 _jobs: dict[str, subprocess.Popen] = {}
 _jobs_lock = threading.Lock()
@@ -146,16 +147,22 @@ LOCAL_ELASTIC_MAX_WORKERS = 32
 def _launcher_command(platform: LocalPlatform, spec: TrainingSpec, python: str, run_dir: Path) -> list[str]:
     """horovodrun for the job: a fixed one on localhost, or an elastic one over the hosts of a discovery script
     written into the run's folder (one host name per worker slot, all of them this machine)."""
-    horovodrun, data_root = str(Path(python).parent / "horovodrun"), str(platform.inside(spec.volume, spec.data_dir))
+    # horovodrun that asks how Horovod was built once per installed build, not at every launch (a torch import)
+    horovodrun, data_root = [python, "-m", "training.horovodrun"], str(platform.inside(spec.volume, spec.data_dir))
     if spec.elastic is None:
         return horovodrun_command(horovodrun, python, spec, data_root, str(run_dir))
-    script = run_dir / DISCOVERY_SCRIPT
-    script.write_text(discovery_script(local_elastic_hosts(spec.elastic.max_workers), 1,
-                                       f"laneflow: the local hosts of elastic run {spec.job_name}, one per worker"))
+    # The hosts a warm spare is ready for, as the launcher's keeper of spares lists them (training.warm): a
+    # worker that joins mid-run then starts at once instead of keeping the others waiting while it imports.
+    script, hosts_file = run_dir / DISCOVERY_SCRIPT, run_dir / ELASTIC_HOSTS_FILE
+    script.write_text(discovery_script(str(hosts_file), f"laneflow: the local hosts of elastic run {spec.job_name} "
+                                                        "that have a worker or a warm spare ready for one"))
     script.chmod(0o755)
     launch = ElasticLaunch(str(script), 1, (platform.elastic_cooldown_min_s, platform.elastic_cooldown_max_s),
                            platform.elastic_timeout_s, "lo")
-    return elastic_horovodrun_command(horovodrun, python, spec, data_root, str(run_dir), launch)
+    hosts = local_elastic_hosts(spec.elastic.max_workers)
+    return [python, "-m", "training.warm", "launch", "--hosts", ",".join(hosts), "--slots", "1", "--hosts-file",
+            str(hosts_file), "--",
+            *elastic_horovodrun_command(horovodrun, python, spec, data_root, str(run_dir), launch, through_spares=True)]
 
 
 def _check_elastic(platform: LocalPlatform, spec: TrainingSpec) -> None:
@@ -166,13 +173,15 @@ def _check_elastic(platform: LocalPlatform, spec: TrainingSpec) -> None:
         raise ValueError(f"elastic.max_workers {spec.elastic.max_workers} is more than the local platform's "
                          f"{LOCAL_ELASTIC_MAX_WORKERS}; lower it, or train on a cluster")
     python = platform.interpreter()
-    probe = subprocess.run([python, "-c", "import sys, horovod.torch as hvd; sys.exit(0 if hvd.gloo_built() else 3)"],
+    # Horovod's own check, answered once per installed build (training.horovodrun): horovodrun asks it too.
+    probe = subprocess.run([python, "-c", "import sys; from training.horovodrun import recorded_build; "
+                                          "sys.exit(0 if recorded_build()['gloo'] else 3)"],
                            capture_output=True, text=True, timeout=300)
     if probe.returncode == 3:
         raise ValueError(f"elastic training needs Horovod built with Gloo, and the Horovod of {python} has none: "
                          "rebuild it with HOROVOD_WITH_GLOO=1 (scripts/install_horovod.sh), or train without elastic")
     if probe.returncode != 0:
-        raise ValueError(f"could not import horovod.torch with {python} to check it for Gloo: "
+        raise ValueError(f"could not ask the Horovod of {python} whether it has Gloo: "
                          f"{probe.stderr.strip().splitlines()[-1:] or probe.returncode}")
 
 
@@ -220,7 +229,7 @@ def _finish_record(run_dir: Path, exit_code: int | None, reason: str) -> None:
 
 
 def _is_our_group(pgid: int, run_dir: str) -> bool:
-    """The group leader is the horovodrun we started for this run (pids get reused)."""
+    """The group leader is the horovodrun we started for this run (pids get reused): ``training.horovodrun``."""
     try:
         cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
     except OSError:
