@@ -153,10 +153,14 @@ def local_elastic_hosts(count: int) -> list[str]:
     return [f"127.0.0.{'0' * index}1" for index in range(count)]
 
 
-def discovery_script(hosts_file: str, what: str) -> str:
-    """A host discovery script that prints ``hosts_file`` (``<host>:<slots>`` a line; its writer replaces it
-    whole, ``training.warm.write_hosts_file``)."""
-    return "#!/bin/sh\n" + f"# {what}\n" + f"exec cat {shlex.quote(hosts_file)}\n"
+def discovery_script(hosts_file: str, what: str, keeper_lock: str, every_host: str) -> str:
+    """A host discovery script that prints ``hosts_file`` (``<host>:<slots>`` a line; its writer, the keeper of
+    spares, replaces it whole, ``training.warm``) while the keeper lives — it holds a lock on ``keeper_lock`` —
+    and ``every_host`` (the same format) once it is gone, whatever ended it."""
+    quoted = shlex.quote
+    return ("#!/bin/sh\n" + f"# {what}\n" +
+            f"if flock -n {quoted(keeper_lock)} true 2>/dev/null; then printf %s {quoted(every_host)}; "
+            f"else cat {quoted(hosts_file)}; fi\n")
 
 
 def host_label(host: str) -> str:

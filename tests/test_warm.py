@@ -4,8 +4,11 @@ Real processes: the launcher, its keeper, spares that import torch and Horovod, 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,13 +33,18 @@ def test_hosts_in_use_are_listed_and_a_free_one_for_each_ready_spare() -> None:
     assert hosts_text(["h0", "h1"], 2) == "h0:2\nh1:2\n"
 
 
-def test_the_discovery_script_prints_the_hosts_file_as_it_is_now(tmp_path: Path) -> None:
-    hosts_file, script = tmp_path / "it's hosts", tmp_path / "discover_hosts.sh"
-    script.write_text(discovery_script(str(hosts_file), "a test"))
+def test_the_discovery_script_prints_the_hosts_file_while_the_keeper_lives_and_every_host_after(
+        tmp_path: Path) -> None:
+    hosts_file, script, lock = tmp_path / "it's hosts", tmp_path / "discover_hosts.sh", tmp_path / "hosts.lock"
+    script.write_text(discovery_script(str(hosts_file), "a test", str(lock), "a:1\nb:1\n"))
     script.chmod(0o755)
-    for text in ("", "127.0.0.1:1\n127.0.0.01:1\n"):
+    held = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as the keeper holds it
+    for text in ("", "a:1\n"):
         hosts_file.write_text(text)
         assert subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout == text
+    os.close(held)  # the keeper is gone, however it ended: every host, the workers start cold
+    assert subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout == "a:1\nb:1\n"
 
 
 def test_a_joined_worker_is_said_to_come_from_a_warm_spare() -> None:
@@ -85,13 +93,24 @@ def _of_pool(pool: str) -> set[int]:
     return found
 
 
+def _keeper(hosts_file: Path) -> set[int]:
+    """The keeper of the launcher for ``hosts_file``: the process forked from it before it became the launcher."""
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            parts = cmdline.read_bytes().split(b"\0")
+            if parts[1:4] == [b"-m", b"training.warm", b"launch"] and str(hosts_file).encode() in parts:
+                found.add(int(cmdline.parent.name))
+    return found
+
+
 def test_a_worker_command_is_handed_to_a_ready_spare_with_its_streams_and_exit_code(tmp_path: Path) -> None:
     hosts_file = tmp_path / "hosts"
     with running(_launch(hosts_file), cwd=ROOT) as launcher:
         wait_until("both spares ready", lambda: _listed(hosts_file) == "a:1\nb:1\n", timeout_s=300, every_s=0.2)
         pool = _pool(launcher.pid)
         spares = _spares() & _of_pool(pool)
-        assert len(spares) == 2
+        assert len(spares) == 2 and len(_keeper(hosts_file)) == 1
         worker = subprocess.run(
             [sys.executable, "-m", "training.warm", "run", "--", "-m", "training.train", "--data-root",
              str(tmp_path), "--run-dir", str(tmp_path / "run"), "--preset", "no-such-preset"],
@@ -100,11 +119,15 @@ def test_a_worker_command_is_handed_to_a_ready_spare_with_its_streams_and_exit_c
         # The trainer's own refusal, on the worker command's stderr, and its exit code (EXIT_CONFIG_ERROR).
         assert worker.returncode == 2, worker.stderr
         assert "no-such-preset" in worker.stderr
-        # One of the two spares became that worker and ended with it; the keeper warms another for b.
+        # One of the two spares became that worker and ended with it. No worker is left (a job whose every
+        # worker ended is over): no spare is warmed for it, and one host is listed for the spare that is left.
         assert len(spares - _spares()) == 1
-        wait_until("a new spare ready for b", lambda: len(_spares() & _of_pool(pool)) == 2, timeout_s=300)
-    wait_until("the keeper and its spares gone with the launcher", lambda: not _of_pool(pool), timeout_s=30,
-               every_s=0.2)
+        wait_until("one host listed", lambda: _listed(hosts_file) == "a:1\n", timeout_s=60, every_s=0.2)
+        assert _spares() & _of_pool(pool) < spares
+        # The launcher ends (horovodrun's end, as at the end of a run): its keeper and the spares go with it.
+        os.kill(launcher.pid, signal.SIGKILL)
+        wait_until("the keeper and its spares gone with the launcher",
+                   lambda: not (_of_pool(pool) | _keeper(hosts_file)), timeout_s=60, every_s=0.2)
 
 
 def test_spares_that_cannot_start_leave_every_host_listed_and_workers_start_cold(tmp_path: Path) -> None:
@@ -116,14 +139,14 @@ def test_spares_that_cannot_start_leave_every_host_listed_and_workers_start_cold
     with running(_launch(hosts_file), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) as launcher:
         wait_until("every host listed", lambda: _listed(hosts_file) == "a:1\nb:1\n", timeout_s=300, every_s=0.2)
         pool = _pool(launcher.pid)
-        assert not _spares() & _of_pool(pool)
+        wait_until("the last spare gone", lambda: not _spares() & _of_pool(pool), timeout_s=60, every_s=0.2)
         worker = subprocess.run(
             [sys.executable, "-m", "training.warm", "run", "--", "-m", "training.train", "--data-root",
              str(tmp_path), "--run-dir", str(tmp_path / "run"), "--preset", "no-such-preset"],
             cwd=ROOT, capture_output=True, text=True, timeout=120, env={**env, LAUNCHER_POOL_ENV: pool})
         assert worker.returncode == 2 and "no-such-preset" in worker.stderr  # the trainer, started cold
     said = launcher.stderr.read()
-    assert "3 spares in a row died before they were ready" in said and "this Horovod is broken" in said
+    assert "3 spares died before they were workers" in said and "this Horovod is broken" in said
     wait_until("the keeper gone with the launcher", lambda: not _of_pool(pool), timeout_s=30, every_s=0.2)
 
 

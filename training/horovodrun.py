@@ -24,16 +24,23 @@ RECORD = Path(sys.prefix) / ".laneflow-horovod-build.json"
 
 
 def build_key() -> dict:
-    """What identifies the installed Horovod build: its version and its PyTorch extension library's file."""
+    """What identifies the installed Horovod build: its version, its PyTorch extension library's file, and the
+    torch it was checked with (an upgraded torch can break the extension)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import horovod
 
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = None
     library = Path(horovod.__file__).parent / "torch" / f"mpi_lib_v2{sysconfig.get_config_var('EXT_SUFFIX')}"
+    key = {"version": horovod.__version__, "torch": torch_version, "library": str(library)}
     try:
         found = library.stat()
     except OSError:
-        return {"version": horovod.__version__, "library": str(library), "missing": True}
-    return {"version": horovod.__version__, "library": str(library), "size": found.st_size,
-            "mtime_ns": found.st_mtime_ns}
+        return {**key, "missing": True}
+    return {**key, "size": found.st_size, "mtime_ns": found.st_mtime_ns}
 
 
 def recorded_build(record: Path = RECORD) -> dict[str, bool]:
@@ -48,7 +55,10 @@ def recorded_build(record: Path = RECORD) -> dict[str, bool]:
         pass
     from horovod.common.util import gloo_built, mpi_built
 
-    answers = {"gloo": bool(gloo_built()), "mpi": bool(mpi_built())}
+    gloo, mpi = gloo_built(), mpi_built()
+    answers = {"gloo": bool(gloo), "mpi": bool(mpi)}
+    if gloo is None or mpi is None:  # no extension could be loaded at all: not an answer to keep
+        return answers
     partial = record.with_name(f".{record.name}.{os.getpid()}")
     try:
         partial.write_text(json.dumps({"key": key, **answers}))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -35,6 +36,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,21 +110,52 @@ def _receive_fds(sock: socket.socket, count: int) -> list[int]:
 
 
 # --- the worker command ---------------------------------------------------------------------------------
+class _HandOverFailed(Exception):
+    """The spare died while it was being handed the worker."""
+
+
 def run_worker(trainer_argv: list[str]) -> int:
     """Be the worker horovodrun started: through a warm spare when the keeper has one ready, else cold."""
-    claimed = _claim_spare(os.environ.get(LAUNCHER_POOL_ENV, ""))
-    if claimed is None:
-        os.execv(sys.executable, [sys.executable, *trainer_argv])  # a cold start, exactly as without spares
-    connection, spare_pid = claimed
+    pool, host = os.environ.get(LAUNCHER_POOL_ENV, ""), os.environ.get("HOROVOD_HOSTNAME", "")
+    for _ in range(2):  # a spare that dies while it is handed the worker: ask again
+        claimed = _claim(pool, host)
+        if claimed is None:
+            break
+        connection, spare_pid = claimed
+        if spare_pid is None:
+            # Cold, with the keeper told: the connection stays open in the trainer, and its end tells the keeper
+            # that this host's worker is gone.
+            os.set_inheritable(connection.fileno(), True)
+            break
+        try:
+            return _be_handed(connection, spare_pid, trainer_argv)
+        except _HandOverFailed:
+            connection.close()
+    os.execvp(sys.executable, [sys.executable, *trainer_argv])  # a cold start, exactly as without spares
+    return 1  # not reached
+
+
+def _be_handed(connection: socket.socket, spare_pid: int, trainer_argv: list[str]) -> int:
+    """Hand the worker (argv, environment, cwd, standard streams) to the spare, pass signals on, and return its
+    exit code."""
+    try:
+        spare = os.pidfd_open(spare_pid)  # signals go to that process, never to one that reuses its pid
+    except OSError:
+        raise _HandOverFailed() from None
 
     def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(spare_pid, signum)
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(spare, signum)
 
     for signum in _FORWARDED_SIGNALS:
         signal.signal(signum, forward)
-    _send_fds(connection, [fd if _is_open(fd) else os.open(os.devnull, os.O_RDWR) for fd in (0, 1, 2)])
-    _send(connection, {"argv": trainer_argv, "env": dict(os.environ), "cwd": os.getcwd()})
+    try:
+        _send_fds(connection, [fd if _is_open(fd) else os.open(os.devnull, os.O_RDWR) for fd in (0, 1, 2)])
+        _send(connection, {"argv": trainer_argv, "env": dict(os.environ), "cwd": os.getcwd()})
+    except OSError:
+        for signum in _FORWARDED_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        raise _HandOverFailed() from None
     try:
         return int(_receive(connection)["exit"])
     except (EOFError, OSError, ValueError, KeyError):
@@ -137,23 +170,22 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _claim_spare(pool: str) -> tuple[socket.socket, int] | None:
-    """A connection to the spare the keeper handed this worker to, and the spare's pid; None: start cold."""
+def _claim(pool: str, host: str) -> tuple[socket.socket, int | None] | None:
+    """Tell the keeper this worker's host: a connection and the pid of the spare it was handed to, or of none
+    (start cold, the keeper told); None: no keeper answered (start cold)."""
     if not pool:
         return None
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.settimeout(HANDSHAKE_TIMEOUT_S)
         connection.connect(keeper_address(pool))
+        _send(connection, {"host": host})
         answer = _receive(connection)
         connection.settimeout(None)
     except (OSError, EOFError, ValueError):
         connection.close()
         return None
-    if "spare" not in answer:
-        connection.close()
-        return None
-    return connection, int(answer["spare"])
+    return connection, (int(answer["spare"]) if "spare" in answer else None)
 
 
 # --- the spare -----------------------------------------------------------------------------------------
@@ -177,12 +209,20 @@ def serve_as_spare(control: socket.socket) -> int:
     except (EOFError, OSError, ValueError):
         return 0  # the keeper is gone: the run is over
     connection = socket.socket(fileno=handed)
-    _send(connection, {"spare": os.getpid()})
+    connection.setblocking(True)
     try:
+        _send(connection, {"spare": os.getpid()})
         stdio = _receive_fds(connection, 3)
         request = _receive(connection)
     except (EOFError, OSError, ValueError):
         return 0  # the worker command is gone before it said what to run
+    # A session of its own, as horovodrun gives a worker started cold (safe_shell_exec's middleman calls
+    # setsid): a stop signal to the launcher's process group is not one to this worker's data-loader processes,
+    # which torch's loader takes for a crash when it comes from anyone but the worker. The worker is stopped
+    # through its worker command, as a cold one is.
+    os.setsid()
+    sys.stdout.flush()
+    sys.stderr.flush()
     for target, fd in zip((0, 1, 2), stdio, strict=True):
         os.dup2(fd, target)
         os.close(fd)
@@ -229,11 +269,16 @@ def _run_trainer(argv: list[str]) -> int:
 
 
 # --- the keeper ----------------------------------------------------------------------------------------
+#: A spare that has not warmed up by then is taken for hung: killed, and counted as one that failed.
+WARM_UP_DEADLINE_S = 300.0
+
+
 @dataclass
 class _Spare:
     process: subprocess.Popen
     control: socket.socket
-    state: str = "warming"  # warming -> ready -> handed (to a worker command) -> running (as the host's worker)
+    started: float
+    state: str = "warming"  # warming -> ready -> handed (to a host's worker command) -> running (as its worker)
     host: str = ""
 
 
@@ -244,71 +289,117 @@ class Keeper:
         self.pool, self.hosts, self.slots, self.hosts_file = pool, hosts, slots, hosts_file
         self.launcher_pid = launcher_pid
         self.spares: dict[int, _Spare] = {}  # by the control socket's fd
+        self.cold: dict[int, tuple[socket.socket, str]] = {}  # workers started cold: their connection, host
         self.failed_starts = 0
-        self.finishing = False  # a worker ended 0: the run is ending, nothing is replaced any more
+        self.every_host = False  # spares cannot be had (they keep dying, or the keeper failed): workers go cold
+        self.had_workers = False
+        self.finishing = False  # a worker ended 0: the run is ending, the hosts stay as they are
+        self.listed_once = False
         self.selector = selectors.DefaultSelector()
         self.written: str | None = None
 
     def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the launcher's to handle, not the workers' end
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(keeper_address(self.pool))
         listener.listen(64)
         self.selector.register(listener, selectors.EVENT_READ, None)
         try:
             while os.getppid() == self.launcher_pid:  # the launcher (horovodrun) is gone: so is the run
-                self._top_up()
-                self._write_hosts()
-                for key, _ in self.selector.select(timeout=0.2):
-                    if key.data is None:
-                        self._hand_over(listener.accept()[0])
-                    else:
-                        self._on_control(key.data)
+                try:
+                    self._step(listener)
+                except Exception as exc:  # never the end of the run's workers: they start cold from now on
+                    if not self.every_host:
+                        print(f"laneflow.warm: the keeper of spares failed ({exc!r}); workers start cold from now on",
+                              file=sys.stderr, flush=True)
+                    self.every_host = True
+                    with contextlib.suppress(OSError):
+                        self._write_hosts()
         finally:
             listener.close()
-            for spare in self.spares.values():
+            for spare in self.spares.values():  # the launcher is gone: these are workers of nothing
                 with contextlib.suppress(ProcessLookupError):
                     spare.process.kill()
                 spare.process.wait()
 
-    @property
-    def every_host(self) -> bool:
-        return self.failed_starts >= MAX_FAILED_STARTS
+    def _step(self, listener: socket.socket) -> None:
+        self._top_up()
+        self._write_hosts()
+        for key, _ in self.selector.select(timeout=0.2):
+            if key.data is None:
+                self._hand_over(listener.accept()[0])
+            elif isinstance(key.data, _Spare):
+                self._on_control(key.data)
+            else:
+                self._cold_gone(key.fileobj)
+
+    def _in_use(self) -> set[str]:
+        handed = {spare.host for spare in self.spares.values() if spare.state in ("handed", "running")}
+        return handed | {host for _, host in self.cold.values()}
 
     def _top_up(self) -> None:
-        if self.finishing or self.every_host:
-            return
-        for _ in range(len(self.hosts) * self.slots - len(self.spares)):
+        now = time.monotonic()
+        for spare in self.spares.values():
+            if spare.state == "warming" and now - spare.started > WARM_UP_DEADLINE_S:
+                spare.process.kill()  # hung: its end comes through the control socket
+        in_use = self._in_use()
+        self.had_workers |= bool(in_use)
+        if self.finishing or self.every_host or (self.had_workers and not in_use):
+            return  # ending, cold from now on, or every worker gone (the job ends, or is being stopped)
+        for _ in range(len(self.hosts) * self.slots - len(self.spares) - len(self.cold)):
             keeper_end, spare_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             process = subprocess.Popen([sys.executable, "-m", "training.warm", "spare"], stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, pass_fds=[spare_end.fileno()],
                                        env={**os.environ, _CONTROL_FD_ENV: str(spare_end.fileno())})
             spare_end.close()
-            spare = _Spare(process, keeper_end)
+            spare = _Spare(process, keeper_end, now)
             self.spares[keeper_end.fileno()] = spare
             self.selector.register(keeper_end, selectors.EVENT_READ, spare)
 
     def _write_hosts(self) -> None:
         if self.finishing:  # the workers are ending one by one: the hosts stay as they were to the end
             return
-        in_use = {spare.host for spare in self.spares.values() if spare.state == "running"}
-        ready = sum(spare.state in ("ready", "handed") for spare in self.spares.values())
-        text = hosts_text(listed_hosts(self.hosts, in_use, ready // self.slots, self.every_host), self.slots)
+        if not self.listed_once and not self.every_host and \
+                any(spare.state == "warming" for spare in self.spares.values()):
+            return  # the first spares are listed together: each one listed later would re-form the job again
+        ready = sum(spare.state == "ready" for spare in self.spares.values())
+        text = hosts_text(listed_hosts(self.hosts, self._in_use(), ready // self.slots, self.every_host), self.slots)
         if text != self.written:
             write_hosts_file(self.hosts_file, text)
-            self.written = text
+            self.written, self.listed_once = text, True
 
     def _hand_over(self, connection: socket.socket) -> None:
-        spare = next((spare for spare in self.spares.values() if spare.state == "ready"), None)
+        """A worker command asks for a spare for its host: hand it one, or tell it to start cold (and keep its
+        connection: the host is in use until it ends)."""
         try:
-            if spare is None:
-                _send(connection, {"cold": "no warm spare is ready"})
-            else:
+            uid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))[1]
+            if uid != os.getuid():  # an abstract socket has no file permissions: only this user's processes
+                connection.close()
+                return
+            connection.settimeout(HANDSHAKE_TIMEOUT_S)
+            host = str(_receive(connection).get("host", ""))
+            connection.setblocking(True)  # the flag belongs to the open file, which the spare shares once handed
+            spare = next((spare for spare in self.spares.values() if spare.state == "ready"), None)
+            if spare is not None:
                 _send_fds(spare.control, [connection.fileno()])
-                spare.state = "handed"
-        except OSError:
-            pass  # that worker command or spare is gone: the one starts cold, the other is reaped
-        finally:
-            connection.close()
+                spare.state, spare.host = "handed", host
+                connection.close()
+                return
+            _send(connection, {"cold": "no warm spare is ready"})
+        except (OSError, EOFError, ValueError):
+            connection.close()  # that worker command or spare is gone: the one starts cold, the other is reaped
+            return
+        self.cold[connection.fileno()] = (connection, host)
+        self.selector.register(connection, selectors.EVENT_READ, "cold")
+
+    def _cold_gone(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            if connection.recv(1):
+                return  # a cold worker never sends more: ignore it
+        self.selector.unregister(connection)
+        self.cold.pop(connection.fileno(), None)
+        connection.close()
 
     def _on_control(self, spare: _Spare) -> None:
         try:
@@ -317,9 +408,9 @@ class Keeper:
             self._gone(spare)
             return
         if "ready" in message:
-            spare.state, self.failed_starts = "ready", 0
+            spare.state = "ready"
         elif "running" in message:
-            spare.state, spare.host = "running", str(message["running"])
+            spare.state = "running"
         elif message.get("exit") == 0:
             self.finishing = True
 
@@ -328,10 +419,11 @@ class Keeper:
         del self.spares[spare.control.fileno()]
         spare.control.close()
         spare.process.wait()
-        if spare.state == "warming":
+        if spare.state in ("warming", "ready"):  # died before it was a worker
             self.failed_starts += 1
-            if self.every_host:
-                print(f"laneflow.warm: {MAX_FAILED_STARTS} spares in a row died before they were ready (exit "
+            if self.failed_starts >= MAX_FAILED_STARTS and not self.every_host:
+                self.every_host = True
+                print(f"laneflow.warm: {MAX_FAILED_STARTS} spares died before they were workers (the last: exit "
                       f"{spare.process.returncode}); workers start cold from now on", file=sys.stderr, flush=True)
 
 
@@ -342,11 +434,20 @@ def write_hosts_file(path: Path, text: str) -> None:
     partial.replace(path)
 
 
+def keeper_lock(hosts_file: Path) -> Path:
+    """The file the keeper holds a lock on while it lives: without it, the discovery script lists every host."""
+    return hosts_file.with_name(f"{hosts_file.name}.lock")
+
+
 def launch(hosts: list[str], slots: int, hosts_file: Path, launcher: list[str]) -> None:
     """Fork the keeper, then become ``launcher`` (horovodrun), which its workers' ``run`` reach it from."""
     pool = f"{os.getpid()}-{secrets.token_hex(4)}"
     os.environ[LAUNCHER_POOL_ENV] = pool
     write_hosts_file(hosts_file, "")  # horovodrun fails at once when its first discovery fails
+    # Locked before horovodrun starts, held by the keeper alone (closed in horovodrun on exec): released when
+    # the keeper ends, however it ends.
+    lock = os.open(keeper_lock(hosts_file), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     launcher_pid = os.getpid()
     if os.fork() == 0:
         code = 1
@@ -359,7 +460,7 @@ def launch(hosts: list[str], slots: int, hosts_file: Path, launcher: list[str]) 
             traceback.print_exc()
         finally:
             os._exit(code)
-    os.execv(launcher[0], launcher)
+    os.execvp(launcher[0], launcher)
 
 
 def main(argv: list[str] | None = None) -> int:

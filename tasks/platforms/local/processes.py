@@ -44,6 +44,7 @@ from tasks.platforms.base import (
 )
 from tasks.platforms.local.files import now, read_json, write_json
 from tasks.processes import stop_group, stop_process
+from training.warm import hosts_text, keeper_lock
 
 if TYPE_CHECKING:
     from tasks.platforms.local import LocalPlatform
@@ -154,12 +155,13 @@ def _launcher_command(platform: LocalPlatform, spec: TrainingSpec, python: str, 
     # The hosts a warm spare is ready for, as the launcher's keeper of spares lists them (training.warm): a
     # worker that joins mid-run then starts at once instead of keeping the others waiting while it imports.
     script, hosts_file = run_dir / DISCOVERY_SCRIPT, run_dir / ELASTIC_HOSTS_FILE
+    hosts = local_elastic_hosts(spec.elastic.max_workers)
     script.write_text(discovery_script(str(hosts_file), f"laneflow: the local hosts of elastic run {spec.job_name} "
-                                                        "that have a worker or a warm spare ready for one"))
+                                                        "that have a worker or a warm spare ready for one",
+                                       str(keeper_lock(hosts_file)), hosts_text(hosts, 1)))
     script.chmod(0o755)
     launch = ElasticLaunch(str(script), 1, (platform.elastic_cooldown_min_s, platform.elastic_cooldown_max_s),
                            platform.elastic_timeout_s, "lo")
-    hosts = local_elastic_hosts(spec.elastic.max_workers)
     return [python, "-m", "training.warm", "launch", "--hosts", ",".join(hosts), "--slots", "1", "--hosts-file",
             str(hosts_file), "--",
             *elastic_horovodrun_command(horovodrun, python, spec, data_root, str(run_dir), launch, through_spares=True)]
