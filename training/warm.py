@@ -230,7 +230,8 @@ def serve_as_spare(control: socket.socket) -> int:
     os.environ.update(request["env"])
     os.environ[STARTED_WARM_ENV] = "1"
     os.chdir(request["cwd"])
-    _send(control, {"running": request["env"].get("HOROVOD_HOSTNAME", "")})
+    with contextlib.suppress(OSError):  # a keeper that is gone changes nothing for the worker
+        _send(control, {"running": request["env"].get("HOROVOD_HOSTNAME", "")})
     # The worker command killed (SIGKILL cannot be passed on) kills its worker: the connection ends.
     done = threading.Event()
     threading.Thread(target=_die_with, args=(connection, done), daemon=True, name="laneflow-warm-watch").start()

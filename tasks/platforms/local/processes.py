@@ -231,11 +231,19 @@ def _finish_record(run_dir: Path, exit_code: int | None, reason: str) -> None:
 
 
 def _is_our_group(pgid: int, run_dir: str) -> bool:
-    """The group leader is the horovodrun we started for this run (pids get reused): ``training.horovodrun``."""
-    try:
-        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
+    """The group leader is the horovodrun we started for this run (pids get reused): ``training.horovodrun``.
+    A process still in its exec shows an empty command line for a moment (the kernel closes the exec'ing
+    process's close-on-exec files, which ends ``Popen``'s wait, before it sets up the new arguments): read it
+    again then."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        if cmdline != [b""] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     return any(part.endswith(b"horovodrun") for part in cmdline) and run_dir.encode() in cmdline
 
 
