@@ -231,7 +231,7 @@ def serve_as_spare(control: socket.socket) -> int:
     os.environ[STARTED_WARM_ENV] = "1"
     os.chdir(request["cwd"])
     with contextlib.suppress(OSError):  # a keeper that is gone changes nothing for the worker
-        _send(control, {"running": request["env"].get("HOROVOD_HOSTNAME", "")})
+        _send(control, {"running": True})  # the keeper pinned the host when it handed the worker over
     # The worker command killed (SIGKILL cannot be passed on) kills its worker: the connection ends.
     done = threading.Event()
     threading.Thread(target=_die_with, args=(connection, done), daemon=True, name="laneflow-warm-watch").start()
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "spare":
         return serve_as_spare(socket.socket(fileno=int(os.environ.pop(_CONTROL_FD_ENV))))
-    command = [arg for arg in (args.launcher if args.command == "launch" else args.trainer)]
+    command = args.launcher if args.command == "launch" else args.trainer
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
