@@ -13,6 +13,13 @@ from pathlib import Path
 # Before anything imports the task modules: retry delays of 1 s, not 10 s, keep retry tests short.
 os.environ.setdefault("LANEFLOW_RETRY_DELAY_S", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The suite runs two xdist workers' processes side by side on few cores, so every torch process with more
+# than one OpenMP thread is oversubscribed: libgomp's default (active) wait spins a thread that waits at a
+# barrier while the thread it waits for has no core, CPU the other worker's processes need. Passive waiting
+# sleeps instead: bench/gpu.py --dry-run beside two busy loops took 45 s of CPU by default, 27 s passive
+# (idle, 27 s and 27 s). Every process the tests start locally inherits it (read when libgomp loads, which
+# is when torch is first imported: after this).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # A Prefect home of this session's own (profiles, local result storage, an ephemeral server's SQLite file):
 # the suite's xdist workers run side by side, and neither should read a developer's ~/.prefect.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="laneflow-test-prefect-")

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -487,6 +487,11 @@ def test_alerts_apply_once_each_and_a_failed_nightly_reaches_the_webhook_through
 
 # --- The Prefect server restarted (an upgrade) while a nightly trains ---------------------------------------
 
+def _step_lines(run_dir: Path) -> int:
+    """How many training steps the run has recorded so far."""
+    return (run_dir / "metrics.jsonl").read_text().count('"event": "step"')
+
+
 #: Prefect keeps a deployment's concurrency lease of a running flow run by renewing it for 300 s every
 #: 0.75 x 300 s (prefect.flow_engine: maintain_concurrency_lease(lease_id, 300,
 #: raise_on_lease_renewal_failure=True); prefect.concurrency._leases: _RENEWAL_FRACTION = 0.75), the first
@@ -528,15 +533,30 @@ def test_a_server_restarted_while_a_nightly_trains_neither_aborts_it_nor_leaks_i
         with get_client(sync_client=True) as client:
             assert (active_gpu_slots(), deployment_slots(client, "nightly_retrain/nightly")) == (1, 1)
             started = client.read_flow_run(nightly.id).start_time.timestamp()
+        steps_before = _step_lines(run_dir)
         session_server.restart()
         with get_client(sync_client=True) as client:
-            def renewed_after_restart() -> bool:
-                state = client.read_flow_run(nightly.id).state
-                assert not state.is_final(), f"nightly ended {state.name}: {state.message}\n{log.read_text()[-3000:]}"
-                return time.time() - started > DEPLOYMENT_LEASE_RENEWED_AFTER_S + 20
+            def since_start(seconds: float) -> Callable[[], bool]:
+                def reached() -> bool:
+                    state = client.read_flow_run(nightly.id).state
+                    assert not state.is_final(), (f"nightly ended {state.name}: {state.message}\n"
+                                                  f"{log.read_text()[-3000:]}")
+                    return time.time() - started > seconds
+                return reached
 
-            wait_until("the nightly's deployment lease renewed after the restart", renewed_after_restart,
-                       timeout_s=DEPLOYMENT_LEASE_RENEWED_AFTER_S + 120, every_s=2)
+            wait_until("the training going on after the restart", lambda: _step_lines(run_dir) > steps_before,
+                       timeout_s=120)
+            # Minutes of waiting for Prefect's clock: the training (its whole process group) holds still meanwhile
+            # rather than take CPU from the tests beside it, and goes on before the renewal is due.
+            pgid = json.loads((run_dir / "launcher.json").read_text())["pgid"]
+            os.killpg(pgid, signal.SIGSTOP)
+            try:
+                wait_until("the renewal nearly due", since_start(DEPLOYMENT_LEASE_RENEWED_AFTER_S - 15),
+                           timeout_s=DEPLOYMENT_LEASE_RENEWED_AFTER_S, every_s=2)
+            finally:
+                os.killpg(pgid, signal.SIGCONT)
+            wait_until("the nightly's deployment lease renewed after the restart",
+                       since_start(DEPLOYMENT_LEASE_RENEWED_AFTER_S + 20), timeout_s=120, every_s=2)
             assert (active_gpu_slots(), deployment_slots(client, "nightly_retrain/nightly")) == (1, 1)
             # Enough: stop the training the way a sweep's pruner does (the trainer checkpoints and exits 0).
             (run_dir / STOP_REQUEST).write_bytes(StopVerdict("the test has seen enough", "Stopped").request(0))

@@ -12,6 +12,7 @@ each pointing at a locally built image; any other reference cannot be pulled (``
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,19 @@ def built(name: str) -> str:
         return _built[name]
 
 
+_read: dict[str, ImageConfig] = {}
+
+
+def _read_built(image_id: str) -> ImageConfig:
+    """The image with ID ``image_id`` (built or derived here), read once per test process: an ID names its
+    content, so its config and mounted root file system stay what they are while the suite runs (each read
+    is several buildah processes, and every emulated cluster adds both images)."""
+    with _built_lock:
+        if image_id not in _read:
+            _read[image_id] = read_image(image_id, image_id)
+        return _read[image_id]
+
+
 @dataclass
 class ImageRegistry:
     """The images that can be pulled, by reference. ``add`` resolves (and, for laneflow's own, builds) the
@@ -81,7 +95,10 @@ class ImageRegistry:
     def add(self, reference: str, image: str) -> ImageConfig:
         """Make ``reference`` pullable as ``image``: one of laneflow's images by name (``train``, ``data``:
         built now unless up to date) or a local image reference."""
-        config = read_image(reference, built(image) if image in builder.IMAGES else image)
+        if image in builder.IMAGES:
+            config = dataclasses.replace(_read_built(built(image)), reference=reference)
+        else:
+            config = read_image(reference, image)
         with self._lock:
             self._images[reference] = config
         return config
@@ -90,7 +107,10 @@ class ImageRegistry:
         """Make ``reference`` pullable as laneflow's image ``parent`` changed by a few Dockerfile lines (the
         training image without openssh-server, say), built now (cached by content)."""
         local = f"localhost/laneflow-{parent}:{reference.rsplit(':', 1)[-1]}"
-        return self.add(reference, builder.build_derived(built(parent), lines, local))
+        derived = _read_built(builder.build_derived(built(parent), lines, local))
+        with self._lock:
+            self._images[reference] = dataclasses.replace(derived, reference=reference)
+        return self._images[reference]
 
     def pull(self, reference: str) -> ImageConfig | None:
         with self._lock:
