@@ -55,8 +55,8 @@ def test_mpijob_matches_golden_and_runs_horovodrun_on_gpu_workers() -> None:
                         "runs/train-7d2eaa95c8df", SETTINGS, LABELS)
     check_golden("mpijob", job)
     launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
-    assert launcher["command"][:6] == ["laneflow-launcher", "horovodrun", "-np", "4", "--hostfile",
-                                       "/etc/mpi/hostfile"]
+    assert launcher["command"][:8] == ["laneflow-launcher", "python", "-m", "training.horovodrun", "-np", "4",
+                                       "--hostfile", "/etc/mpi/hostfile"]
     worker = job["spec"]["mpiReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 2 and job["spec"]["slotsPerWorker"] == 2
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
@@ -120,7 +120,7 @@ def test_an_elastic_mpijob_starts_at_once_over_the_discovery_script_with_a_repli
     assert worker["replicas"] == 3  # max_workers 6 over 2 GPUs per worker
     assert worker["template"]["spec"]["tolerations"] == [spot]
     command = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:2] == ["laneflow-launcher", "horovodrun"] and "--hostfile" not in command
+    assert command[:4] == ["laneflow-launcher", "python", "-m", "training.horovodrun"] and "--hostfile" not in command
     flags = {flag: command[command.index(flag) + 1] for flag in command if flag.startswith("--") and flag != "--set"}
     assert (command[command.index("-np") + 1], flags["--min-np"], flags["--max-np"]) == ("4", "2", "6")
     assert flags["--slots-per-host"] == "2"  # the operator's discover_hosts.sh lists no slot counts

@@ -7,8 +7,8 @@ two to three seconds of CPU before any worker starts, at every launch, on a mach
 torch again. The answer only changes when Horovod is installed again, so this launcher asks Horovod's own
 check once per installed build (its PyTorch extension library: path, size, modification time) and keeps the
 answer next to the environment (``RECORD``); then it is horovodrun (``runner/launch.py`` ``run_commandline``),
-with that answer. The local platform launches training with it: ``python -m training.horovodrun <horovodrun's
-arguments>``.
+with that answer. The local platform and the cluster's MPIJob launcher start training with it: ``python -m
+training.horovodrun <horovodrun's arguments>`` (the training image records its answer when it is built).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ handler, and a pod deleted as it starts (the operator cleaning up a worker it ju
 wait out its whole grace period. A stop heard before the command started means it never starts.
 
     laneflow-sshd                                         (console script: worker_main)
-    laneflow-launcher horovodrun -np 2 --hostfile ...     (console script: launcher_main)
+    laneflow-launcher python -m training.horovodrun -np 2 --hostfile ...     (console script: launcher_main)
     python -m training.mpi_entry worker|launcher -- COMMAND [ARG...]
 """
 
@@ -217,7 +217,8 @@ class Init:
             # An elastic horovodrun runs no mpirun at all: it ends its ssh sessions; the workers' own pods, stopped
             # with the job, have their ranks checkpoint (every rank told: a durable checkpoint, exit 75).
             what = "an elastic horovodrun runs none" if "--host-discovery-script" in self.argv else "it has not started"
-            _say(self.role, f"signal {signum}: no mpirun ({what}); stopping {self.argv[0]}")
+            command = self.argv[2] if self.argv[1:2] == ["-m"] else os.path.basename(self.argv[0])
+            _say(self.role, f"signal {signum}: no mpirun ({what}); stopping {command}")
             _signal([self.child], signal.SIGTERM)
 
     def _ask_ranks(self, processes: Mapping[int, Process]) -> list[int]:

@@ -133,6 +133,9 @@ WORKER_COMMAND = "laneflow-sshd"
 #: Before the launcher's horovodrun (training.mpi_entry.launcher_main): PID 1 that turns the kubelet's SIGTERM
 #: into SIGUSR1 to mpirun, which forwards it to every rank.
 LAUNCHER_ENTRY = ["laneflow-launcher"]
+#: horovodrun with its check of how Horovod was built answered from the image's record (training.horovodrun:
+#: plain horovodrun imports torch in a forked process at every launch to find out, seconds before any rank runs).
+HOROVODRUN = ["python", "-m", "training.horovodrun"]
 
 
 def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, workers: int, data_dir: str,
@@ -171,9 +174,9 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
     if elastic:
         launch = ElasticLaunch(MPI_DISCOVER_HOSTS, gpus, layout.elastic_cooldown_s, layout.elastic_timeout_s,
                                POD_INTERFACE)
-        command = [*LAUNCHER_ENTRY, "horovodrun", *elastic_horovodrun_args(workers, *elastic, launch), *trainer]
+        command = [*LAUNCHER_ENTRY, *HOROVODRUN, *elastic_horovodrun_args(workers, *elastic, launch), *trainer]
     else:
-        command = [*LAUNCHER_ENTRY, "horovodrun", "-np", str(workers), "--hostfile", MPI_HOSTFILE, *trainer]
+        command = [*LAUNCHER_ENTRY, *HOROVODRUN, "-np", str(workers), "--hostfile", MPI_HOSTFILE, *trainer]
     volumes, mounts = _volume_mounts(claim, layout.shm_size)
     launcher = {"name": "launcher", "image": layout.image, "command": command,
                 "resources": {"requests": {"cpu": "1", "memory": "2Gi"}}}
