@@ -20,6 +20,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # (idle, 27 s and 27 s). Every process the tests start locally inherits it (read when libgomp loads, which
 # is when torch is first imported: after this).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# For the same reason one OpenMP thread where a test runs torch itself (in this process, or a trainer or bench
+# it starts directly): two xdist workers already keep the cores busy. The platforms' own launches set their
+# threads themselves (threads per worker, all cores for evaluation), as they do for users.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A Prefect home of this session's own (profiles, local result storage, an ephemeral server's SQLite file):
 # the suite's xdist workers run side by side, and neither should read a developer's ~/.prefect.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="laneflow-test-prefect-")

@@ -122,7 +122,8 @@ def test_pipeline_end_to_end_then_cached_dataset(prefect_server: dict, laneflow_
     assert predicted["package"] == result["package"] and predicted["predicted"] == predicted["frames"] == 1
     assert (laneflow_home / "volumes" / "pipeline" / predicted["predictions"]).is_file()
 
-    second = train_pipeline(**params_for(synthetic_archive, source=source, snapshot=False), return_state=True).result()
+    second = train_pipeline(**params_for(synthetic_archive, source=source, snapshot=False, workers=1, max_steps=1),
+                            return_state=True).result()
     assert second["dataset_steps"] == {"downloaded": False, "extracted": False, "preprocessed": False}
     assert second["dataset_version"] == result["dataset_version"] and second["run"] != run
 
