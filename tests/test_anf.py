@@ -187,9 +187,9 @@ def test_training_failure_after_promotion_rolls_the_volume_back(
     with k8s:
         # Training fails for real: the workers' /dev/shm is too small for the loader workers.
         cluster_platform(k8s, anf=anf_volume(emulator), shm_size="64Ki").save("emu-anf", overwrite=True)
-        # 2 workers x 200 img/s x 256 KiB x 1.25 = 125 MiB/s; 2 TiB: Standard 32, Premium 128 -> Premium.
+        # 1 worker x 200 img/s x 256 KiB x 1.25 = 62.5 MiB/s; 2 TiB: Standard 32, Premium 128 -> Premium.
         state_of_run = train_pipeline(**params_for(served_archive, platform="emu-anf", volume="tusimple",
-                                                 promote=True, loader_workers=2), return_state=True)
+                                                 promote=True, loader_workers=2, workers=1), return_state=True)
     assert state_of_run.is_failed()
     assert pool_changes(state) == 2  # promoted to Premium, then rolled back
     assert state.volumes["tusimple"]["pool"] == "pool-standard"

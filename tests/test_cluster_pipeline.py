@@ -187,7 +187,10 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
     assert {(r.verb, r.resource) for r in cluster.requests if r.namespace is None} == granted(base, None)
 
     # restore: a new claim whose dataSource is the snapshot; nothing downloaded, the snapshot's run is there.
-    restored = restore(result["snapshot"], volume="restored", platform=name, changes={"max_steps": 1})
+    # (One worker for a step, no package, snapshot or tracking: what is asserted here is the restore.)
+    monkeypatch.delenv(tracking.TRACKING_URI_ENV)  # its server stopped with the block above
+    restored = restore(result["snapshot"], volume="restored", platform=name,
+                       changes={"max_steps": 1, "workers": 1, "package": False, "snapshot": False})
     claim = cluster.objects["persistentvolumeclaims"][("laneflow", "restored")]
     assert claim["spec"]["dataSource"] == {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot",
                                            "name": result["snapshot"]}
@@ -207,7 +210,8 @@ def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
         ClusterPlatform.load(name).ensure_volume("tusimple")
     project = rendered("runai")
     cluster.load(project)  # what a platform admin applies per Run:ai project
-    train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", snapshot=False))
+    train_pipeline(**params_for(served_archive, platform=name, volume="tusimple", snapshot=False, workers=1,
+                                max_steps=1))
     ((namespace, _), job), = cluster.objects["mpijobs"].items()
     assert namespace == "runai-perception"
     assert job["metadata"]["labels"]["runai/queue"] == job["metadata"]["labels"]["project"] == "perception"

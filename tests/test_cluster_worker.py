@@ -145,7 +145,7 @@ def test_a_run_from_the_deployment_runs_in_a_job_pod_and_drives_the_cluster_with
     base = rendered("base")
     cluster.load(base)
     cluster_platform(emu, credentials=None, namespace="laneflow").save("emu-k8s-flows", overwrite=True)
-    flow_run = _start(_parameters(served_archive, snapshot=True))
+    flow_run = _start(_parameters(served_archive, snapshot=True, workers=1, max_steps=2))
     log = tmp_path / "worker.log"
     with kubernetes_worker(emu, deployed, log) as worker:
         state = _final_state(flow_run.id, log, worker)
