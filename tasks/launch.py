@@ -128,6 +128,9 @@ def elastic_horovodrun_args(workers: int, min_workers: int, max_workers: int, la
             "--network-interface", launch.network_interface, "--cache-capacity", "0"]
 
 
+#: horovodrun, with how Horovod was built answered from a record instead of a torch import per launch
+#: (``training.horovodrun``): how the local platform and the MPIJob launcher start it, after their python.
+HOROVODRUN_MODULE = ["-m", "training.horovodrun"]
 #: A worker started through a warm spare when one is ready (``training.warm``), else cold: the same trainer.
 THROUGH_A_SPARE = ["-m", "training.warm", "run", "--"]
 

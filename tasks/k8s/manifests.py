@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.k8s.scheduling import WorkerScheduling
-from tasks.launch import ElasticLaunch, elastic_horovodrun_args, prepare_args, trainer_args
+from tasks.launch import HOROVODRUN_MODULE, ElasticLaunch, elastic_horovodrun_args, prepare_args, trainer_args
 from tasks.names import validate_mpijob_name, validate_name
 from training.data.sources import Artifact
 
@@ -133,9 +133,9 @@ WORKER_COMMAND = "laneflow-sshd"
 #: Before the launcher's horovodrun (training.mpi_entry.launcher_main): PID 1 that turns the kubelet's SIGTERM
 #: into SIGUSR1 to mpirun, which forwards it to every rank.
 LAUNCHER_ENTRY = ["laneflow-launcher"]
-#: horovodrun with its check of how Horovod was built answered from the image's record (training.horovodrun:
-#: plain horovodrun imports torch in a forked process at every launch to find out, seconds before any rank runs).
-HOROVODRUN = ["python", "-m", "training.horovodrun"]
+#: The launcher's horovodrun: how Horovod was built is answered from the training image's record (its build
+#: records it), not by importing torch in a forked process at every launch, seconds before any rank runs.
+HOROVODRUN = ["python", *HOROVODRUN_MODULE]
 
 
 def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, workers: int, data_dir: str,

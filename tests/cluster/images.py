@@ -95,22 +95,20 @@ class ImageRegistry:
     def add(self, reference: str, image: str) -> ImageConfig:
         """Make ``reference`` pullable as ``image``: one of laneflow's images by name (``train``, ``data``:
         built now unless up to date) or a local image reference."""
-        if image in builder.IMAGES:
-            config = dataclasses.replace(_read_built(built(image)), reference=reference)
-        else:
-            config = read_image(reference, image)
-        with self._lock:
-            self._images[reference] = config
-        return config
+        return self._register(reference, _read_built(built(image)) if image in builder.IMAGES else
+                              read_image(reference, image))
 
     def derive(self, reference: str, parent: str, lines: list[str]) -> ImageConfig:
         """Make ``reference`` pullable as laneflow's image ``parent`` changed by a few Dockerfile lines (the
         training image without openssh-server, say), built now (cached by content)."""
         local = f"localhost/laneflow-{parent}:{reference.rsplit(':', 1)[-1]}"
-        derived = _read_built(builder.build_derived(built(parent), lines, local))
+        return self._register(reference, _read_built(builder.build_derived(built(parent), lines, local)))
+
+    def _register(self, reference: str, image: ImageConfig) -> ImageConfig:
+        config = dataclasses.replace(image, reference=reference)
         with self._lock:
-            self._images[reference] = dataclasses.replace(derived, reference=reference)
-        return self._images[reference]
+            self._images[reference] = config
+        return config
 
     def pull(self, reference: str) -> ImageConfig | None:
         with self._lock:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.launch import (
     DISCOVERY_SCRIPT,
+    HOROVODRUN_MODULE,
     STOPPED_ON_REQUEST,
     ElasticLaunch,
     JobOutput,
@@ -149,7 +150,7 @@ def _launcher_command(platform: LocalPlatform, spec: TrainingSpec, python: str, 
     """horovodrun for the job: a fixed one on localhost, or an elastic one over the hosts of a discovery script
     written into the run's folder (one host name per worker slot, all of them this machine)."""
     # horovodrun that asks how Horovod was built once per installed build, not at every launch (a torch import)
-    horovodrun, data_root = [python, "-m", "training.horovodrun"], str(platform.inside(spec.volume, spec.data_dir))
+    horovodrun, data_root = [python, *HOROVODRUN_MODULE], str(platform.inside(spec.volume, spec.data_dir))
     if spec.elastic is None:
         return horovodrun_command(horovodrun, python, spec, data_root, str(run_dir))
     # The hosts a warm spare is ready for, as the launcher's keeper of spares lists them (training.warm): a
