@@ -47,6 +47,7 @@ from flows.search import (
 )
 from flows.study import PRUNED, AskedTrial, SweepStudy, journal_path, record_interrupted
 from flows.train import GPU_LIMIT, train_pipeline
+from flows.trial_threads import trial_thread, trials_stop_with_the_sweep
 from tasks.champion import selection_accuracy
 from tasks.names import DNS_LABEL, run_name
 from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset, read_dataset_index
@@ -64,8 +65,9 @@ StudyName = Annotated[str | None, Field(None, max_length=12, pattern=DNS_LABEL.p
 @task(name="sweep_run", task_run_name="sweep-run-{index}", cache_policy=NO_CACHE)
 def run_child(params: TrainParams, index: int, name: str, run_key: str | None = None) -> dict[str, Any]:
     """One child flow run; its failure becomes a leaderboard row, not the sweep's failure."""
-    state = train_pipeline.with_options(flow_run_name=name)(**params.flow_parameters(), run_key=run_key,
-                                                             return_state=True)
+    with trial_thread(str(current_run.id)):  # the sweep's id: a stopped sweep stops this trial too
+        state = train_pipeline.with_options(flow_run_name=name)(**params.flow_parameters(), run_key=run_key,
+                                                                 return_state=True)
     result = state.result(raise_on_failure=False)
     row = {"index": index, "state": state.name, "flow_run_id": str(state.state_details.flow_run_id)}
     if state.is_completed():  # trained to its end, or stopped by the pruner (state "Pruned")
@@ -128,8 +130,10 @@ def stop_trials(flow: Any, flow_run: Any, state: Any) -> None:
     ``horovodrun`` or the MPIJob), its hold on the volume's level and its ``gpu`` slot — and ends Cancelled,
     and a kept study records those trials as interrupted, so the next sweep of it asks for them again.
 
-    A sweep cancelled from the UI is ended by its worker: SIGTERM, then SIGKILL, to the process its trials run
-    in, so their own hooks never run; this hook runs after that (in the worker), as the sweep's."""
+    A sweep cancelled from the UI is ended by its worker: SIGTERM, which the sweep raises in its trials' threads
+    too (``flows.trial_threads``: each trial stops its training and ends Cancelled by its own hook), then
+    SIGKILL if the process is still there after the grace; this hook runs after that (in the worker), as the
+    sweep's, and stops whatever a killed process left running."""
     from prefect.states import Cancelled
 
     from flows.train import stop_run
@@ -240,8 +244,9 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
             lease = held.enter_context(holding_study(platform, ensure_dataset_volume(platform, params.volume), kept,
                                                      str(current_run.id), str(current_run.name), wait_for_study,
                                                      logger.info))
-        return _run_sweep(params, search, param_sets, varied, max_concurrent, dimensions, trials, seed, kept, pruner,
-                          lease)
+        with trials_stop_with_the_sweep(str(current_run.id)):
+            return _run_sweep(params, search, param_sets, varied, max_concurrent, dimensions, trials, seed, kept,
+                              pruner, lease)
 
 
 def _run_sweep(params: TrainParams, search: str, param_sets: list[TrainParams], varied: list[str],

@@ -135,12 +135,14 @@ def test_a_bad_override_is_refused_when_the_run_is_created_naming_the_field(
 def running_worker(env: dict[str, str], output, niceness: int = 0) -> AbstractContextManager[subprocess.Popen]:
     """``prefect worker start`` on the pool, stopped as its CLI documents (Ctrl-C, then a second one) and
     killed with its process group if it still runs after that (Prefect 3.9 may hang in its shutdown).
-    ``niceness`` lowers the CPU priority of the worker and the runs it starts (``nice`` execs the worker)."""
+    ``niceness`` lowers the CPU priority of the worker and the runs it starts (``nice`` execs the worker).
+    It asks for scheduled runs every 2 s, not every 10 s (Prefect's default): the runs a test creates while it
+    runs start without the test waiting idle for them."""
     prefect = str(Path(sys.executable).parent / "prefect")
     nice = ["nice", "-n", str(niceness)] if niceness else []
     return running([*nice, prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"],
-                   stop_signals=PREFECT_WORKER_SIGNALS, grace_s=20, env=env, cwd=PROJECT_ROOT, stdout=output,
-                   stderr=subprocess.STDOUT)
+                   stop_signals=PREFECT_WORKER_SIGNALS, grace_s=20, env={**env, "PREFECT_WORKER_QUERY_SECONDS": "2"},
+                   cwd=PROJECT_ROOT, stdout=output, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture(scope="module")
@@ -231,13 +233,14 @@ def trial_starts(run_dir: Path) -> list[dict]:
 def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_sweep_runs_them_again(
         deployed: dict, tmp_path: Path) -> None:
     """Two trials of a kept study train side by side; the sweep is cancelled from the API (as from the UI) and
-    its worker kills the sweep's process. Both trainings stop, both trial runs end Cancelled, their 'gpu'
-    slots are free, and the study says they were interrupted; the same sweep again runs both from their
-    checkpoints, under their run keys."""
+    its worker stops the sweep's process, which stops its trials as it ends. Both trainings stop, both trial runs
+    end Cancelled by their own hooks, their 'gpu' slots are free, and the study says they were interrupted; the
+    same sweep again runs both from their checkpoints, under their run keys."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
     from optuna.trial import TrialState
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.states import Cancelling
 
     from flows.sweep import trial_runs
@@ -275,6 +278,13 @@ def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_swe
         trials = trial_runs(client, first.id)
         assert sorted(child.state.name for child in trials) == ["Cancelled", "Cancelled"], [
             (child.name, child.state.name, child.state.message) for child in trials]
+        # Each trial was stopped by its sweep's process as it ended (not only by the worker's hook once that
+        # process was gone): the trial's own cancellation hook ran, in the trial's log.
+        for child in trials:
+            messages = [log.message for log in client.read_logs(log_filter=LogFilter(
+                flow_run_id=LogFilterFlowRunId(any_=[child.id])))]
+            assert "Running hook 'stop_training' in response to entering state 'Cancelling'" in messages, (
+                child.name, messages[-10:])
         assert all(lease_released(lease) for lease in leases)
         assert active_gpu_slots() <= slots_in_use - 2  # (another test's slot may expire meanwhile: at most)
         journal = str(volume / "studies" / "cxl.journal")
