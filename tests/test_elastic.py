@@ -244,7 +244,7 @@ def test_losing_every_worker_falls_back_to_checkpoint_and_resubmit(
 
     stopped: list[int] = []
     watcher = _on_run(laneflow_home / "volumes" / "all-lost" / "runs", _stop_every_worker, stopped)
-    state = train_pipeline(**params_for(synthetic_archive, epochs=15, volume="all-lost", snapshot=False,
+    state = train_pipeline(**params_for(synthetic_archive, epochs=8, volume="all-lost", snapshot=False,
                                         elastic=ELASTIC), return_state=True)
     watcher.join(timeout=10)
     assert stopped == [2]
