@@ -240,12 +240,12 @@ def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_swe
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
     from optuna.trial import TrialState
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.states import Cancelling
 
     from flows.sweep import trial_runs
     from tasks.processes import group_alive
     from tasks.pruning import STOP_REQUEST, StopVerdict
+    from tests.test_cluster_pipeline import flow_run_messages
 
     volume = Path(deployed["LANEFLOW_HOME"]) / "volumes" / "cancel-sweep"
     parameters = {"grid": None, "search": "random", "space": {"lr": {"low": 0.01, "high": 0.1, "log": True}},
@@ -281,8 +281,7 @@ def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_swe
         # Each trial was stopped by its sweep's process as it ended (not only by the worker's hook once that
         # process was gone): the trial's own cancellation hook ran, in the trial's log.
         for child in trials:
-            messages = [log.message for log in client.read_logs(log_filter=LogFilter(
-                flow_run_id=LogFilterFlowRunId(any_=[child.id])))]
+            messages = flow_run_messages(str(child.id))  # every page: a trial logs each of its steps
             assert "Running hook 'stop_training' in response to entering state 'Cancelling'" in messages, (
                 child.name, messages[-10:])
         assert all(lease_released(lease) for lease in leases)
