@@ -11,6 +11,7 @@ from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCr
 
 from tasks.platforms import ClusterPlatform, TrainingSpec, VolumeRef
 from tests.cluster import KubernetesEmulator
+from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS
 from training.data.sources import Artifact
 
 TRAIN_IMAGE = "registry.example.org/laneflow-train:0.1.0"
@@ -26,8 +27,11 @@ def cluster_platform(emulator: KubernetesEmulator, **changes: object) -> Cluster
     # Kubernetes' default grace period rather than the block's 120 s: ranks on this machine checkpoint within
     # seconds, and a pod deleted in the instant its PID 1 starts (before it has a handler, the kernel drops
     # the SIGTERM) waits out the whole grace, as on a real node.
+    # The cluster is AKS-shaped (tests/cluster/aks.py): the block tolerates its GPU and spot pools' taints and
+    # selects GPU nodes, as the shipped example block does.
     fields = {"credentials": credentials, "namespace": "lanes", "poll_interval_s": 0.3, "termination_grace_s": 30,
-              "image": TRAIN_IMAGE, "data_image": DATA_IMAGE, **changes}
+              "image": TRAIN_IMAGE, "data_image": DATA_IMAGE, "tolerations": GPU_TOLERATIONS,
+              "node_selector": GPU_NODE_SELECTOR, **changes}
     for field, default, image in (("image", TRAIN_IMAGE, "train"), ("data_image", DATA_IMAGE, "data")):
         if fields[field] == default:
             emulator.cluster.images.add(default, image)
@@ -68,3 +72,18 @@ def prepared_claim(emulator: tuple, served_archive: tuple[str, str]) -> tuple[Cl
     url, sha256 = served_archive
     summary = platform.prepare_dataset(volume, [Artifact(url, sha256)], lambda _: None)
     return platform, volume, summary["dataset_dir"]
+
+
+def admin_core(emulator: KubernetesEmulator) -> kubernetes.client.CoreV1Api:
+    """A client with the cluster's ``cluster-admin`` role (kube-apiserver's bootstrap ClusterRole: every verb on
+    every resource; plugin/pkg/auth/authorizer/rbac/bootstrappolicy ``ClusterRoles``), as the operator who drains
+    a node has it, for a cluster whose RBAC is enforced."""
+    admin = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "cluster-admin"},
+             "rules": [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": "node-maintainer"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+               "subjects": [{"kind": "ServiceAccount", "name": "node-maintainer", "namespace": "kube-system"}]}
+    emulator.cluster.load([admin, binding])
+    config = emulator.kubeconfig(token=emulator.token("kube-system", "node-maintainer"))
+    return kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config_dict(config))

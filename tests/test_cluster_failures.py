@@ -105,11 +105,13 @@ def test_an_image_that_cannot_be_pulled_fails_the_stage_within_the_grace_period_
 
 def test_workers_no_node_can_hold_fail_training_naming_the_missing_resource(emulator: tuple) -> None:
     emu, cluster = emulator
-    platform = cluster_platform(emu, scheduling_grace_s=2, gpus_per_worker=16)  # the node has 8
+    platform = cluster_platform(emu, scheduling_grace_s=2, gpus_per_worker=16)  # a GPU node has 4
     volume = platform.ensure_volume("data")
     handle = platform.submit_training(spec_for(volume.name, workers=16))  # one worker pod of 16 GPUs
-    with pytest.raises(StageBlocked, match=r"Unschedulable: 0/1 nodes are available: 1 Insufficient "
-                                             r"nvidia\.com/gpu\..*lower gpus_per_worker") as caught:
+    # The two GPU nodes lack room; the system pool's two are not GPU nodes (the block's node selector).
+    with pytest.raises(StageBlocked, match=r"Unschedulable: 0/4 nodes are available: 2 Insufficient "
+                                           r"nvidia\.com/gpu, 2 node\(s\) didn't match Pod's node affinity/selector\."
+                                           r".*lower gpus_per_worker") as caught:
         platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
     assert "train-0123456789ab-worker-" in str(caught.value)
     cluster.wait_empty("mpijobs", "pods")
@@ -252,7 +254,7 @@ def test_training_on_a_claim_that_does_not_exist_fails_naming_the_claim(emulator
     emu, cluster = emulator
     platform = cluster_platform(emu, scheduling_grace_s=2)
     handle = platform.submit_training(spec_for("gone", workers=2))  # the volume was never made (or deleted)
-    with pytest.raises(StageBlocked, match=r'Unschedulable: 0/1 nodes are available: persistentvolumeclaim "gone" '
+    with pytest.raises(StageBlocked, match=r'Unschedulable: 0/4 nodes are available: persistentvolumeclaim "gone" '
                                            r'not found\..*the pod\'s volume claim does not exist or is not bound'):
         platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=600)
     cluster.wait_empty("mpijobs")

@@ -19,9 +19,9 @@ import pytest
 from tasks.platforms import ClusterPlatform, StageBlocked, TrainingFailed, TrainingInterrupted, VolumeRef
 from tasks.platforms.cluster.training import mpijob_body
 from tests.cluster import Cluster
+from tests.cluster.aks import aks_nodes, gpu_node
 from tests.cluster.node_lifecycle import DrainRefused, drain, lose, mark_out_of_service, shut_down, uncordon
 from tests.cluster.runtime import memory_limits_missing
-from tests.cluster.state import NODE_NAME, Node
 from tests.cluster_platform_helpers import (
     client_apis,
     cluster_platform,
@@ -161,9 +161,7 @@ def test_a_worker_evicted_a_node_drained_and_a_node_shutting_down_each_end_in_a_
     # A short grace: the operator re-creates the drained workers and the job's end deletes them again as they
     # start, and a PID 1 signalled before it has a handler waits out the whole grace (the kernel drops it).
     platform = cluster_platform(emu, termination_grace_s=20)
-    cluster.nodes[NODE_NAME].capacity["nvidia.com/gpu"] = 0
-    for name in ("gpu-a", "gpu-b"):
-        cluster.nodes[name] = Node(name, labels={"agentpool": "gpu"})
+    cluster.nodes = {**aks_nodes(system=1, gpu=0, spot=0), "gpu-a": gpu_node("gpu-a"), "gpu-b": gpu_node("gpu-b")}
     # 40 steps: each stop lands within a few steps on any machine (stop checks every 5; a step is ~0.3 s here).
     spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="20", log_every="1", checkpoint_every="1000")
     client = kubernetes.config.new_client_from_config_dict(emu.kubeconfig())
@@ -248,10 +246,10 @@ def test_nodes_lost_without_a_word_are_noticed_their_jobs_replaced_once_the_node
     cluster.node_monitor_grace_s, cluster.node_monitor_period_s = 2.0, 0.5
     cluster.podgc_quarantine_s, cluster.podgc_period_s = 0.5, 1.0
     platform = cluster_platform(emu, termination_grace_s=2, pod_problem_grace_s=3)
-    cluster.nodes[NODE_NAME].capacity["nvidia.com/gpu"] = 0
-    for name in ("gpu-a", "gpu-b", "gpu-c", "gpu-d"):
-        cluster.nodes[name] = Node(name, labels={"agentpool": "gpu"})
-        cluster.nodes[name].capacity["nvidia.com/gpu"] = 1
+    # Two system nodes: the launcher's is lost, and the last attempt's launcher needs one that is not.
+    cluster.nodes = {**aks_nodes(system=2, gpu=0, spot=0),
+                     **{name: gpu_node(name, gpus=1) for name in ("gpu-a", "gpu-b", "gpu-c", "gpu-d")}}
+    system_node = next(iter(cluster.nodes))  # where the first launchers land (the scheduler's first fit)
     spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="8", log_every="1", checkpoint_every="1")
     lost: list[str] = []
 
@@ -285,9 +283,9 @@ def test_nodes_lost_without_a_word_are_noticed_their_jobs_replaced_once_the_node
         f"kubectl taint nodes {lost[1]} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute" in message, message
     mark_out_of_service(cluster, lost[1])
     with pytest.raises(TrainingInterrupted, match=r"its pods were on nodes that stopped reporting: "
-                                                  rf"train-0123456789ab-launcher-\w+ \(node {NODE_NAME} stopped"):
+                                                  rf"train-0123456789ab-launcher-\w+ \(node {system_node} stopped"):
         platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None, timeout_s=600)
-    assert NODE_NAME not in cluster.nodes and not told.errors, told.errors
+    assert system_node not in cluster.nodes and not told.errors, told.errors
     outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
                                          timeout_s=600)
     assert outcome.resumed_from > 0 and outcome.steps == outcome.total_steps, outcome

@@ -101,7 +101,8 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
     emu, cluster = emulator
     base = rendered("base")
     cluster.load(base)  # every call is now authorized against deployments/base, as on a real cluster
-    name = saved(emu, "emu-cluster", namespace="laneflow")
+    # On the AKS-shaped cluster, the GPU stages pinned to the tainted spot pool (tolerated, selected).
+    name = saved(emu, "emu-cluster", namespace="laneflow", node_selector={"agentpool": "gpuspot"})
     uploads: list[tuple[str, str]] = []  # (the uploading pod's image, a line it printed), as the kubelet logs it
 
     def seen(state, namespace: str, pod: str, line: str) -> None:
@@ -165,6 +166,14 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
                                                    "onnx", lambda _: None)
     assert predicted["predictions"] == "predictions/p1/predictions.json" and predicted["predicted"] == 14
     assert len((claim / predicted["predictions"]).read_text().splitlines()) == 14
+    # Where each pod ran, as `kubectl get events` shows it: the stages on a GPU (training's workers, scoring,
+    # packaging, prediction) on the spot pool, by the block's scheduling; everything else on the system pool.
+    pools = {event["involvedObject"]["name"]: cluster.nodes[event["message"].rsplit(" to ", 1)[-1]].labels["agentpool"]
+             for event in cluster.objects["events"].values() if event["reason"] == "Scheduled"}
+    on_gpus = {pod: pool for pod, pool in pools.items() if re.match(r"(eval|package|predict)-|.*-worker-\d+$", pod)}
+    assert {pod.split("-")[0] for pod in on_gpus} >= {"eval", "package", "predict", "train"}, pools
+    assert set(on_gpus.values()) == {"gpuspot"} and set(pools.values()) - {"gpuspot"} == {"system"}, pools
+    assert all(pool == "system" for pod, pool in pools.items() if pod not in on_gpus), pools
 
     # A day later: the TTL-after-finished controller removed the launcher Job; laneflow removes the MPIJob
     # the operator keeps, and with it the ssh key Secret and hostfile ConfigMap (owned by it).

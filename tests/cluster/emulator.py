@@ -20,6 +20,7 @@ from tests.cluster.dns import ClusterDNS
 from tests.cluster.kubelet import release_network
 from tests.cluster.network import node_address
 from tests.cluster.runtime import KUBERNETES_SERVICE
+from tests.cluster.scheduler import retry_unschedulable
 from tests.cluster.state import Cluster
 from tests.cluster.ttl_controller import ttl_sweep
 
@@ -54,11 +55,13 @@ class KubernetesEmulator:
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="k8s-controllers")
 
     def _tick(self) -> None:
-        """The controllers that act on time alone, once a second (the TTL-after-finished controller)."""
+        """The controllers that act on time alone, once a second: the TTL-after-finished controller, and the
+        scheduler's second try of the pods it could not place."""
         while not self._stopping.wait(1.0):
             with self.cluster.lock:
                 try:
                     ttl_sweep(self.cluster)
+                    retry_unschedulable(self.cluster)
                 except Exception as exc:  # kept, and raised when the emulator stops: never lost silently
                     self.cluster.controller_errors.append(exc)
                     return

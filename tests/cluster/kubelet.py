@@ -31,7 +31,7 @@ from tests.cluster.objects import later, now, record_event
 from tests.cluster.podlogs import append_log
 from tests.cluster.quantities import quantity_bytes
 from tests.cluster.runtime import container_env, container_spec, hosts_file, memory_limits_missing
-from tests.cluster.scheduler import schedule
+from tests.cluster.scheduler import park, schedule
 from tests.cluster.state import ContainerLog
 from tests.leaks import MARKER as SESSION_MARKER
 
@@ -96,6 +96,7 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
     namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
     container = pod["spec"]["containers"][0]
     if not schedule(cluster, pod):
+        park(cluster, pod, lambda: start_container(cluster, pod, on_exit))
         return
     if pod["spec"].get("nodeName") in cluster.lost_nodes:
         return  # no kubelet there any more: a pod bound to it (a retry, a back-off's restart) never starts

@@ -14,6 +14,7 @@ with the operators of ``k8s.io/component-helpers/scheduling/corev1/nodeaffinity`
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tests.cluster.objects import now, record_event
@@ -44,7 +45,7 @@ def schedule(cluster: Cluster, pod: dict) -> bool:
     PodScheduled=False/Unschedulable, with a FailedScheduling event worded as the scheduler words it
     (pkg/scheduler ``FitError.Error``: "0/2 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) had
     untolerated taint {sku: gpu}. preemption: ..."); the first node that takes it is bound (``spec.nodeName``).
-    Not retried when room frees up (no test needs the second chance)."""
+    A pod left Pending is tried again (``retry_unschedulable``)."""
     if pod["spec"].get("nodeName"):
         return True
     namespace = pod["metadata"]["namespace"]
@@ -111,9 +112,12 @@ UNSCHEDULABLE_TAINT = {"key": "node.kubernetes.io/unschedulable", "effect": "NoS
 
 
 def _unschedulable(cluster: Cluster, pod: dict, message: str) -> bool:
+    # A condition's lastTransitionTime moves only when its status does (a pod tried again stays False).
+    earlier = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "PodScheduled"
+                    and c["status"] == "False"), None)
     pod["status"].update({"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
-         "lastTransitionTime": now()}]})
+         "lastTransitionTime": earlier["lastTransitionTime"] if earlier else now()}]})
     record_event(cluster, pod, "Warning", "FailedScheduling", message, "default-scheduler")
     return False
 
@@ -166,3 +170,31 @@ def matches_node(spec: dict, labels: dict[str, str], node_name: str) -> bool:
                and all(_requirement_holds(r, labels) for r in term.get("matchExpressions") or [])
                and all(_requirement_holds(r, fields) for r in term.get("matchFields") or [])
                for term in required.get("nodeSelectorTerms") or [])
+
+
+def park(cluster: Cluster, pod: dict, retry: Callable[[], None]) -> None:
+    """Keep a pod no node took, to be tried again by ``retry_unschedulable``."""
+    meta = pod["metadata"]
+    cluster.unschedulable[(meta["namespace"], meta["name"])] = (pod, retry)
+
+
+def retry_unschedulable(cluster: Cluster) -> None:
+    """kube-scheduler's second chance (``pkg/scheduler/backend/queue/scheduling_queue.go``): a pod it could not
+    place waits in ``unschedulablePods`` until a cluster event that may make it fit (an assigned pod deleted or
+    finished, a node added, uncordoned or changed: ``MoveAllToActiveOrBackoffQueue`` with the plugins' queueing
+    hints), then goes back through the filters after its back-off (1 s, doubled per attempt up to 10 s), and at
+    the latest after ``podMaxInUnschedulablePodsDuration`` (5 min). Here every parked pod is tried again on the
+    emulator's one-second tick: a pod starts within a second of room freeing up, as upstream's hints make it
+    do, and one that still fits nowhere only adds to its FailedScheduling event's count (the event recorder
+    aggregates identical events). A pod that starts is a change its owner's controller hears of (its informer on
+    pods), as the MPI operator lists a worker that runs now in ``discover_hosts.sh``. Called under the cluster's
+    lock."""
+    from tests.cluster.controller_manager import sync_owner  # the controllers import the kubelet, which imports this
+
+    for key, (pod, retry) in list(cluster.unschedulable.items()):
+        del cluster.unschedulable[key]
+        if cluster.objects["pods"].get(key) is pod and not pod["metadata"].get("deletionTimestamp") \
+                and not pod["spec"].get("nodeName"):
+            retry()
+            if pod["spec"].get("nodeName"):
+                sync_owner(cluster, pod)

@@ -23,7 +23,7 @@ from tests.cluster.objects import resource_of
 from tests.cluster.runtime import ContainerProcess
 from tests.cluster.watch_cache import WatchCache
 
-#: The emulated cluster's one node.
+#: The one node of a permissive single-node cluster (``single_node``): a test that needs it says why.
 NODE_NAME = "emulated-node"
 
 @dataclass
@@ -52,6 +52,17 @@ class Node:
 STORAGE_CLASS = "azure-netapp-files"
 SNAPSHOT_CLASS = "csi-anf-snapclass"
 OPERATOR = "mpi-job-controller"
+
+
+def single_node() -> dict[str, Node]:
+    """One untainted node with room for anything: only for a test that says why the AKS shape does not fit it."""
+    return {NODE_NAME: Node(NODE_NAME)}
+
+
+def _aks_nodes() -> dict[str, Node]:
+    from tests.cluster.aks import aks_nodes  # aks.py builds on Node
+
+    return aks_nodes()
 
 
 @dataclass
@@ -124,7 +135,10 @@ class Cluster:
     #: subnet): mounting them fails as mount.nfs fails, which no process here can reproduce.
     nfs_refused: set[tuple[str, str]] = field(default_factory=set)
     #: The nodes the scheduler binds pods to, by name; every pod runs on this machine whichever it is bound to.
-    nodes: dict[str, Node] = field(default_factory=lambda: {NODE_NAME: Node(NODE_NAME)})
+    #: AKS-shaped by default (tests/cluster/aks.py): a system pool, a tainted GPU pool, a tainted spot GPU pool.
+    nodes: dict[str, Node] = field(default_factory=lambda: _aks_nodes())
+    #: Pods no node took, by (namespace, pod): the pod and how to try it again (scheduler.retry_unschedulable).
+    unschedulable: dict[tuple[str, str], tuple[dict, Callable[[], None]]] = field(default_factory=dict)
     #: Nodes whose kubelet is gone (node_lifecycle.lose): their pods' statuses stay as they were, and a pod
     #: deleted there stays, terminating, until it is force-deleted or the pod GC removes it.
     lost_nodes: set[str] = field(default_factory=set)

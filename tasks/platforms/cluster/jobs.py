@@ -237,14 +237,18 @@ def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, 
              args: list[str], event: str, log: LogSink, timeout_s: float = 6 * 3600, gpus: int = 1,
              env: dict[str, str] | None = None) -> dict[str, Any]:
     """``python -m <args>`` as a Job in the training image on ``gpus`` GPUs (one by default), the claim at
-    /data, ``env`` in its environment; its event."""
+    /data, ``env`` in its environment; its event. A Job on GPUs is scheduled as the training workers are (the
+    block's tolerations, node selector, affinity, priority class and requests): on AKS the GPU pools are
+    tainted, and a pod asking for a GPU without the pool's tolerations is never scheduled anywhere."""
     name = validate_name(name[:63].rstrip("-"), "job")
     body = render_data_job(name, platform.layout(), volume.name, [], platform.job_labels(run, labels))
     container = body["spec"]["template"]["spec"]["containers"][0]
     container["image"] = platform.image
     container["command"] = ["python", "-m", *args]
-    if gpus:
-        container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
+    if gpus:  # on the GPU pools, as the training workers are: the block's tolerations, selector, priority, requests
+        scheduling = platform.layout().scheduling
+        container["resources"] = scheduling.resources(gpus)
+        body["spec"]["template"]["spec"].update(scheduling.pod_fields())
     if env:
         container["env"] = [{"name": key, "value": value} for key, value in sorted(env.items())]
     lines = run_job(platform, body, log, timeout_s=timeout_s, delete_after=True)
