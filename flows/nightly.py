@@ -22,7 +22,7 @@ from prefect.events import emit_event
 from prefect.variables import Variable
 
 from flows.params import TrainParams, takes_train_params
-from flows.train import train_pipeline
+from flows.train import evaluate_on_a_gpu, train_pipeline
 from tasks.champion import (
     DECISION_SPLIT,
     champion_record,
@@ -32,7 +32,6 @@ from tasks.champion import (
     selection_accuracy,
     stored_val_score,
 )
-from tasks.pipeline import evaluate
 from tasks.platforms import VolumeRef, load_platform
 from tasks.tracking import sync_champion_in_mlflow
 
@@ -58,15 +57,16 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
     platform = load_platform(params.platform)
     volume = VolumeRef(name=params.volume, location="")
     challenger["val_metrics"] = (challenger["metrics"] if challenger["metrics"].get("split") == DECISION_SPLIT else
-                                 evaluate(platform, volume, challenger["run_dir"], challenger["data_dir"],
-                                          DECISION_SPLIT))
+                                 evaluate_on_a_gpu(platform, volume, challenger["run_dir"], challenger["data_dir"],
+                                                   DECISION_SPLIT))
     champion_accuracy = None
     if champion:
         champion_val = stored_val_score(champion, challenger["dataset_version"])
         if champion_val is None and champion.get("volume") == challenger["volume"]:
             logger.info("champion %s has no val score on dataset %s: re-scoring it on the challenger's val images",
                         champion["run"], challenger["dataset_version"])
-            champion_val = evaluate(platform, volume, champion["run_dir"], challenger["data_dir"], DECISION_SPLIT)
+            champion_val = evaluate_on_a_gpu(platform, volume, champion["run_dir"], challenger["data_dir"],
+                                             DECISION_SPLIT)
         if champion_val is None:  # crowned on another volume: its own val score is the best there is
             champion_val = champion.get("val_metrics") or champion["metrics"]
         champion_accuracy = selection_accuracy(champion_val)

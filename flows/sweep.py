@@ -46,11 +46,11 @@ from flows.search import (
     distributions,
 )
 from flows.study import PRUNED, AskedTrial, SweepStudy, journal_path, record_interrupted
-from flows.train import GPU_LIMIT, train_pipeline
+from flows.train import GPU_LIMIT, evaluate_on_a_gpu, train_pipeline
 from flows.trial_threads import trial_thread, trials_stop_with_the_sweep
 from tasks.champion import selection_accuracy
 from tasks.names import DNS_LABEL, run_name
-from tasks.pipeline import ensure_dataset_volume, evaluate, prepare_dataset, read_dataset_index
+from tasks.pipeline import ensure_dataset_volume, prepare_dataset, read_dataset_index
 from tasks.platforms import VolumeRef, load_platform
 from tasks.pruning import StopVerdict, judged_by
 from tasks.report import data_uri
@@ -466,8 +466,8 @@ def _score_best_on_test(best: dict[str, Any], row: dict[str, Any], study: SweepS
     sweep whose best is the same trial shows it without scoring it again)."""
     def score() -> dict[str, Any]:
         platform = load_platform(row["platform"])
-        return evaluate(platform, ensure_dataset_volume(platform, row["volume"]), row["run_dir"], row["data_dir"],
-                        "test")
+        return evaluate_on_a_gpu(platform, ensure_dataset_volume(platform, row["volume"]), row["run_dir"],
+                                 row["data_dir"], "test")
 
     metrics = study.test_metrics(row["index"], score) if study is not None else score()
     best["test accuracy"] = round(selection_accuracy(metrics), 4)

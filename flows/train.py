@@ -3,8 +3,9 @@
     volume -> dataset -> shared access -> submit -> wait (streams events) -> evaluate -> snapshot
     -> artifacts, with the volume's service level held while the run trains.
 
-Training holds one slot of the ``gpu`` concurrency limit (when it exists), so sweeps and concurrent
-UI runs queue for accelerators instead of oversubscribing them. Once it has its slot, the run holds the
+Training, evaluation and packaging hold one slot of the ``gpu`` concurrency limit (when it exists), so sweeps
+and concurrent UI runs queue for accelerators instead of oversubscribing them, and a queued run never takes
+the GPU a run still scores on. Once it has its slot, the run holds the
 volume's service level (``tasks.holding``) until it has trained: runs side by side on one volume share the
 promotion, and the volume goes home when the last of them is done — however it ends. A retried stage leaves
 the level alone.
@@ -23,6 +24,7 @@ from pydantic import Field
 
 from flows.params import TrainParams, takes_train_params
 from tasks.gpu_slot import GPU_LIMIT, gpu_slot, release_slot_of
+from tasks.handover import handed_over
 from tasks.lineage import build_lineage, code_version
 from tasks.names import DNS_LABEL, MAX_RUN_KEY, run_name, snapshot_name
 from tasks.pipeline import (
@@ -108,8 +110,9 @@ def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any
     # stage that is retried does not get here, and leaves the level where it is.
     try:
         return _train_on(params, platform, volume, need, run, release)
-    except BaseException:
-        release_service_level(platform, volume, str(current_run.id), run, "a failed run")
+    except BaseException as exc:
+        if not handed_over(exc):  # a run handed to its next attempt (a drained flow pod) trains on: it keeps it
+            release_service_level(platform, volume, str(current_run.id), run, "a failed run")
         raise
 
 
@@ -139,30 +142,18 @@ def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: Throu
                         elastic=params.elastic,
                         labels={"flow-run": holder, "dataset-version": dataset["dataset_version"]})
     with gpu_slot(holder, logger.warning):
-        # The volume's level is held for as long as the slot: a run queued for a slot holds no costlier level
+        # The volume's level is held while the run trains: a run queued for a slot holds no costlier level
         # meanwhile, and one that has trained no longer adds its reads to those of the run that trains next.
         promote_service_level(platform, volume, params.promote, need, run, holder)
         submit_training(platform, spec)
         outcome = wait_for_training(platform, spec, params.timeout_minutes * 60)
         levels = demote_service_level(platform, volume, holder, run)
-    if outcome.stopped is not None:  # ended early on purpose (a sweep pruned it): nothing to score or keep
-        return stopped_early(run, outcome, dataset, spec, params)
-    evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
-
-    snapshot = snapshot_name(volume.name, run) if params.snapshot else None
-    service_level = read_service_level(platform, volume, levels)
-    lineage = build_lineage(
-        run=run, flow_run_id=holder, flow_run_name=current_run.name, platform=params.platform,
-        volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
-        training={"steps": outcome.steps, "resumed_from": outcome.resumed_from,
-                  "duration_s": outcome.duration_s, "trainer_eval": outcome.eval},
-        evaluation=evaluation, snapshot=snapshot, service_level=service_level)
-    package = None
-    if params.package:  # inside the run's folder: the snapshot carries it
-        package = package_model(platform, volume, spec.run_dir, spec.data_dir, params.eval_split, lineage)
-        lineage["package"] = package["package"]
-    else:
-        logger.info("packaging off for this run")
+        if outcome.stopped is not None:  # ended early on purpose (a sweep pruned it): nothing to score or keep
+            return stopped_early(run, outcome, dataset, spec, params)
+        # Scoring and packaging run on a GPU too: still inside the slot, so that a run queued for it cannot
+        # take the GPU this run has not finished with (its evaluation pod would wait behind that run's workers).
+        evaluation, lineage, package, snapshot = _score_and_package(params, platform, volume, spec, run, dataset,
+                                                                    outcome, levels)
     record_lineage(platform, volume, spec.run_dir, lineage)
     if snapshot:
         capture_snapshot(platform, volume, snapshot, spec.data_dir, spec.run_dir, lineage)
@@ -180,3 +171,34 @@ def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: Throu
             "resumed_from": outcome.resumed_from, "data_dir": spec.data_dir, "run_dir": spec.run_dir,
             "dataset_steps": dataset["steps"], "package": package["package"] if package else None,
             "platform": params.platform, "mlflow": tracked}
+
+
+def _score_and_package(params: TrainParams, platform: Any, volume: VolumeRef, spec: TrainingSpec, run: str,
+                       dataset: dict[str, Any], outcome: TrainingOutcome, levels: Any
+                       ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None, str | None]:
+    """The trained run scored on its split and packaged (the stages that need a GPU after training): its
+    evaluation, lineage, package (None when off) and the snapshot name it will take (None when off)."""
+    evaluation = evaluate(platform, volume, spec.run_dir, spec.data_dir, params.eval_split)
+    snapshot = snapshot_name(volume.name, run) if params.snapshot else None
+    service_level = read_service_level(platform, volume, levels)
+    lineage = build_lineage(
+        run=run, flow_run_id=str(current_run.id), flow_run_name=current_run.name, platform=params.platform,
+        volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
+        training={"steps": outcome.steps, "resumed_from": outcome.resumed_from,
+                  "duration_s": outcome.duration_s, "trainer_eval": outcome.eval},
+        evaluation=evaluation, snapshot=snapshot, service_level=service_level)
+    package = None
+    if params.package:  # inside the run's folder: the snapshot carries it
+        package = package_model(platform, volume, spec.run_dir, spec.data_dir, params.eval_split, lineage)
+        lineage["package"] = package["package"]
+    else:
+        get_run_logger().info("packaging off for this run")
+    return evaluation, lineage, package, snapshot
+
+
+def evaluate_on_a_gpu(platform: Any, volume: VolumeRef, run_dir: str, data_dir: str, split: str) -> dict[str, Any]:
+    """``evaluate`` outside a training run (a nightly's re-score, a sweep's test score): it needs a GPU as a run's
+    own scoring does, so it holds a slot of the ``gpu`` limit while it scores — never while a run it waits for
+    holds one of its own (the caller's child runs have ended)."""
+    with gpu_slot(str(current_run.id), get_run_logger().warning):
+        return evaluate(platform, volume, run_dir, data_dir, split)

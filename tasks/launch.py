@@ -385,6 +385,14 @@ def read_exit(launcher_code: int, lines: list[str], events: list[dict[str, Any]]
     if "start" in names and (short := next((text for text in texts if _ELASTIC_SHORT.search(text)), None)):
         return ExitReading(False, True, f"an elastic run had fewer workers than its min_workers for its elastic "
                                         f"timeout ({short}); it can resume from its last checkpoint", PREEMPTED)
+    if "start" not in names and (short := next((text for text in texts if _ELASTIC_SHORT.search(text)), None)):
+        # Never had min_workers at all: its workers were still waiting for a node or an image, or did not answer.
+        # Not an ssh race (horovodrun's own "Timed out waiting for" matches that too): submitting it again at once
+        # meets the same cluster, so it is read as resumable — a task retry, after its back-off, tries again.
+        return ExitReading(False, True, f"an elastic run never had its min_workers workers within its elastic "
+                                        f"timeout ({short}): its workers were still waiting for a node or their image, "
+                                        "or could not be reached (kubectl get pods shows which); lower min_workers, "
+                                        "raise the block's elastic_timeout_s, or add GPU nodes", PREEMPTED)
     if "start" not in names and (race := next((text for text in texts if _START_RACE.search(text)), None)):
         return ExitReading(False, True, f"could not start on every worker ({race})", START_FAILED)
     if "start" not in names and (check := next((i for i, text in enumerate(texts) if _SSH_CHECK_FAILED.search(text)),

@@ -6,21 +6,28 @@ cooldown, and the run ends on two workers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
+import time
+from pathlib import Path
 
 import kubernetes
 import pytest
 
-from tasks.platforms import ClusterPlatform, VolumeRef
+from tasks.platforms import ClusterPlatform, TrainingInterrupted, VolumeRef
 from tasks.platforms.base import ElasticWorkers
 from tests.cluster import Cluster
+from tests.cluster.aks import aks_nodes, gpu_node
 from tests.cluster_platform_helpers import (
     client_apis,
     cluster_platform,
     prepared_claim,  # noqa: F401  (the fixture "prepared")
     spec_for,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +94,116 @@ def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_rep
     assert len(created) == 2, created  # the first worker-1 and its replacement
     scores = platform.evaluate(volume, spec.run_dir, data_dir, "val", lambda _: None)
     assert 0.0 <= scores["accuracy"] <= 1.0
+
+
+def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_grows_when_room_appears(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """min 1, max 2 workers on an AKS-shaped cluster with one GPU: worker-1 stays Pending (Insufficient
+    nvidia.com/gpu) well past `scheduling_grace_s`, and the job trains on one worker all the same — a worker
+    waiting for room is what elastic training is for, not a stuck stage. Then the pool grows by a node: the
+    scheduler places worker-1 there, and the run takes it and ends on two workers."""
+    emu, cluster = emulator
+    cluster.configmap_sync_s = 2.0  # the kubelet's sync (1 min upstream), shortened
+    cluster.nodes = aks_nodes(gpu=1, spot=0, gpu_size="Standard_NC24ads_A100_v4")  # one GPU
+    _, volume, data_dir = prepared
+    grace_s = 2
+    platform = cluster_platform(emu, scheduling_grace_s=grace_s, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
+    spec = spec_for(volume.name, data_dir=data_dir, workers=1, epochs="8", batch_size="1", log_every="2",
+                    checkpoint_every="1000", elastic="1", commit_every=str(COMMIT_EVERY))
+    spec = spec.model_copy(update={"elastic": ElasticWorkers(min_workers=1, max_workers=2,
+                                                             commit_every=COMMIT_EVERY)})
+    grown: list[float] = []
+    started = time.monotonic()
+    worker_0, worker_1 = (f"{spec.job_name}-worker-{index}" for index in (0, 1))
+
+    def ranks_on(pod: str) -> list[int]:
+        found = []
+        for pid in cluster.container_pids("lanes", pod):
+            try:
+                if b"training.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:  # gone meanwhile
+                continue
+        return found
+
+    def grow_the_pool(cluster: Cluster, namespace: str, name: str, line: str) -> None:
+        """Once it has trained on one worker for well past the grace, a second GPU node joins the pool. The rank
+        is held still (SIGSTOP) until the scheduler has placed worker-1 there and the operator listed it for
+        horovodrun, so that the run cannot end before it could grow, however fast this machine trains."""
+        if grown or "-launcher-" not in name or '"event": "step"' not in line or \
+                time.monotonic() - started <= 3 * grace_s:
+            return
+        grown.append(time.monotonic())
+        held = ranks_on(worker_0)
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        with cluster.lock:
+            cluster.nodes["gpu-b"] = gpu_node("gpu-b", gpus=1)
+
+        def let_go() -> None:
+            try:
+                wait_until("worker-1 listed for horovodrun", lambda: worker_1 in cluster.objects["configmaps"].get(
+                    ("lanes", f"{spec.job_name}-config"), {}).get("data", {}).get("discover_hosts.sh", ""),
+                           timeout_s=120, every_s=0.2)
+                time.sleep(cluster.configmap_sync_s + 2)  # the kubelet's sync, then horovodrun's poll (1 s)
+            finally:
+                for pid in held:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+        threading.Thread(target=let_go, daemon=True).start()
+
+    cluster.on_log_line = grow_the_pool
+    events: list[dict] = []
+    logs: list[str] = []
+    outcome = platform.wait_for_training(platform.submit_training(spec), events.append, logs.append, timeout_s=900)
+    assert grown, "training never started on one worker"
+    said = [line for line in logs if "worker-1 is not running (Unschedulable" in line]
+    assert said and "trains on the workers it has meanwhile" in said[0], said
+    steps = [event for event in events if event["event"] == "step"]
+    placed = {event["involvedObject"]["name"]: event["message"].rsplit(" to ", 1)[-1]
+              for event in cluster.objects["events"].values() if event["reason"] == "Scheduled"}
+    assert steps[0]["workers"] == 1 and steps[-1]["workers"] == 2, (placed, steps)
+    assert outcome.steps == outcome.total_steps and outcome.stopped is None
+    assert placed[f"{spec.job_name}-worker-1"] == "gpu-b", placed
+
+
+def test_an_elastic_launcher_stopped_mid_run_has_every_rank_checkpoint_and_the_run_can_resume(
+        emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
+    """The launcher's pod deleted gracefully mid-run, as a drain of the system pool deletes it (the workers on the
+    GPU pool left alone). An elastic horovodrun runs no mpirun to pass the stop on, and stopping it would end its
+    ssh sessions and the ranks with them, unsaved: the launcher's PID 1 asks the ranks on every worker, over ssh,
+    to checkpoint and stop first. The run ends interrupted and resumable, with a durable checkpoint at the step the
+    ranks stopped at, and a resubmission resumes from it."""
+    emu, cluster = emulator
+    _, volume, data_dir = prepared
+    platform = cluster_platform(emu, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="20", batch_size="1", log_every="1",
+                    checkpoint_every="1000", elastic="1", commit_every=str(COMMIT_EVERY))
+    spec = spec.model_copy(update={"elastic": ElasticWorkers(min_workers=1, max_workers=2,
+                                                             commit_every=COMMIT_EVERY)})
+    core, _ = client_apis(emu)
+    deleted: list[tuple[int, float]] = []
+
+    def delete_the_launcher(cluster: Cluster, namespace: str, name: str, line: str) -> None:
+        if deleted or "-launcher-" not in name or '"event": "step"' not in line:
+            return
+        event = json.loads(line[line.index("{"):])
+        if event["step"] >= 8 and event.get("workers") == 2:
+            deleted.append((event["step"], time.time()))
+            threading.Thread(target=core.delete_namespaced_pod, args=(name, namespace), daemon=True).start()
+
+    cluster.on_log_line = delete_the_launcher
+    logs: list[str] = []
+    with pytest.raises(TrainingInterrupted, match="preempted: it checkpointed and can resume"):
+        platform.wait_for_training(platform.submit_training(spec), lambda _: None, logs.append, timeout_s=600)
+    assert deleted, "the launcher was never deleted"
+    record = [json.loads(line) for line in
+              platform.read_file(volume, f"{spec.run_dir}/metrics.jsonl").decode().splitlines()]
+    after = [event for event in record if event["event"] in ("checkpoint", "preempted")
+             and event["time"] >= deleted[0][1]]
+    assert [event["event"] for event in after[-2:]] == ["checkpoint", "preempted"], after
+    assert after[-1]["step"] == after[-2]["step"] >= deleted[0][0], (after, deleted)
+    cluster.on_log_line = None
+    outcome = platform.wait_for_training(platform.submit_training(spec), lambda _: None, lambda _: None,
+                                         timeout_s=600)
+    assert outcome.resumed_from == after[-1]["step"] and outcome.steps == outcome.total_steps, outcome

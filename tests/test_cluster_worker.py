@@ -27,7 +27,7 @@ import yaml
 from prefect import get_client
 
 from tasks.processes import PREFECT_WORKER_SIGNALS, running
-from tests.cluster_platform_helpers import TRAIN_IMAGE, cluster_platform
+from tests.cluster_platform_helpers import TRAIN_IMAGE, admin_core, cluster_platform
 from tests.conftest import PROJECT_ROOT, arm_with_tusimple
 from tests.gpu_limit import operator_gpu_limit
 from tests.test_cluster_pipeline import flow_run_messages, granted, needs_kubectl, rendered
@@ -51,8 +51,14 @@ def _prefect(args: list[str], env: dict[str, str]) -> str:
 
 @pytest.fixture(scope="module")
 def deployed(prefect_server: dict, served_archive: tuple[str, str]) -> Iterator[dict[str, str]]:
+    with deployed_to_pool(prefect_server, served_archive) as env:
+        yield env
+
+
+@contextmanager
+def deployed_to_pool(prefect_server: dict, served_archive: tuple[str, str]) -> Iterator[dict[str, str]]:
     """The README's commands: the pool from the shipped template, then the cluster deployments (removed
-    again afterwards: the session's server is shared with other modules)."""
+    again afterwards: the session's server is shared with other modules); the environment they were made with."""
     url, sha256 = served_archive
     env = {**os.environ, **prefect_server, "LANEFLOW_IMAGE": TRAIN_IMAGE, "LANEFLOW_PLATFORM": "emu-k8s-flows",
            **{f"{prefix}_{field}": value for prefix in ("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL")
@@ -319,3 +325,43 @@ def test_a_deployment_to_a_pool_that_does_not_exist_is_refused_naming_the_pool(d
     assert "references work pool 'laneflow-k8z' which does not" in " ".join((done.stdout + done.stderr).split())
     with get_client(sync_client=True) as client:
         assert not [d for d in client.read_deployments() if d.work_pool_name == "laneflow-k8z"]
+
+
+@needs_kubectl
+def test_a_drain_of_the_flow_pods_node_reschedules_the_run_which_adopts_the_mpijob_still_training(
+        deployed: dict, served_archive: tuple[str, str], emulator: tuple, tmp_path: Path) -> None:
+    """Routine maintenance (a node-image upgrade, the autoscaler's scale-down) drains the system node the flow
+    pod runs on; the launcher runs on the other one. The kubelet's SIGTERM reaches `prefect flow-run execute`,
+    which reschedules the run (the worker's behaviour for a Job of backoffLimit 0); the flow leaves its MPIJob
+    training, the worker starts the run again in a new pod on the node that remains, and that attempt adopts
+    the MPIJob — the same one, never deleted — and completes."""
+    from tests.cluster.node_lifecycle import cordon, drain
+
+    emu, cluster = emulator
+    cluster.load(rendered("base"))
+    cluster_platform(emu, credentials=None, namespace="laneflow").save("emu-k8s-flows", overwrite=True)
+    admin = admin_core(emu)  # who drains nodes
+    flow_run = _start(_parameters(served_archive, epochs=3, snapshot=False))
+    log = tmp_path / "worker.log"
+    with kubernetes_worker(emu, deployed, log) as worker:
+        first = _waiting("the flow pod to be scheduled", lambda: next(
+            (pod for pod in _flow_pods(cluster, flow_run.id) if pod["spec"].get("nodeName")), None), log, 120, 0.2)
+        node = first["spec"]["nodeName"]
+        cordon(cluster, node)  # what the flow starts lands on the other system node: only the flow pod is here
+        _launcher_running(cluster, log)
+        (mpijob,) = cluster.objects["mpijobs"].values()
+        assert drain(admin, cluster, node) == [first["metadata"]["name"]]
+        final = _final_state(flow_run.id, log, worker)
+    assert final.is_completed(), f"{final.name}: {final.message}\n{log.read_text()[-3000:]}"
+    # The evicted pod is gone; the run's second attempt ran in a pod of its own on the node that remained.
+    pods = _flow_pods(cluster, flow_run.id)
+    placed = [(pod["metadata"]["name"], pod["spec"]["nodeName"]) for pod in pods]
+    assert placed and all(name != first["metadata"]["name"] and on != node for name, on in placed), placed
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run.id).run_count == 2  # rescheduled once, not retried for a failure
+    # One MPIJob all along: handed over, not deleted and made again.
+    assert [obj["metadata"]["uid"] for obj in cluster.objects["mpijobs"].values()] == [mpijob["metadata"]["uid"]]
+    assert _callers(cluster, "mpijobs", "delete") == set()
+    messages = flow_run_messages(str(flow_run.id))
+    assert any(message.startswith(f"training job {mpijob['metadata']['name']} adopted") for message in messages), \
+        [message for message in messages if message.startswith("training job")]

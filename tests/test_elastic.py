@@ -286,6 +286,23 @@ def test_an_elastic_job_is_not_failed_for_a_worker_stopped_from_outside_but_is_f
     assert [p.reason for p in pod_problems([launcher], [], **elastic)] == ["NodeNotReady"]
 
 
+def test_an_elastic_jobs_worker_waiting_for_room_is_optional_only_while_min_workers_are_scheduled() -> None:
+    from tasks.k8s.diagnose import pod_problems
+
+    running = _worker("j-worker-0", "Running", {"running": {}})
+    pending = {"metadata": {"name": "j-worker-1", "uid": "w1", "labels": {"training.kubeflow.org/job-role": "worker"}},
+               "spec": {}, "status": {"phase": "Pending", "conditions": [
+                   {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": "0/4 nodes are available: 2 Insufficient nvidia.com/gpu."}]}}
+    elastic = {"exited_workers": True, "elastic": True}
+    (waiting,) = pod_problems([running, pending], [], **elastic, elastic_min_pods=1)
+    assert (waiting.reason, waiting.optional) == ("Unschedulable", True)
+    (short,) = pod_problems([running, pending], [], **elastic, elastic_min_pods=2)  # it needs both
+    assert (short.reason, short.optional) == ("Unschedulable", False)
+    (fixed,) = pod_problems([running, pending], [], exited_workers=True)  # a fixed-size job needs every worker
+    assert not fixed.optional
+
+
 def test_an_elastic_run_short_of_workers_after_it_started_can_resume() -> None:
     from tasks.launch import PREEMPTED, JobOutput, read_exit
 
@@ -304,3 +321,19 @@ def test_an_elastic_run_short_of_workers_after_it_started_can_resume() -> None:
     fixed = JobOutput(lambda _: None, lambda _: None)
     fixed.feed('[1]<stdout>:{"event": "start", "step": 0, "total_steps": 40}')
     assert fixed.events == []
+
+
+def test_an_elastic_start_that_times_out_waiting_for_min_workers_says_so_not_an_ssh_race() -> None:
+    """horovodrun's elastic driver waits ``--elastic-timeout`` for ``--min-np`` slots before any rank starts; when
+    it gives up, its words ("Timed out waiting for ...") must not be read as a start-up race of ssh."""
+    from tasks.launch import PREEMPTED, START_FAILED, JobOutput, read_exit
+
+    output = JobOutput(lambda _: None, lambda _: None, events_from_any_rank=True)
+    for line in ("Traceback (most recent call last):",
+                 "TimeoutError: Timed out waiting for minimum number of slots to become available. Please check that "
+                 "you have enough resources to run at least 2 Horovod processes."):
+        output.feed(line, may_be_event=False)
+    reading = read_exit(1, output.exit_lines, output.events)
+    assert (reading.resumable, reading.kind) == (True, PREEMPTED) and reading.kind != START_FAILED, reading
+    assert "never had its min_workers workers within its elastic timeout" in reading.reason
+    assert "waiting for a node" in reading.reason and "ssh" not in reading.reason, reading.reason

@@ -124,7 +124,8 @@ def test_an_elastic_mpijob_starts_at_once_over_the_discovery_script_with_a_repli
     flags = {flag: command[command.index(flag) + 1] for flag in command if flag.startswith("--") and flag != "--set"}
     assert (command[command.index("-np") + 1], flags["--min-np"], flags["--max-np"]) == ("4", "2", "6")
     assert flags["--slots-per-host"] == "2"  # the operator's discover_hosts.sh lists no slot counts
-    assert flags["--host-discovery-script"] == "/etc/mpi/discover_hosts.sh"
+    # the operator's list, less the workers not reachable yet (training/reachable_hosts.py)
+    assert flags["--host-discovery-script"] == "python -m training.reachable_hosts /etc/mpi/discover_hosts.sh"
     assert command[command.index("--blacklist-cooldown-range") + 1:][:2] == ["30", "600"]
     assert flags["--elastic-timeout"] == "900" and flags["--network-interface"] == "eth0"
     # A gang of the launcher and min_workers' pods: Run:ai (KAI-Scheduler) gangs every replica otherwise.

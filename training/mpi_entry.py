@@ -22,8 +22,10 @@ So each pod runs this as PID 1, with its real command as its one child:
   that takes 3 s to save never finishes), before any checkpoint is written.
   mpirun is sent SIGUSR1 instead, which it forwards to every rank of the job
   (OpenMPI 4.1 ``mpirun(1)``, "Signal Propagation"): the ranks checkpoint and exit 75 as for SIGTERM.
-  Before mpirun runs there is nothing to save: horovodrun gets the SIGTERM, as does an elastic horovodrun, which
-  runs no mpirun (``training.elastic``: the ranks there checkpoint when their own pods are told to stop).
+  Before mpirun runs there is nothing to save: horovodrun gets the SIGTERM. An elastic horovodrun runs no
+  mpirun, and stopping it ends its ssh sessions and the ranks with them: the ranks on every worker its host
+  discovery script lists are asked first, over ssh (``stop-ranks``: SIGTERM to the worker's ranks, as its own
+  PID 1 sends; every rank told makes a durable checkpoint and exits 75, ``training.elastic``), then horovodrun.
 
 PID 1 also reaps the orphans the kernel hands it (ssh sessions' processes), as an init must. Its handlers are
 the first thing it sets up: the kernel drops a signal sent to a PID namespace's first process while it has no
@@ -33,6 +35,7 @@ wait out its whole grace period. A stop heard before the command started means i
     laneflow-sshd                                         (console script: worker_main)
     laneflow-launcher python -m training.horovodrun -np 2 --hostfile ...     (console script: launcher_main)
     python -m training.mpi_entry worker|launcher -- COMMAND [ARG...]
+    python -m training.mpi_entry stop-ranks [WAIT_S]      (run over ssh in a worker by an elastic launcher)
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ SSHD = ["/usr/sbin/sshd", "-De", "-h", HOST_KEY]
 #: After the ranks are gone, how long the worker keeps sshd up for orted and the ssh sessions to finish.
 SESSIONS_LINGER_S = 10.0
 POLL_S = 0.1
+#: The flag that makes horovodrun elastic, and names its host discovery script.
+DISCOVERY_FLAG = "--host-discovery-script"
+#: How long an elastic launcher being stopped waits for the workers' ranks to checkpoint and exit: a step, the next
+#: stop check and a checkpoint (the pod's grace period bounds it in any case).
+RANKS_STOP_WAIT_S = 90.0
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
 
@@ -143,6 +151,8 @@ class Init:
         self.ranks_gone_at: float | None = None
         #: Ranks already asked to stop (a rank that appears later, orted still starting, is asked too).
         self.asked: set[int] = set()
+        #: An elastic launcher told to stop: the ranks on the workers are to be asked before horovodrun stops.
+        self.stop_elastic_ranks = False
 
     def run(self) -> int:
         stops = {signal.SIGTERM, signal.SIGINT}
@@ -161,6 +171,12 @@ class Init:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
         while True:
             self._reap()
+            if self.stop_elastic_ranks:
+                self.stop_elastic_ranks = False
+                stop_remote_ranks(self.argv)
+                if self.child_code is None:
+                    _say(self.role, "stopping horovodrun")
+                    _signal([self.child], signal.SIGTERM)
             if self.stopping_since is None or self.role == "launcher":
                 if self.child_code is not None:
                     return self.child_code
@@ -213,12 +229,17 @@ class Init:
         if sent:
             _say(self.role, f"signal {signum}: asked every rank, through mpirun ({_pids(sent)}), to checkpoint "
                             "and stop")
+        elif self.child_code is None and DISCOVERY_FLAG in self.argv:
+            # An elastic horovodrun runs no mpirun, and stopping it would end its ssh sessions and with them the
+            # ranks, unsaved (the workers' pods are not told: a drain of the launcher's node leaves them be). So
+            # every worker's ranks are asked first, over ssh, as their own PID 1 would ask them (every rank told: a
+            # durable checkpoint, exit 75); run() does it, as a handler must not wait.
+            _say(self.role, f"signal {signum}: no mpirun (an elastic horovodrun runs none): asking the ranks on "
+                            "every worker, over ssh, to checkpoint and stop; then stopping horovodrun")
+            self.stop_elastic_ranks = True
         elif self.child_code is None:
-            # An elastic horovodrun runs no mpirun at all: it ends its ssh sessions; the workers' own pods, stopped
-            # with the job, have their ranks checkpoint (every rank told: a durable checkpoint, exit 75).
-            what = "an elastic horovodrun runs none" if "--host-discovery-script" in self.argv else "it has not started"
             command = self.argv[2] if self.argv[1:2] == ["-m"] else os.path.basename(self.argv[0])
-            _say(self.role, f"signal {signum}: no mpirun ({what}); stopping {command}")
+            _say(self.role, f"signal {signum}: no mpirun (it has not started); stopping {command}")
             _signal([self.child], signal.SIGTERM)
 
     def _ask_ranks(self, processes: Mapping[int, Process]) -> list[int]:
@@ -255,6 +276,48 @@ class Init:
             time.sleep(POLL_S)
         if self.child_code is None:
             _signal([self.child], signal.SIGKILL)
+
+
+def stop_remote_ranks(argv: list[str], wait_s: float = RANKS_STOP_WAIT_S) -> None:
+    """From an elastic launcher being stopped: ``python -m training.mpi_entry stop-ranks`` on every worker its
+    host discovery script lists, over the ssh horovodrun uses (the operator's key, the image's ssh settings), all
+    at once; back when each has seen its ranks exit, or could not."""
+    import subprocess  # here: PID 1 imports nothing it does not need before its handlers are up
+
+    script = argv[argv.index(DISCOVERY_FLAG) + 1]  # a command line: horovodrun runs it through a shell too
+    try:
+        listed = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        _say("launcher", f"could not list the workers ({script}: {exc}); the ranks go unsaved")
+        return
+    hosts = sorted({line.rsplit(":", 1)[0] if line.count(":") == 1 else line for line in listed})
+    stops = {host: subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, sys.executable,
+                                     "-m", "training.mpi_entry", "stop-ranks", str(wait_s)])
+             for host in hosts}
+    for host, stop in stops.items():
+        try:
+            code = stop.wait(timeout=wait_s + 15)
+        except subprocess.TimeoutExpired:
+            stop.kill()
+            code = None
+        if code != 0:
+            _say("launcher", f"the ranks on {host} did not report stopped (ssh exit {code})")
+
+
+def stop_ranks(wait_s: float, proc: str = "/proc") -> int:
+    """``python -m training.mpi_entry stop-ranks [WAIT_S]``, run over ssh in a worker by an elastic launcher that is
+    being stopped: SIGTERM to this worker's topmost ranks (as its PID 1 sends on its own stop), then wait until
+    none is left (each checkpointed with the others and exited) or ``wait_s`` passed. 0 when none is left."""
+    asked: set[int] = set()
+    deadline = time.monotonic() + wait_s
+    while ranks := topmost_ranks(read_processes(proc)):
+        asked.update(_signal([pid for pid in ranks if pid not in asked], signal.SIGTERM))
+        if time.monotonic() > deadline:
+            _say("worker", f"{len(ranks)} training process(es) still running {wait_s:.0f} s after being asked to stop")
+            return 1
+        time.sleep(POLL_S)
+    _say("worker", f"asked {len(asked)} training process(es) to checkpoint and stop; none is left")
+    return 0
 
 
 def _pids(pids: list[int]) -> str:
@@ -295,6 +358,8 @@ def launcher_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     early = hear_stops_early()
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["stop-ranks"]:
+        return stop_ranks(float(args[1]) if len(args) > 1 else RANKS_STOP_WAIT_S)
     if len(args) < 3 or args[0] not in ("worker", "launcher") or args[1] != "--":
         print("usage: python -m training.mpi_entry worker|launcher -- COMMAND [ARG...]", file=sys.stderr)
         return 2

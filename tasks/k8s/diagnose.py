@@ -81,6 +81,9 @@ class PodProblem:
     kind: str = "pod"
     #: Stopped by a signal or a node going away rather than by its own failure: a retry can resume.
     resumable: bool = False
+    #: An elastic job's worker beyond what it needs, waiting for room: said once, never fails the stage (the job
+    #: trains on the workers it has and takes this one when it is scheduled).
+    optional: bool = False
 
     @property
     def patient(self) -> bool:
@@ -141,7 +144,8 @@ def scheduling_advice(message: str) -> str:
 
 def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
                  exited_workers: bool = False, replaced: frozenset[str] = frozenset(),
-                 training_alive: bool = False, elastic: bool = False) -> list[PodProblem]:
+                 training_alive: bool = False, elastic: bool = False,
+                 elastic_min_pods: int | None = None) -> list[PodProblem]:
     """The problems of ``pods`` (API dicts, camelCase), given the namespace's recent ``events``.
 
     ``exited_workers``: an MPIJob's worker that stopped (not evicted) is a problem too. The MPI operator
@@ -153,10 +157,16 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
     ranks still talking to their peers). ``replaced``: the workers whose pod was replaced while the launcher
     ran (``ProblemClock.replacements``). ``elastic``: an elastic job goes on without a worker that was stopped
     from outside or whose node went silent, and takes its replacement back: only a worker's own failure (out of
-    memory, an error exit, which would meet every worker) is its problem."""
+    memory, an error exit, which would meet every worker) is its problem. ``elastic_min_pods``: the worker pods
+    an elastic job trains on at least; while that many are scheduled, a worker no node has room for is
+    ``optional`` (the job grows when room appears, which is what elastic training is for)."""
     pod_events = [e for e in events if (e.get("involvedObject") or {}).get("kind") == "Pod"]
     scaling = {e["involvedObject"]["name"] for e in pod_events if e.get("reason") == "TriggeredScaleUp"}
     mount_failures = failing_mounts(pod_events)
+    scheduled_workers = sum(1 for pod in pods if job_role(pod) == "worker" and (pod.get("spec") or {}).get("nodeName")
+                            and not pod["metadata"].get("deletionTimestamp")
+                            and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
+    room_to_wait = elastic and elastic_min_pods is not None and scheduled_workers >= elastic_min_pods
     found = []
     for pod in pods:
         name = pod["metadata"]["name"]
@@ -197,7 +207,8 @@ def pod_problems(pods: list[dict[str, Any]], events: list[dict[str, Any]],
         for condition in status.get("conditions") or []:
             if condition.get("type") == "PodScheduled" and condition.get("status") == "False" and \
                     condition.get("reason") == "Unschedulable":
-                found.append(PodProblem(name, "Unschedulable", condition.get("message", ""), name in scaling))
+                found.append(PodProblem(name, "Unschedulable", condition.get("message", ""), name in scaling,
+                                        optional=bool(room_to_wait and role == "worker")))
         waiting_reasons = set()
         for container in status.get("containerStatuses") or []:
             waiting = (container.get("state") or {}).get("waiting")

@@ -21,6 +21,10 @@ MPI_HOSTFILE = "/etc/mpi/hostfile"
 #: The MPI operator's script of the job's Running workers, in the same ConfigMap (v2beta1
 #: ``updateDiscoverHostsInConfigMap``): one ``echo <worker>.<job>.<ns>.svc`` per worker, no slot counts.
 MPI_DISCOVER_HOSTS = "/etc/mpi/discover_hosts.sh"
+#: What horovodrun polls instead: the operator's list less the workers it cannot reach yet (Running is not Ready:
+#: a worker's name resolves once it is Ready, and horovodrun told of it earlier loses the whole job;
+#: training/reachable_hosts.py). horovodrun runs the script through a shell (horovod ``safe_shell_exec``).
+REACHABLE_HOSTS = f"python -m training.reachable_hosts {MPI_DISCOVER_HOSTS}"
 #: The network interface of a pod (the CNI's): elastic horovodrun is told it, so it needs no second host to
 #: find a common one at start (horovod ``runner/gloo_run.py`` ``_get_min_start_hosts``).
 POD_INTERFACE = "eth0"
@@ -172,7 +176,7 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
     validate_mpijob_name(name, replicas)
     trainer = ["python", *trainer_args(preset, settings, f"{MOUNT_PATH}/{data_dir}", f"{MOUNT_PATH}/{run_dir}")]
     if elastic:
-        launch = ElasticLaunch(MPI_DISCOVER_HOSTS, gpus, layout.elastic_cooldown_s, layout.elastic_timeout_s,
+        launch = ElasticLaunch(REACHABLE_HOSTS, gpus, layout.elastic_cooldown_s, layout.elastic_timeout_s,
                                POD_INTERFACE)
         command = [*LAUNCHER_ENTRY, *HOROVODRUN, *elastic_horovodrun_args(workers, *elastic, launch), *trainer]
     else:

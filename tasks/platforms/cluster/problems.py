@@ -27,13 +27,13 @@ def problem_clock(platform: ClusterPlatform) -> ProblemClock:
 
 def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, selector: str, clock: ProblemClock,
                log: LogSink, stopping: str, exited_workers: bool = False,
-               training_alive: bool = False, elastic: bool = False) -> list[dict]:
+               training_alive: bool = False, elastic: bool = False, elastic_min_pods: int | None = None) -> list[dict]:
     """Report a stage's pods that cannot run once each; fail the stage when one stays so past its grace; the
-    pods read. ``exited_workers``, ``training_alive``, ``elastic``: the pods of an MPIJob, whether its log still
-    advances, and whether it is elastic (see ``pod_problems``)."""
+    pods read. ``exited_workers``, ``training_alive``, ``elastic``, ``elastic_min_pods``: the pods of an MPIJob,
+    whether its log still advances, whether it is elastic and the worker pods it needs (see ``pod_problems``)."""
     pods = list_pods(platform, core, selector)
     replaced = clock.replacements(pods) if exited_workers and not elastic else frozenset()
-    problems = pod_problems(pods, [], exited_workers, replaced, training_alive, elastic)
+    problems = pod_problems(pods, [], exited_workers, replaced, training_alive, elastic, elastic_min_pods)
     events: list[dict] = []
     if any(problem.reason == "Unschedulable" for problem in problems):  # is an autoscaler adding a node?
         events += _pod_events(platform, core, "involvedObject.kind=Pod,reason=TriggeredScaleUp")
@@ -42,7 +42,7 @@ def check_pods(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, sel
         for name in sorted({e["involvedObject"]["name"] for e in failed}):  # did its mounts succeed since?
             events += _pod_events(platform, core, f"involvedObject.kind=Pod,involvedObject.name={name}")
     if events:
-        problems = pod_problems(pods, events, exited_workers, replaced, training_alive, elastic)
+        problems = pod_problems(pods, events, exited_workers, replaced, training_alive, elastic, elastic_min_pods)
     act_on(platform, problems, clock, log, stopping)
     return pods
 
@@ -67,13 +67,17 @@ def act_on(platform: ClusterPlatform, problems: list[PodProblem], clock: Problem
     queued = platform.runai_project is not None  # Run:ai's queue decides when a pod is scheduled
     new, late = clock.overdue(problems, time.monotonic())
     for problem in new:
+        if problem.optional:
+            log(f"laneflow: {problem.describe()}; the elastic job trains on the workers it has meanwhile and takes "
+                "this one when it is scheduled")
+            continue
         if queued and problem.patient:
             log(f"laneflow: {problem.describe()}; waiting for the Run:ai queue of project {platform.runai_project}")
             continue
         log(f"laneflow: {problem.describe()}"
             + ("; a cluster autoscaler is adding a node for it" if problem.scaling_up else "")
             + f"; the stage fails if it lasts {clock.grace_for(problem):.0f} s")
-    late = [problem for problem in late if not (queued and problem.patient)]
+    late = [problem for problem in late if not (queued and problem.patient) and not problem.optional]
     if not late:
         return
     message = f"in namespace {platform.effective_namespace()}: " + "; ".join(p.describe() for p in late) + \

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from tasks.handover import handed_over
 from tasks.k8s.diagnose import node_silent, pod_ends
 from tasks.k8s.logs import LogCursor
 from tasks.k8s.manifests import render_mpijob
@@ -219,7 +220,9 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
                     pods = check_pods(platform, core, f"training.kubeflow.org/job-name={name}", clock, output.feed,
                                       "the MPIJob was deleted", exited_workers=True,
                                       training_alive=time.monotonic() - last_line_at < platform.pod_problem_grace_s,
-                                      elastic=handle.spec.elastic is not None)
+                                      elastic=handle.spec.elastic is not None,
+                                      elastic_min_pods=handle.spec.elastic.min_workers // platform.gpus_per_worker
+                                      if handle.spec.elastic else None)
                     silent.update({pod["metadata"]["name"]: how for pod in pods if (how := node_silent(pod))})
                 except (StageBlocked, TrainingInterrupted):
                     platform.cancel_training(name, handle.spec.volume)  # a retry submits a fresh one
@@ -235,7 +238,12 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
                 time.sleep(platform.poll_interval_s)
     except (TrainingFailed, TransientPlatformError, PermissionError, StageBlocked):
         raise
-    except BaseException:  # task cancelled, flow run terminated: leave nothing running
+    except BaseException as exc:  # task cancelled, flow run terminated: leave nothing running ...
+        if handed_over(exc):  # ... unless the run goes on in another attempt, which adopts the job
+            output.on_log(f"laneflow: this flow run's process is being stopped to run again elsewhere (its pod was "
+                          f"told to stop: a drain of its node); MPIJob {name} trains on, and the next attempt "
+                          "adopts it")
+            raise
         platform.cancel_training(name, handle.spec.volume)
         raise
 
