@@ -7,7 +7,7 @@ STAMP := $(VENV)/.laneflow-installed
 DEMO_DIR ?= .laneflow/demo
 PORT ?= 4200
 
-.PHONY: demo serve stop-server test image lint bench bench-accuracy bench-overhead bench-sweep install clean
+.PHONY: demo serve stop-server test image lint bench bench-accuracy bench-overhead bench-sweep soak install clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt scripts/versions.env
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -32,6 +32,17 @@ image: $(STAMP)
 test: $(STAMP)
 	$(PY) scripts/images.py build --if-possible
 	$(PY) -m pytest
+
+# The seeded soak (tests/soak.py): runs side by side on the AKS-shaped emulated cluster, through the real Prefect
+# Kubernetes worker, while disruptions drawn from the seed hit them; then the invariants, a table per seed.
+# SEED=3 or SEED=1,2,3; RUNS and DISRUPTIONS per seed. `make test` runs one short seed.
+SEED ?= 1
+RUNS ?= 3
+DISRUPTIONS ?= 5
+soak: $(STAMP)
+	$(PY) scripts/images.py build --if-possible
+	LANEFLOW_SOAK_SEEDS=$(SEED) LANEFLOW_SOAK_RUNS=$(RUNS) LANEFLOW_SOAK_DISRUPTIONS=$(DISRUPTIONS) \
+		$(PY) -m pytest -n 0 -s -p no:cacheprovider tests/test_soak.py -k "not short_seed"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

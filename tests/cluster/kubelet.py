@@ -165,7 +165,11 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
             append_log(cluster, log, text)
             cluster.changed.notify_all()
         if cluster.on_log_line is not None:
-            cluster.on_log_line(cluster, namespace, name, text)
+            try:
+                cluster.on_log_line(cluster, namespace, name, text)
+            except Exception as exc:  # a test's hook must not stop the container's output (its writes would block)
+                with cluster.lock:
+                    cluster.controller_errors.append(exc)
 
     def exited(code: int) -> None:
         with cluster.lock:

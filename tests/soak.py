@@ -1,0 +1,139 @@
+"""A seeded soak on the AKS-shaped emulated cluster: runs side by side, started from the Kubernetes work pool as the
+UI starts them, while disruptions drawn from the seed hit them; then the invariants a user relies on.
+
+``plan(seed, runs, disruptions)`` is pure: the same seed draws the same runs' kinds and the same disruptions (what,
+and on which run at which of its training steps), so a seed that breaks an invariant can be replayed
+(``make soak SEED=<seed>``). What each disruption is, as a cluster operator or the cloud does it:
+
+- ``drain-flow-node`` / ``drain-launcher-node`` / ``drain-worker-node``: ``kubectl drain`` of the node that runs
+  the run's flow pod, its MPI launcher, or one of its workers (a node-image upgrade, the autoscaler's scale-down),
+  through the eviction API; the node is back in service (uncordoned) a few seconds later;
+- ``preempt-spot``: Azure takes back a spot VM of the run's workers (``aks.preempt``: AKS node auto-drain, then the
+  VM gone); the scale set brings a new VM into the pool a few seconds later;
+- ``evict-worker``: one worker pod evicted (node pressure, a descheduler);
+- ``lose-node``: a worker's node gone without a word (a host failure); its VM gone, a new one joins later;
+- ``api-errors``: a burst of 500s, 429s and connection resets on the reads every client makes (pods, jobs,
+  MPIJobs).
+
+Invariants (``check``): every run ended Completed, or Failed with a reason laneflow classified (never a bare exit
+code or a traceback); every resumption started from the last checkpoint written before it (no training lost
+beyond that); no ``gpu`` slot held once the runs ended; no pod of theirs still running; nothing left once the
+finished objects' TTL passed (laneflow's clean-up and the TTL controller).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DISRUPTIONS = ("drain-flow-node", "drain-launcher-node", "drain-worker-node", "preempt-spot", "evict-worker",
+               "lose-node", "api-errors")
+RUN_KINDS = ("plain", "elastic", "single")
+#: A failure message that says nothing a user can act on.
+UNCLASSIFIED = re.compile(r"Traceback \(most recent call last\)|^exit code \d+$|Kubernetes job was deleted"
+                          r"|No active or succeeded pods")
+
+
+@dataclass(frozen=True)
+class Disruption:
+    kind: str
+    run: int  # the index of the run it hits
+    at_step: int  # when that run's launcher first reports this training step or a later one
+
+
+@dataclass(frozen=True)
+class Plan:
+    seed: int
+    runs: tuple[str, ...]
+    disruptions: tuple[Disruption, ...]
+
+    def replay(self) -> str:
+        return f"make soak SEED={self.seed}"
+
+
+def plan(seed: int, runs: int = 3, disruptions: int = 4, steps: int = 24) -> Plan:
+    """What seed ``seed`` does: ``runs`` runs of drawn kinds and ``disruptions`` disruptions, each on a drawn run at a
+    drawn step of its training (early enough that the run has not ended)."""
+    draw = random.Random(seed)
+    kinds = tuple(draw.choice(RUN_KINDS) for _ in range(runs))
+    hits = tuple(Disruption(draw.choice(DISRUPTIONS), draw.randrange(runs), draw.randrange(2, steps // 2))
+                 for _ in range(disruptions))
+    return Plan(seed, kinds, tuple(sorted(hits, key=lambda hit: (hit.run, hit.at_step))))
+
+
+def run_parameters(kind: str) -> dict[str, object]:
+    """The train_pipeline parameters of a run of ``kind`` (with the deployment's source and platform)."""
+    # 8 training images: 2 steps an epoch on two workers (16 in all), each epoch ending in a checkpoint; every
+    # disruption comes due by step 11 (``plan``).
+    base: dict[str, object] = {"epochs": 8, "batch_size": 2, "loader_workers": 0, "snapshot": False}
+    if kind == "elastic":
+        return {**base, "workers": 2, "elastic": {"min_workers": 1, "max_workers": 2, "commit_every": 2}}
+    return {**base, "workers": 1 if kind == "single" else 2}
+
+
+@dataclass
+class RunRecord:
+    """One run as the soak saw it."""
+
+    index: int
+    kind: str
+    flow_run_id: str
+    state: str = ""
+    message: str = ""
+    attempts: int = 0
+    hits: list[str] = field(default_factory=list)
+    resumptions: list[tuple[int, int]] = field(default_factory=list)  # (resumed at, last checkpoint before)
+
+
+def resumptions(metrics: list[dict]) -> list[tuple[int, int]]:
+    """(the step a resumed start began at, the step of the last checkpoint written before it) for every resumed
+    start in a run's ``metrics.jsonl``: equal when no training was lost beyond the last checkpoint."""
+    found, last_checkpoint = [], 0
+    for event in metrics:
+        if event["event"] == "checkpoint":
+            last_checkpoint = event["step"]
+        elif event["event"] == "start" and event.get("resumed"):
+            found.append((event["step"], last_checkpoint))
+    return found
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def broken_invariants(records: list[RunRecord], gpu_slots_held: int, left_running: list[str],
+                      left_after_ttl: list[str]) -> list[str]:
+    """What the soak found wrong, one line each (empty: every invariant holds)."""
+    broken = []
+    for record in records:
+        if record.state not in ("Completed", "Failed"):
+            broken.append(f"run {record.index} ({record.kind}) ended {record.state}: {record.message[:300]}")
+        elif record.state == "Failed" and (not record.message or UNCLASSIFIED.search(record.message)):
+            broken.append(f"run {record.index} ({record.kind}) failed without a classified reason: "
+                          f"{record.message[:300]!r}")
+        broken += [f"run {record.index} ({record.kind}) resumed at step {at}, but its last checkpoint before was at "
+                   f"step {last}" for at, last in record.resumptions if at != last]
+    if gpu_slots_held:
+        broken.append(f"{gpu_slots_held} 'gpu' slot(s) still held after every run ended")
+    if left_running:
+        broken.append(f"still running after every run ended: {', '.join(left_running)}")
+    if left_after_ttl:
+        broken.append(f"left past their TTL: {', '.join(left_after_ttl)}")
+    return broken
+
+
+def table(plan_: Plan, records: list[RunRecord], broken: list[str]) -> str:
+    """The seed's result as a Markdown table, and what broke with how to replay it."""
+    lines = [f"seed {plan_.seed}: {len(records)} runs, {len(plan_.disruptions)} disruptions",
+             "", "| run | kind | state | attempts | disruptions | resumed at (last checkpoint) |",
+             "|---|---|---|---|---|---|"]
+    for record in records:
+        resumed = ", ".join(f"{at} ({last})" for at, last in record.resumptions) or "-"
+        lines.append(f"| {record.index} | {record.kind} | {record.state} | {record.attempts} | "
+                     f"{', '.join(record.hits) or '-'} | {resumed} |")
+    if broken:
+        lines += ["", "broken invariants:", *(f"- {line}" for line in broken), f"replay: {plan_.replay()}"]
+    return "\n".join(lines)
