@@ -42,7 +42,7 @@ DISRUPTIONS ?= 5
 soak: $(STAMP)
 	$(PY) scripts/images.py build --if-possible
 	LANEFLOW_SOAK_SEEDS=$(SEED) LANEFLOW_SOAK_RUNS=$(RUNS) LANEFLOW_SOAK_DISRUPTIONS=$(DISRUPTIONS) \
-		$(PY) -m pytest -n 0 -s -p no:cacheprovider tests/test_soak.py -k "not short_seed"
+		$(PY) -m pytest -n 0 -s -p no:cacheprovider --timeout 3600 tests/test_soak.py -k "not short_seed"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -33,8 +33,8 @@ DISRUPTIONS = ("drain-flow-node", "drain-launcher-node", "drain-worker-node", "p
                "lose-node", "api-errors")
 RUN_KINDS = ("plain", "elastic", "single")
 #: A failure message that says nothing a user can act on.
-UNCLASSIFIED = re.compile(r"Traceback \(most recent call last\)|^exit code \d+$|Kubernetes job was deleted"
-                          r"|No active or succeeded pods")
+UNCLASSIFIED = re.compile(r"Traceback \(most recent call last\)|^exit code \d+$|failed with exit code \d+\)"
+                          r"|Kubernetes job was deleted|No active or succeeded pods")
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,8 @@ def table(plan_: Plan, records: list[RunRecord], broken: list[str]) -> str:
         resumed = ", ".join(f"{at} ({last})" for at, last in record.resumptions) or "-"
         lines.append(f"| {record.index} | {record.kind} | {record.state} | {record.attempts} | "
                      f"{', '.join(record.hits) or '-'} | {resumed} |")
+    lines += [f"run {record.index} {record.state.lower()}: {record.message[:400]}" for record in records
+              if record.state != "Completed"]
     if broken:
         lines += ["", "broken invariants:", *(f"- {line}" for line in broken), f"replay: {plan_.replay()}"]
     return "\n".join(lines)

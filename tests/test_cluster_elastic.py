@@ -17,7 +17,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from tasks.platforms import ClusterPlatform, TrainingInterrupted, VolumeRef
+from tasks.platforms import ClusterPlatform, TrainingInterrupted, TrainingSpec, VolumeRef
 from tasks.platforms.base import ElasticWorkers
 from tests.cluster import Cluster
 from tests.cluster.aks import aks_nodes, gpu_node
@@ -32,6 +32,14 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 COMMIT_EVERY = 5
+
+
+def elastic_spec(volume: str, data_dir: str, workers: int, epochs: int, log_every: int) -> TrainingSpec:
+    """An elastic run of 1 to 2 workers starting with ``workers``, one image a step, committing every
+    ``COMMIT_EVERY`` steps, no periodic checkpoint."""
+    spec = spec_for(volume, data_dir=data_dir, workers=workers, epochs=str(epochs), batch_size="1",
+                    log_every=str(log_every), checkpoint_every="1000", elastic="1", commit_every=str(COMMIT_EVERY))
+    return spec.model_copy(update={"elastic": ElasticWorkers(min_workers=1, max_workers=2, commit_every=COMMIT_EVERY)})
 
 
 def delete_a_worker_at(cluster: Cluster, core: kubernetes.client.CoreV1Api, pod: str, step: int,
@@ -58,10 +66,7 @@ def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_rep
     _, volume, data_dir = prepared
     platform = cluster_platform(emu, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
     # 8 images, one per step: 4 steps an epoch on two workers, 8 on one; about 60 steps in all.
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="13", batch_size="1", log_every="2",
-                    checkpoint_every="1000", elastic="1", commit_every=str(COMMIT_EVERY))
-    spec = spec.model_copy(update={"elastic": ElasticWorkers(min_workers=1, max_workers=2,
-                                                             commit_every=COMMIT_EVERY)})
+    spec = elastic_spec(volume.name, data_dir, workers=2, epochs=13, log_every=2)
     core, custom = client_apis(emu)
     deleted: list[dict] = []
     worker = f"{spec.job_name}-worker-1"
@@ -108,10 +113,7 @@ def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_g
     _, volume, data_dir = prepared
     grace_s = 2
     platform = cluster_platform(emu, scheduling_grace_s=grace_s, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
-    spec = spec_for(volume.name, data_dir=data_dir, workers=1, epochs="8", batch_size="1", log_every="2",
-                    checkpoint_every="1000", elastic="1", commit_every=str(COMMIT_EVERY))
-    spec = spec.model_copy(update={"elastic": ElasticWorkers(min_workers=1, max_workers=2,
-                                                             commit_every=COMMIT_EVERY)})
+    spec = elastic_spec(volume.name, data_dir, workers=1, epochs=8, log_every=2)
     grown: list[float] = []
     started = time.monotonic()
     worker_0, worker_1 = (f"{spec.job_name}-worker-{index}" for index in (0, 1))
@@ -177,10 +179,7 @@ def test_an_elastic_launcher_stopped_mid_run_has_every_rank_checkpoint_and_the_r
     emu, cluster = emulator
     _, volume, data_dir = prepared
     platform = cluster_platform(emu, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="20", batch_size="1", log_every="1",
-                    checkpoint_every="1000", elastic="1", commit_every=str(COMMIT_EVERY))
-    spec = spec.model_copy(update={"elastic": ElasticWorkers(min_workers=1, max_workers=2,
-                                                             commit_every=COMMIT_EVERY)})
+    spec = elastic_spec(volume.name, data_dir, workers=2, epochs=20, log_every=1)
     core, _ = client_apis(emu)
     deleted: list[tuple[int, float]] = []
 

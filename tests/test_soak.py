@@ -9,11 +9,12 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import kubernetes
 import pytest
+import urllib3
 from prefect import get_client
 
 from tasks.names import run_name
@@ -86,13 +87,27 @@ class Disruptor:
     # --- the disruptions --------------------------------------------------------------------------------
     def _fire(self, hit: Disruption) -> None:
         try:
-            did = getattr(self, "_" + hit.kind.replace("-", "_"))(hit.run)
+            did = self._with_retries(getattr(self, "_" + hit.kind.replace("-", "_")), hit.run)
         except Exception as exc:  # a disruption that could not be done is a soak failure, said as such
             self.errors.append(f"{hit.kind} on run {hit.run}: {type(exc).__name__}: {exc}")
             did = f"failed: {exc}"
         with self.lock:
             self.fired.append((hit, did))
         print(f"{time.strftime('%H:%M:%S')} {hit.kind} on run {hit.run} at step {hit.at_step}: {did}", flush=True)
+
+    @staticmethod
+    def _with_retries(action: Callable[[int], str], run: int, tries: int = 5) -> str:
+        """An operator runs ``kubectl drain`` again when the API answered 5xx or 429 (an error burst of the soak's
+        own may meet the disruption's calls too)."""
+        for attempt in range(1, tries + 1):
+            try:
+                return action(run)
+            except (kubernetes.client.ApiException, urllib3.exceptions.HTTPError) as exc:
+                status = getattr(exc, "status", None)
+                if attempt == tries or (status is not None and status < 500 and status != 429):
+                    raise
+                time.sleep(1.0)
+        raise AssertionError("unreachable")
 
     def _pods(self, selector: str) -> list[dict]:
         with self.cluster.lock:

@@ -287,6 +287,15 @@ def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOu
         lost = ", ".join(f"{pod} ({how})" for pod, how in sorted(silent.items()))
         reading = ExitReading(False, True, f"its pods were on nodes that stopped reporting: {lost}; it failed "
                                            f"without them ({reading.reason}) and can resume", PREEMPTED)
+    elif reason.startswith("BackoffLimitExceeded") and not any(end.role == "launcher" for end in ends) and \
+            not reading.resumable and reading.kind not in (OUT_OF_MEMORY, REFUSED, DEADLINE):
+        # The launcher Job failed with no launcher pod left: one that ended on its own is kept (restartPolicy
+        # Never, and cleanPodPolicy removes only running pods), so this one was removed from outside — evicted by a
+        # drain of its node, deleted — before its end could be read (the flow that followed it may have been
+        # stopped by the same drain). Its ranks were told to checkpoint: it resumes.
+        reading = ExitReading(False, True, f"its launcher pod was removed before it reported its end (evicted by "
+                                           f"a drain of its node, or deleted; {reading.reason}) and can resume from "
+                                           "its last checkpoint", PREEMPTED)
     exited = ", ".join(f"{end.name} {end.container_reason} (exit {end.exit_code})" for end in ends if end.exit_code)
     return reading, f"{reason}: {condition.get('message', '')}; pods: {exited or 'none found'}"
 
