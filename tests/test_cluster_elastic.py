@@ -179,7 +179,7 @@ def test_an_elastic_launcher_stopped_mid_run_has_every_rank_checkpoint_and_the_r
     emu, cluster = emulator
     _, volume, data_dir = prepared
     platform = cluster_platform(emu, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
-    spec = elastic_spec(volume.name, data_dir, workers=2, epochs=20, log_every=1)
+    spec = elastic_spec(volume.name, data_dir, workers=2, epochs=6, log_every=1)
     core, _ = client_apis(emu)
     deleted: list[tuple[int, float]] = []
 
