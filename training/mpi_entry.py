@@ -284,13 +284,15 @@ def stop_remote_ranks(argv: list[str], wait_s: float = RANKS_STOP_WAIT_S) -> Non
     at once; back when each has seen its ranks exit, or could not."""
     import subprocess  # here: PID 1 imports nothing it does not need before its handlers are up
 
+    from training.reachable_hosts import host_of
+
     script = argv[argv.index(DISCOVERY_FLAG) + 1]  # a command line: horovodrun runs it through a shell too
     try:
         listed = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=10).stdout.split()
     except (OSError, subprocess.SubprocessError) as exc:
         _say("launcher", f"could not list the workers ({script}: {exc}); the ranks go unsaved")
         return
-    hosts = sorted({line.rsplit(":", 1)[0] if line.count(":") == 1 else line for line in listed})
+    hosts = sorted({host_of(line) for line in listed})
     stops = {host: subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, sys.executable,
                                      "-m", "training.mpi_entry", "stop-ranks", str(wait_s)])
              for host in hosts}

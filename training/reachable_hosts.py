@@ -23,11 +23,15 @@ SSH_PORT = 22
 CONNECT_TIMEOUT_S = 0.8
 
 
+def host_of(line: str) -> str:
+    """The host of a discovery line: ``<host>`` or ``<host>:<slots>``."""
+    return line.rsplit(":", 1)[0] if line.count(":") == 1 else line
+
+
 def reachable(line: str, port: int = SSH_PORT, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
-    """Whether the host of a discovery line (``<host>`` or ``<host>:<slots>``) resolves and accepts a connection."""
-    host = line.rsplit(":", 1)[0] if line.count(":") == 1 else line
+    """Whether the host of a discovery line resolves and accepts a connection."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
+        with socket.create_connection((host_of(line), port), timeout=timeout_s):
             return True
     except OSError:  # not in DNS yet, nothing listening yet, or gone
         return False
