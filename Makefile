@@ -7,7 +7,7 @@ STAMP := $(VENV)/.laneflow-installed
 DEMO_DIR ?= .laneflow/demo
 PORT ?= 4200
 
-.PHONY: demo serve stop-server test image lint bench bench-accuracy bench-overhead bench-sweep soak install clean
+.PHONY: demo serve stop-server test image image-gpu lint bench bench-accuracy bench-overhead bench-sweep soak install clean clean-work
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt scripts/versions.env
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -28,6 +28,12 @@ stop-server: $(STAMP)
 # nothing). The emulated cluster's pods run from them, so the tests build them first where they can.
 image: $(STAMP)
 	$(PY) scripts/images.py build
+
+# The training image's GPU flavour (localhost/laneflow-train:gpu): CUDA and NCCL from PyPI wheels, Horovod compiled
+# for NCCL (docs/getting-started/images.md). Not part of `make test`: GBs of downloads and a Horovod build; its own lock, so the
+# tests' CPU builds never wait for it.
+image-gpu: $(STAMP)
+	$(PY) scripts/images.py build --flavour gpu
 
 test: $(STAMP)
 	$(PY) scripts/images.py build --if-possible
@@ -63,6 +69,14 @@ bench-accuracy: $(STAMP)
 bench-sweep: $(STAMP)
 	$(PY) bench/sweep.py
 
+# Caches only (Python's, pytest's and ruff's): the demo's volumes, snapshots and Prefect history are kept. `make clean-work` lists the demo's trained work and history; CONFIRM=yes deletes it.
 clean:
+	python3 scripts/clean.py caches --demo-dir $(DEMO_DIR)
+
+clean-work:
+ifeq ($(CONFIRM),yes)
 	-$(VENV)/bin/laneflow stop-server --home $(DEMO_DIR)
-	rm -rf $(DEMO_DIR) .pytest_cache
+	python3 scripts/clean.py work --demo-dir $(DEMO_DIR) --yes
+else
+	python3 scripts/clean.py work --demo-dir $(DEMO_DIR)
+endif

@@ -31,8 +31,8 @@ def main() -> None:
 
 
 def pipeline_figures(home: Path) -> None:
-    from flows.cli import ensure_local_setup
     from flows.params import DataSource
+    from flows.serving import ensure_local_setup
     from flows.train import train_pipeline
     from training.data.synthetic import cached_artifacts
 

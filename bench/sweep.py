@@ -67,8 +67,8 @@ def spent_to_match(table: list[dict[str, Any]], target: float, unit: str = "step
 
 
 def compare(args: argparse.Namespace, home: Path) -> None:
-    from flows.cli import ensure_local_setup
     from flows.params import DataSource
+    from flows.serving import ensure_local_setup
     from flows.sweep import sweep
     from training.data.synthetic import cached_artifacts
 

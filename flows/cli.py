@@ -1,6 +1,8 @@
-"""``laneflow``: predict with a model, show the champion, lineage of runs and snapshots, the snapshot list,
-and ``serve`` (server + deployments + worker).
+"""laneflow's command line: start and follow runs and sweeps, predict with a model, the champion, lineage of runs
+and snapshots, the snapshots, comparisons, and the local server (serve, deploy, stop-server).
 
+    laneflow run [--set KEY=VALUE]... [--deployment train_pipeline/train] [--home .laneflow/serve] [--port 4200]
+    laneflow sweep [--set KEY=VALUE]... [--deployment sweep/sweep] [--home .laneflow/serve] [--port 4200]
     laneflow predict <image|folder|glob|video> [--model champion|RUN|SNAPSHOT|PACKAGE] [--volume V] [--out DIR]
     laneflow champion [--volume V] [--platform local]
     laneflow lineage <run-or-snapshot> [--platform local]
@@ -14,20 +16,17 @@ and ``serve`` (server + deployments + worker).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from flows.local_server import DEFAULT_PORT, ensure_server, server_env, stop_server
-from tasks.processes import PREFECT_WORKER_SIGNALS, stop_process
+from flows.local_server import DEFAULT_PORT, ServerNotOurs, stop_server
+from flows.serving import deploy_command, serve
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-WORK_POOL = "laneflow-local"
-
+#: What ``laneflow --help`` says first (plain text: argparse prints it as it is).
+DESCRIPTION = ("laneflow: lane-detection training as Prefect flows. Start and follow training runs and sweeps, "
+               "predict with a model, show a volume's champion, the lineage of runs and snapshots, compare runs, "
+               "and run the local Prefect server with laneflow's deployments and a worker.")
 
 def lineage_text(name: str, platform_name: str) -> str:
     """The lineage of a snapshot (from the platform) or of a run (its lineage artifact), as markdown."""
@@ -165,208 +164,60 @@ def champion_command(volume: str, platform_name: str) -> int:
     return 0
 
 
-def ensure_local_setup(gpu_slots: int = 1) -> None:
-    """Platform block types (so the UI can create platforms), the process work pool and the ``gpu``
-    concurrency limit: created when missing, left alone when present."""
-    from prefect import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option, each with its help (a test holds every option to having one)."""
+    parser = argparse.ArgumentParser(prog="laneflow", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from flows.train import GPU_LIMIT
-    from tasks.platforms import PLATFORM_TYPES
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
 
-    for platform_type in PLATFORM_TYPES:
-        platform_type.register_type_and_schema()
+    def platform_option(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--platform", default="local",
+                         help="the platform block to read from (default: local, this machine's volumes)")
 
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_work_pool(WORK_POOL)
-        except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(name=WORK_POOL, type="process"))
-        try:
-            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
-        except ObjectNotFound:
-            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpu_slots)
+    def server_options(sub: argparse.ArgumentParser, port: bool = True) -> None:
+        sub.add_argument("--home", type=Path, default=Path(".laneflow/serve"),
+                         help="the local server's home: its database, auth string and the runs' volumes "
+                              "(default: .laneflow/serve)")
+        if port:
+            sub.add_argument("--port", type=int, default=DEFAULT_PORT,
+                             help=f"the local server's port on 127.0.0.1 (default: {DEFAULT_PORT})")
 
-
-def apply_deployments(env: dict[str, str]) -> None:
-    """``prefect deploy --all`` on this project's prefect.yaml (the same command a user would type)."""
-    prefect = str(Path(sys.executable).parent / "prefect")
-    done = subprocess.run([prefect, "--no-prompt", "deploy", "--all"], cwd=PROJECT_ROOT, env=env,
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        output = done.stdout[-3000:] + done.stderr[-3000:]
-        raise RuntimeError(f"prefect deploy failed (exit {done.returncode}):\n{output}")
-
-
-ARTIFACT_PREFIXES = ("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL")
-
-
-def deployment_environment(home: Path, env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the deployments' dataset defaults filled in (prefect.yaml reads them at deploy time):
-    the synthetic artifacts unless the environment names others, and a local dataset index listing
-    them unless ``LANEFLOW_DATASET_INDEX`` names the data team's."""
-    from training.data.synthetic import cached_artifacts
-
-    env = dict(env)
-    if not all(env.get(f"{prefix}_URL") and env.get(f"{prefix}_SHA256") for prefix in ARTIFACT_PREFIXES):
-        synthetic = cached_artifacts(home / "source", train=160, val=24, test=40)
-        for prefix, artifact in zip(ARTIFACT_PREFIXES, synthetic, strict=True):
-            env.setdefault(f"{prefix}_URL", artifact["url"])
-            env.setdefault(f"{prefix}_SHA256", artifact["sha256"])
-    if not env.get("LANEFLOW_DATASET_INDEX"):
-        env["LANEFLOW_DATASET_INDEX"] = write_local_index(home / "source" / "index.json", env).as_uri()
-    return env
-
-
-def write_local_index(path: Path, env: dict[str, str]) -> Path:
-    """A dataset index of one version, the deployments' default artifacts (rewritten only when they change,
-    so the dataset watch never sees a new version it was not given)."""
-    from datetime import UTC, datetime
-
-    from tasks.dataset_index import DatasetRelease, index_json
-
-    artifacts = tuple({"url": env[f"{prefix}_URL"], "sha256": env[f"{prefix}_SHA256"].lower(),
-                       "kind": "file" if prefix == "LANEFLOW_TEST_LABEL" else "archive"}
-                      for prefix in ARTIFACT_PREFIXES)
-    version = "local-" + artifacts[0]["sha256"][:12]
-    if path.exists() and f'"{version}"' in path.read_text():
-        return path.resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(index_json([DatasetRelease(version, datetime.now(UTC).replace(microsecond=0), artifacts)]))
-    return path.resolve()
-
-
-def deploy(env: dict[str, str]) -> list[str]:
-    """Work pool, ``gpu`` limit, prefect.yaml's deployments, then the alert automations, on the server the
-    environment points at; the alerts applied (none without an alert block)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.alerts import apply_alerts
-
-    os.environ.update(env)
-    # Prefect read its settings when it was imported: without this, the in-process calls below would go to
-    # a temporary server of their own instead of the one the environment names.
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}) if env.get("PREFECT_API_URL") \
-            else contextlib.nullcontext():
-        ensure_local_setup()
-        apply_deployments(env)
-        print("deployments train, nightly, dataset_watch, sweep, restore, predict applied", flush=True)
-        return apply_alerts()
-
-
-def deploy_command(home: Path, port: int) -> int:
-    """``laneflow deploy``: to $PREFECT_API_URL when set, else to the local server (started if needed)."""
-    from flows.alerts import AlertSetupError
-
-    home = home.resolve()
-    env = {**os.environ, "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))}
-    if not os.environ.get("PREFECT_API_URL"):
-        print(f"laneflow deploy: Prefect server on 127.0.0.1:{port} (first start takes a minute or two)...", flush=True)
-        ensure_server(home, port)
-        env.update(server_env(home, port))
-    try:
-        deploy(deployment_environment(home, env))
-    except AlertSetupError as exc:
-        print(f"laneflow deploy: deployments applied, alerts not: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def serve(home: Path, port: int) -> int:
-    """Start (or reuse) the server, apply prefect.yaml and the alerts, and run a worker until interrupted."""
-    from flows.alerts import AlertSetupError
-
-    home = home.resolve()
-    print(f"laneflow serve: Prefect server on 127.0.0.1:{port} (first start takes a minute or two)...", flush=True)
-    api = ensure_server(home, port)
-    env = deployment_environment(home, {**os.environ, **server_env(home, port),
-                                        "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))})
-    try:
-        deploy(env)
-    except AlertSetupError as exc:  # the deployments are there; the UI is still worth having
-        print(f"laneflow serve: alerts not applied: {exc}", file=sys.stderr, flush=True)
-    print(f"UI at {api.removesuffix('/api')}/deployments")
-    print(f"starting a worker on work pool '{WORK_POOL}' (Ctrl-C stops it; the server keeps running)", flush=True)
-    return run_worker_until_interrupted(env, port)
-
-
-def run_worker_until_interrupted(env: dict[str, str], port: int) -> int:
-    """``prefect worker start`` on the local pool until Ctrl-C (or SIGTERM), then stop it for good.
-
-    The worker runs in its own process group, so the interrupt reaches only this process; the worker then
-    gets Ctrl-C as its CLI documents, a second one if its shutdown hangs (Prefect 3.9 may), and SIGKILL of
-    its group after that. One line says what stopped; the server is left running for the UI.
-    """
-    prefect = str(Path(sys.executable).parent / "prefect")
-    # Ctrl-C and SIGTERM stop this, whatever was inherited: a parent that ignored SIGINT (a script's
-    # `trap '' INT`, a background job of a shell) or blocked it would leave both this and the worker deaf.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    worker = subprocess.Popen([prefect, "worker", "start", "--pool", WORK_POOL, "--type", "process"], env=env,
-                              start_new_session=True)
-    try:
-        code = _wait_interruptibly(worker)
-    except KeyboardInterrupt:
-        code = None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        stop_process(worker, PREFECT_WORKER_SIGNALS, grace_s=20)
-        signal.signal(signal.SIGINT, previous_int)
-    if code is not None:  # the worker ended by itself
-        print(f"laneflow serve: the worker exited with code {code}; the Prefect server keeps running on "
-              f"127.0.0.1:{port}", flush=True)
-        return code
-    print(f"laneflow serve: worker stopped; the Prefect server keeps running on 127.0.0.1:{port} "
-          "(`make stop-server` stops it)", flush=True)
-    return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _wait_interruptibly(process: subprocess.Popen) -> int:
-    """``process.wait()`` in short waits. A signal may be delivered to any thread that does not block it (the
-    Prefect client's log and event threads are some): the main thread, blocked in one long ``waitpid``, is then
-    never interrupted and runs the Python handler only once the worker exits, so Ctrl-C would do nothing. Each
-    short wait returns to the interpreter, which runs a pending handler within half a second."""
-    while True:
-        try:
-            return process.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="laneflow", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    lineage = commands.add_parser("lineage", help="print what a run or snapshot was made from")
+    for kind, summary, default in (("run", "start a training pipeline run and follow it to its summary",
+                                    "train_pipeline/train"),
+                                   ("sweep", "start a sweep (a grid, or an Optuna search) and follow it to its "
+                                             "leaderboard", "sweep/sweep")):
+        start = command(kind, summary)
+        start.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                           help="a parameter over the deployment's default, as the UI's form takes it (repeat it): "
+                                "epochs=2, lr=0.02, package=false, grid='{\"lr\": [0.02, 0.05]}'; JSON where it "
+                                "reads as JSON, else text (docs/reference/parameters.md lists them)")
+        start.add_argument("--deployment", default=None,
+                           help=f"the deployment to run (default: {default}, on the local server; with "
+                                "$PREFECT_API_URL set, on that server, e.g. train_pipeline/train-k8s)")
+        server_options(start)
+    lineage = command("lineage", "print what a run or snapshot was made from")
     lineage.add_argument("name", help="a run (train-...) or snapshot name")
-    lineage.add_argument("--platform", default="local")
-    snapshots = commands.add_parser("snapshots", help="list snapshots with their dataset version and accuracy")
-    snapshots.add_argument("--platform", default="local")
-    serve_cmd = commands.add_parser("serve", help="local server + deployments from prefect.yaml + a process worker")
-    serve_cmd.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
-    serve_cmd.add_argument("--port", type=int, default=DEFAULT_PORT)
-    deploy_cmd = commands.add_parser("deploy", help="apply prefect.yaml's deployments and the alert automations "
-                                                    "($PREFECT_API_URL, else the local server)")
-    deploy_cmd.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
-    deploy_cmd.add_argument("--port", type=int, default=DEFAULT_PORT)
-    stop = commands.add_parser("stop-server", help="stop the local Prefect server started by demo or serve")
-    stop.add_argument("--home", type=Path, default=Path(".laneflow/serve"))
-    predict_cmd = commands.add_parser("predict", help="lanes on images or a video with a model package")
+    platform_option(lineage)
+    snapshots = command("snapshots", "list snapshots with their dataset version and accuracy")
+    platform_option(snapshots)
+    server_options(command("serve", "local server, the deployments of prefect.yaml and a process worker until "
+                                    "Ctrl-C"))
+    server_options(command("deploy", "apply prefect.yaml's deployments and the alert automations "
+                                     "($PREFECT_API_URL, else the local server)"))
+    server_options(command("stop-server", "stop the local Prefect server started by demo or serve"), port=False)
+    predict_cmd = command("predict", "lanes on images or a video with a model package")
     predict_cmd.add_argument("input", help="an image, a folder, a glob (quote it) or a video file")
     predict_cmd.add_argument("--model", default="champion",
                              help="champion, a run (train-...), a snapshot, or a package folder/archive path")
     predict_cmd.add_argument("--volume", default="tusimple", help="the volume champion/run/snapshot live on")
-    predict_cmd.add_argument("--platform", default="local")
+    platform_option(predict_cmd)
     predict_cmd.add_argument("--backend", default="auto", choices=("auto", "eager", "torchscript", "onnx"),
                              help="auto: the fastest for the device (onnx on CPUs, torchscript on GPUs)")
     predict_cmd.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     predict_cmd.add_argument("--out", type=Path, default=None, help="output folder (default predictions/<time>)")
-    compare_cmd = commands.add_parser("compare", help="runs and snapshots side by side: figures, scaling, cost")
+    compare_cmd = command("compare", "runs and snapshots side by side: figures, scaling, cost")
     compare_cmd.add_argument("runs", nargs="+", metavar="RUN", help="[PLATFORM:][VOLUME/]NAME: a run or a snapshot")
     compare_cmd.add_argument("--volume", default="tusimple", help="the volume of runs named without one")
     compare_cmd.add_argument("--platform", default="local", help="the platform of runs named without one")
@@ -376,9 +227,21 @@ def main(argv: list[str] | None = None) -> int:
     compare_cmd.add_argument("--prices", type=Path, default=None, help="JSON: {currency, worker_hour: {platform: "
                                                                        "price}, tib_hour: {level: price}}")
     compare_cmd.add_argument("--out", type=Path, default=None, help="folder for the charts, report and figures")
-    champion = commands.add_parser("champion", help="the volume's champion: run, metrics, package, lineage")
-    champion.add_argument("--volume", default="tusimple")
-    champion.add_argument("--platform", default="local")
+    champion = command("champion", "the volume's champion: run, metrics, package, lineage")
+    champion.add_argument("--volume", default="tusimple", help="the volume whose champion to show "
+                                                               "(default: tusimple)")
+    platform_option(champion)
+    doctor = command("doctor", "check that a platform is ready for laneflow: the cluster's API, permissions and "
+                               "operators, or this machine's Horovod, disk and server; one line per check")
+    doctor.add_argument("--platform", default="local",
+                        help="the platform block to check (default: local, this machine)")
+    doctor.add_argument("--json", action="store_true",
+                        help="print the checks as a JSON list of {check, ok, detail, fix} (for CI)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.command == "predict":
@@ -393,13 +256,32 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # before the worker started (server start-up, deploy): nothing else to stop
             print("laneflow serve: interrupted before the worker started", file=sys.stderr)
             return 130
+        except ServerNotOurs as exc:
+            print(f"laneflow serve: {exc}", file=sys.stderr)
+            return 2
     if args.command == "deploy":
-        return deploy_command(args.home, args.port)
+        try:
+            return deploy_command(args.home, args.port)
+        except ServerNotOurs as exc:
+            print(f"laneflow deploy: {exc}", file=sys.stderr)
+            return 2
+    if args.command in ("run", "sweep"):
+        from flows.run_command import command as start_command
+
+        return start_command(args.command, args)
     if args.command == "stop-server":
+        from flows.run_command import stop_detached_worker
+
+        if stop_detached_worker(args.home):
+            print("the worker a detached run left running stopped")
         stopped = stop_server(args.home)
         print("server stopped" if stopped else f"no server was started from {args.home}")
         return 0
 
+    if args.command == "doctor":
+        from flows.doctor import doctor_command
+
+        return doctor_command(args.platform, args.json)
     if args.command == "lineage":
         try:
             print(lineage_text(args.name, args.platform), end="")

@@ -21,6 +21,7 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.variables import Variable
 
+from flows.params import check_one_query, with_secret_query
 from tasks.dataset_index import DatasetRelease, newest, parse_index, read_index, redact
 from tasks.retry import RETRY_POLICY
 
@@ -53,15 +54,19 @@ def read_dataset_versions(index_url: str) -> list[DatasetRelease]:
 
 
 @flow(name="dataset_watch")
-def dataset_watch(index: str) -> dict[str, Any]:
+def dataset_watch(index: str, index_query_secret: str | None = None) -> dict[str, Any]:
     """Read the dataset index; announce a version published since the last look.
 
     Args:
-        index: URL of the dataset index (https://, or file:// for a local one); README "Operating the
-            nightly retrain" shows its format
+        index: URL of the dataset index (https://, or file:// for a local one); docs/how-to/nightly.md
+            shows its format
+        index_query_secret: name of a Prefect Secret block holding the index URL's query string (a SAS
+            token), which then stays out of the run's parameters
     """
     logger = get_run_logger()
-    releases = read_dataset_versions(index)  # checked as a training run's source would be (parse_index)
+    check_one_query(index, index_query_secret, "index_query_secret")
+    # Checked as a training run's source would be (parse_index).
+    releases = read_dataset_versions(with_secret_query(index, index_query_secret, "index_query_secret"))
     latest = newest(releases)
     name = watch_variable(index)
     memory = Variable.get(name, default=None)

@@ -3,12 +3,21 @@
 Prefect's ephemeral in-process server takes over a minute to start on two busy cores and is gone
 when the process ends; one long-lived local server is faster after the first start and keeps the
 UI's history. Its state lives in ``<home>/prefect`` and its log in ``<home>/prefect/server.log``.
+
+It accepts only those who know its auth string: whoever reaches the port (another user of a shared machine, a web
+page in the developer's browser, by a cross-origin request or DNS rebinding) could otherwise create a deployment
+whose pull step the worker runs as the user, or read stored secrets. The string is made once per home
+(``<home>/prefect/auth``, mode 0600) and given to every client laneflow starts (``PREFECT_API_AUTH_STRING``); the
+UI asks for it once. CORS grants only the server's own origin and CSRF protection is on. A server found on the port
+is reused only if it refuses a request without the string and accepts one with it.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -54,18 +63,63 @@ def is_healthy(url: str) -> bool:
 LEASE_STORAGE = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
 
 
-def server_env(home: Path, port: int, host: str = "127.0.0.1") -> dict[str, str]:
-    """Environment for anything that talks to (or is) this server; ``host`` is the address it listens at
-    (0.0.0.0: every address of this machine, for clients elsewhere — pods of a cluster on this machine)."""
+AUTH_FILE = "auth"
+
+
+class ServerNotOurs(RuntimeError):
+    """Something answers on the port as a Prefect server, but not as the one this home started."""
+
+
+def auth_string(home: Path) -> str:
+    """This home's server auth string, made on first use (``<home>/prefect/auth``, readable by its owner only)."""
+    folder = home.resolve() / "prefect"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / AUTH_FILE
+    if not path.exists():
+        fd, staged = tempfile.mkstemp(dir=folder, prefix=".auth-")  # 0600; linked into place whole, or not at all
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            os.link(staged, path)
+        except FileExistsError:  # another laneflow process made it first: theirs is the one
+            pass
+        finally:
+            os.unlink(staged)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+    return path.read_text().strip()
+
+
+def own_origins(port: int) -> str:
+    """The origins the UI is served from (CORS grants these only)."""
+    return f"http://127.0.0.1:{port},http://localhost:{port}"
+
+
+def server_env(home: Path, port: int) -> dict[str, str]:
+    """Environment for anything that talks to this server: where it is and its auth string (clients on this
+    machine reach it at 127.0.0.1 wherever it listens). No setting of the server's own: a Kubernetes worker hands
+    every setting it has to the flow pods it creates."""
     return {
-        **LEASE_STORAGE,
         "PREFECT_HOME": str(home / "prefect"),
         "PREFECT_API_URL": api_url(port),
+        "PREFECT_API_AUTH_STRING": auth_string(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_API_HOST": host,
-        "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_UI_API_URL": api_url(port),
         "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
+    }
+
+
+def server_process_env(home: Path, port: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """The server process's own settings on top: where it listens (``host``; 0.0.0.0: every address of this
+    machine, for clients elsewhere — pods of a cluster on this machine), who it lets in, where it keeps leases."""
+    return {
+        **server_env(home, port),
+        **LEASE_STORAGE,
+        "PREFECT_SERVER_API_HOST": host,
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_SERVER_API_AUTH_STRING": auth_string(home),
+        "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": own_origins(port),
+        "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
     }
 
 
@@ -81,7 +135,7 @@ def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S,
     with log_path.open("ab") as log:
         process = subprocess.Popen([prefect, "server", "start", "--host", host, "--port", str(port)],
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **server_env(home, port, host)}, start_new_session=True)
+                                   env={**os.environ, **server_process_env(home, port, host)}, start_new_session=True)
     (home / "prefect" / "server.pid").write_text(f"{process.pid}\n")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -101,7 +155,10 @@ def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = START
     url = api_url(port)
     if not is_healthy(url):
         start_server(home, port, timeout_s)
-    elif (storage := lease_storage_of(url)) not in (None, LEASE_STORAGE["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"]):
+        return url
+    check_ours(url, home, port)
+    if (storage := lease_storage_of(url, auth_string(home))) not in (
+            None, LEASE_STORAGE["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"]):
         print(f"laneflow: the Prefect server on 127.0.0.1:{port} keeps concurrency leases in {storage}: restarting it "
               "would leak the 'gpu' slots of runs in flight and abort a running nightly. Restart it once, while "
               f"nothing runs: 'laneflow stop-server --home {home}', then this command again.", file=sys.stderr,
@@ -109,10 +166,45 @@ def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = START
     return url
 
 
-def lease_storage_of(url: str) -> str | None:
-    """The concurrency lease storage module a running server uses (``GET /admin/settings``), None if unknown."""
+def auth_header(auth: str | None) -> dict[str, str]:
+    """The header Prefect's client sends for an auth string (HTTP Basic of the string itself)."""
+    return {"Authorization": f"Basic {base64.b64encode(auth.encode()).decode()}"} if auth is not None else {}
+
+
+def _get_status(url: str, auth: str | None) -> int | None:
+    """The HTTP status of a GET (with the auth string, or without any); None when nothing answers."""
+    headers = auth_header(auth)
     try:
-        with urllib.request.urlopen(f"{url}/admin/settings", timeout=5) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+def check_ours(url: str, home: Path, port: int) -> None:
+    """Reuse the server on the port only if it is this home's: it refuses a request without the auth string and
+    accepts one with it. Anything else is named, with what to do (ServerNotOurs)."""
+    probe = f"{url}/admin/version"
+    if _get_status(probe, None) == 200:
+        raise ServerNotOurs(
+            f"a Prefect server on 127.0.0.1:{port} accepts requests from anyone (it was started without an auth "
+            "string: by hand, or by a laneflow before this one): laneflow does not use it, since whoever reaches the "
+            f"port could run code as you through it. Stop it ('laneflow stop-server --home {home}' if it is this "
+            "home's, else the process on the port), then run this command again; or use another --port")
+    if _get_status(probe, auth_string(home)) != 200:
+        raise ServerNotOurs(
+            f"a Prefect server on 127.0.0.1:{port} does not know this home's auth string ({home}/prefect/auth): it "
+            "belongs to another home or user. Use another --port, or the --home that started it")
+
+
+def lease_storage_of(url: str, auth: str | None = None) -> str | None:
+    """The concurrency lease storage module a running server uses (``GET /admin/settings``), None if unknown."""
+    headers = auth_header(auth)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/admin/settings", headers=headers),
+                                    timeout=5) as response:
             settings = json.load(response)
     except (OSError, ValueError, urllib.error.URLError):
         return None
@@ -123,17 +215,21 @@ def lease_storage_of(url: str) -> str | None:
 def stop_server(home: Path, grace_s: float = 30.0) -> bool:
     """Stop the server started from ``home`` (its pid file) and wait until its process group is gone
     (SIGKILL after ``grace_s``); False when none was running."""
-    pid_file = home.resolve() / "prefect" / "server.pid"
-    try:
-        pid = int(pid_file.read_text())
-    except (OSError, ValueError):
-        return False
-    finally:
-        pid_file.unlink(missing_ok=True)
-    if not _is_prefect_server(pid) or not group_alive(pid):
+    pid = take_pid_file(home.resolve() / "prefect" / "server.pid")
+    if pid is None or not _is_prefect_server(pid) or not group_alive(pid):
         return False
     stop_group(pid, (signal.SIGTERM,), grace_s)
     return True
+
+
+def take_pid_file(pid_file: Path) -> int | None:
+    """The pid a file records, the file removed (whatever it held: a stop is asked once); None without one."""
+    try:
+        return int(pid_file.read_text())
+    except (OSError, ValueError):
+        return None
+    finally:
+        pid_file.unlink(missing_ok=True)
 
 
 def _is_prefect_server(pid: int) -> bool:

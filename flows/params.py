@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tasks.dataset_index import check_index_url
 from tasks.names import DNS_LABEL, MAX_NAME, validate_name
 from tasks.platforms.base import ElasticWorkers
+from training.data.redact import redact_url_in_text
 from training.data.sources import Artifact
 
 
@@ -34,6 +35,10 @@ class DatasetArtifact(BaseModel):
     kind: Literal["archive", "file"] = Field(
         "archive", description="archive: a zip or tar extracted into the dataset (train_set.zip, test_set.zip); "
                                "file: placed at the dataset's root as it is (test_label.json)")
+    query_secret: str | None = Field(
+        None, min_length=1, description="name of a Prefect Secret block holding the URL's query string (an Azure "
+                                        "SAS token, a presigned URL's signature): read when the run starts, never "
+                                        "kept in the run's parameters, which the UI shows and Prefect's database keeps")
 
     @field_validator("url")
     @classmethod
@@ -41,6 +46,50 @@ class DatasetArtifact(BaseModel):
         if not value.startswith(("https://", "http://", "file://")):
             raise ValueError("must start with https://, http:// or file://")
         return value
+
+    @model_validator(mode="after")
+    def _one_query(self) -> DatasetArtifact:
+        check_one_query(self.url, self.query_secret, "query_secret")
+        return self
+
+    def full_url(self) -> str:
+        """The URL to download: with the query string of its Secret block when it names one."""
+        return with_secret_query(self.url, self.query_secret, "query_secret of a dataset artifact")
+
+
+def check_one_query(url: str, secret: str | None, field: str) -> None:
+    """A URL's query string lives in the URL or in a Secret block, never both (which one would be meant?)."""
+    if secret is not None and "?" in url:
+        raise ValueError(f"url {redact_url_in_text(url)!r} has a query string and {field} {secret!r} names "
+                         "another: keep the query string in the Secret block only")
+
+
+def with_secret_query(url: str, secret: str | None, what: str) -> str:
+    """``url`` with the query string of the Secret block ``secret`` (read now), or as it is without one."""
+    return url if secret is None else f"{url}?{secret_query(secret, what)}"
+
+
+def secret_query(block: str, what: str = "query_secret of a dataset artifact") -> str:
+    """The query string a Prefect Secret block holds (a leading ``?`` dropped); a clear error when there is none."""
+    from prefect.blocks.system import Secret
+
+    try:
+        value = Secret.load(block).get()
+    except ValueError as exc:
+        raise ValueError(f"no Prefect Secret block named {block!r} ({what}): create it "
+                         "with the URL's query string as its value, e.g. Secret(value='sv=...&sig=...')"
+                         f".save({block!r}), or in the UI under Blocks") from exc
+    query = str(value).strip().removeprefix("?")
+    if not query:
+        raise ValueError(f"the Prefect Secret block {block!r} ({what}) is empty: set it to the URL's query string")
+    return query
+
+
+def credentials_in_parameters(source: DataSource) -> list[str]:
+    """The artifacts whose URL, as given in the run's parameters, carries a credential (a query string or
+    ``user:password@``), redacted: the parameters are kept in Prefect's database and shown in its UI."""
+    given = [item.url for item in source.artifacts or []] + ([source.index] if source.index else [])
+    return [redact_url_in_text(url) for url in given if redact_url_in_text(url) != url]
 
 
 class DataSource(BaseModel):
@@ -59,6 +108,9 @@ class DataSource(BaseModel):
     index: str | None = Field(None, min_length=1,
                               description="or: URL of a dataset index (https://, or file:// for a local one); the "
                                           "run trains on the newest version it lists")
+    index_query_secret: str | None = Field(
+        None, min_length=1, description="name of a Prefect Secret block holding the index URL's query string (a SAS "
+                                        "token): read when the run starts, never kept in the run's parameters")
 
     @model_validator(mode="before")
     @classmethod
@@ -74,12 +126,24 @@ class DataSource(BaseModel):
             raise ValueError("give the dataset's artifacts or an index, not both and not neither")
         if self.index is not None:
             check_index_url(self.index)
+            check_one_query(self.index, self.index_query_secret, "index_query_secret")
+        elif self.index_query_secret is not None:
+            raise ValueError("index_query_secret names the query string of an index: give the index too")
         return self
 
-    def to_artifacts(self) -> list[Artifact]:
+    def index_url(self) -> str:
+        """The index URL to read: with the query string of its Secret block when it names one."""
+        if self.index is None:
+            raise ValueError("this source lists its artifacts; it has no index")
+        return with_secret_query(self.index, self.index_query_secret, "index_query_secret of a dataset source")
+
+    def to_artifacts(self, with_secrets: bool = True) -> list[Artifact]:
+        """The artifacts to download; ``with_secrets=False``: their URLs as the parameters hold them (for records,
+        which drop query strings anyway), without reading any Secret block."""
         if self.artifacts is None:
             raise ValueError(f"the index source {self.index!r} is read first (tasks.dataset_index.resolve_source)")
-        return [Artifact(item.url, item.sha256.lower(), item.kind) for item in self.artifacts]
+        return [Artifact(item.full_url() if with_secrets else item.url, item.sha256.lower(), item.kind)
+                for item in self.artifacts]
 
 
 class TrainParams(BaseModel):
@@ -150,8 +214,10 @@ class TrainParams(BaseModel):
         """Flat and safe to publish: the artifacts' URLs lose query strings and credentials."""
         record = self.model_dump()
         record.pop("source")
-        artifacts = [{key: value for key, value in artifact.record().items() if key != "name"}
-                     for artifact in self.source.to_artifacts()]
+        given = zip(self.source.to_artifacts(with_secrets=False), self.source.artifacts or [], strict=True)
+        artifacts = [{**{key: value for key, value in artifact.record().items() if key != "name"},
+                      **({"query_secret": item.query_secret} if item.query_secret else {})}
+                     for artifact, item in given]
         return {**record, "source_artifacts": artifacts}
 
 

@@ -134,23 +134,32 @@ def stop_trials(flow: Any, flow_run: Any, state: Any) -> None:
     too (``flows.trial_threads``: each trial stops its training and ends Cancelled by its own hook), then
     SIGKILL if the process is still there after the grace; this hook runs after that (in the worker), as the
     sweep's, and stops whatever a killed process left running."""
-    from prefect.states import Cancelled
-
-    from flows.train import stop_run
-
     logger = flow_run_logger(flow_run, flow)
     ended = "cancelled" if state.is_cancelling() or state.is_cancelled() else state.name.lower()
     why = f"its sweep {flow_run.name} was {ended}"
     with get_client(sync_client=True) as client:
-        left = [child for child in trial_runs(client, flow_run.id)
-                if child.state is None or child.state.type.value not in _ENDED_ON_THEIR_OWN]
-        for child in left:  # each stopped first (nothing trains on), then told how it ended
-            stop_run(child, why, logger)
-        for child in left:
-            if child.state is None or not child.state.is_final():
-                client.set_flow_run_state(child.id, Cancelled(message=f"Cancelled: {why}"), force=True)
-        logger.info("sweep %s %s: %d trial run(s) stopped", flow_run.name, ended, len(left))
+        left = stop_left_trials(client, flow_run.id, why, logger)
+        logger.info("sweep %s %s: %d trial run(s) stopped", flow_run.name, ended, left)
         _record_interrupted_trials(client, flow_run, why, logger)
+
+
+def stop_left_trials(client: Any, sweep_run_id: Any, why: str, logger: Any) -> int:
+    """Stop every trial run the sweep ``sweep_run_id`` left that did not end on its own — its training, its hold
+    on the volume's level, its ``gpu`` slot — and end it Cancelled; how many there were. The sweep's hook does so
+    when it ends; a sweep that takes over the study of one whose process was killed (no hook ran) does it for
+    that one (without it, its resumed trial would wait out the killed trial's slot lease)."""
+    from prefect.states import Cancelled
+
+    from flows.train import stop_run
+
+    left = [child for child in trial_runs(client, sweep_run_id)
+            if child.state is None or child.state.type.value not in _ENDED_ON_THEIR_OWN]
+    for child in left:  # each stopped first (nothing trains on), then told how it ended
+        stop_run(child, why, logger)
+    for child in left:
+        if child.state is None or not child.state.is_final():
+            client.set_flow_run_state(child.id, Cancelled(message=f"Cancelled: {why}"), force=True)
+    return len(left)
 
 
 def _record_interrupted_trials(client: Any, flow_run: Any, why: str, logger: Any) -> None:
@@ -211,7 +220,7 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
     logger = get_run_logger()
     dimensions: dict[str, SearchDimension] = {}
     if params.source.index is not None:  # every trial trains on the same version, read once
-        params = params.pinned_to(read_dataset_index(params.source.index)[0])
+        params = params.pinned_to(read_dataset_index(params.source.index_url())[0])
     if search == "grid":
         if space:
             raise SweepError("space is searched by search='random' or 'tpe'; a grid sweep takes grid and runs")
@@ -244,9 +253,26 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
             lease = held.enter_context(holding_study(platform, ensure_dataset_volume(platform, params.volume), kept,
                                                      str(current_run.id), str(current_run.name), wait_for_study,
                                                      logger.info))
+            if lease.took_over_from is not None:  # a killed sweep's process ran no hook: its trials are ours to stop
+                _stop_trials_of_dead_sweep(lease.took_over_from.sweep, lease.took_over_from.name, logger)
         with trials_stop_with_the_sweep(str(current_run.id)):
             return _run_sweep(params, search, param_sets, varied, max_concurrent, dimensions, trials, seed, kept,
                               pruner, lease)
+
+
+def _stop_trials_of_dead_sweep(sweep_run_id: str, sweep_name: str, logger: Any) -> None:
+    """What a dead sweep's hook would have done for its trials, before this sweep resumes them: their MPIJobs
+    (or horovodruns) stopped, their volume levels and ``gpu`` slots handed back. Never fails the sweep: a trial
+    left as it was still ends — its slot when Prefect's lease on it expires (5 minutes)."""
+    try:
+        with get_client(sync_client=True) as client:
+            stopped = stop_left_trials(client, sweep_run_id, f"its sweep {sweep_name} is gone (taken over)", logger)
+        logger.info("sweep %s, which held the study before, is gone: %d of its trial run(s) stopped and their slots "
+                    "handed back", sweep_name, stopped)
+    except Exception as exc:
+        logger.warning("could not stop the trial runs of sweep %s, which is gone (%s): a trial resumed now may wait "
+                       "for its earlier run's 'gpu' slot until Prefect's lease on it expires (5 minutes)",
+                       sweep_name, exc)
 
 
 def _run_sweep(params: TrainParams, search: str, param_sets: list[TrainParams], varied: list[str],

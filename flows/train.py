@@ -22,7 +22,7 @@ from prefect.runtime import flow_run as current_run
 from prefect.states import Completed, State
 from pydantic import Field
 
-from flows.params import TrainParams, takes_train_params
+from flows.params import TrainParams, credentials_in_parameters, takes_train_params
 from tasks.gpu_slot import GPU_LIMIT, gpu_slot, release_slot_of
 from tasks.handover import handed_over
 from tasks.lineage import build_lineage, code_version
@@ -62,7 +62,7 @@ def stop_run(flow_run: Any, why: str, logger: Any) -> None:
     platform = load_platform(params.platform)
     volume = VolumeRef(name=params.volume, location="")
     try:
-        stopped = platform.cancel_training(name, volume)
+        stopped = platform.cancel_training(name, volume, owner=str(flow_run.id))
         logger.info("training job %s %s (%s)", name, "stopped" if stopped else "was not running", why)
     except Exception as exc:  # the volume and the slot below must still go back
         logger.error("could not stop training job %s (%s): %s", name, why, exc)
@@ -96,9 +96,14 @@ def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any
     run = run_name(current_run.id, key=run_key)
     platform = load_platform(params.platform)
     logger.info("run %s on platform %s (%s)", run, params.platform, type(platform).__name__)
+    for url in credentials_in_parameters(params.source):
+        logger.warning("the dataset URL %s carries a credential in this run's parameters, which Prefect keeps in "
+                       "its database and shows in its UI: keep the URL's query string in a Prefect Secret block and "
+                       "name the block in the artifact's query_secret (an index's: the source's index_query_secret) "
+                       "instead", url)
     release = None
     if params.source.index is not None:  # trains on the newest version; lineage says which
-        artifacts, release = read_dataset_index(params.source.index)
+        artifacts, release = read_dataset_index(params.source.index_url())
         params = params.pinned_to(artifacts)
 
     volume = ensure_dataset_volume(platform, params.volume)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flows.local_server import DEFAULT_PORT, ensure_server, server_env, ui_url
+from flows.local_server import AUTH_FILE, DEFAULT_PORT, ServerNotOurs, ensure_server, server_env, ui_url
 from training.data.synthetic import cached_artifacts
 
 #: Frames of the demo's short video (the first test images).
@@ -40,13 +40,17 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"laneflow demo: Prefect server on 127.0.0.1:{args.port} (first start takes a minute or two)...",
           flush=True)
-    api = ensure_server(workdir, args.port)
+    try:
+        api = ensure_server(workdir, args.port)
+    except ServerNotOurs as exc:
+        print(f"laneflow demo: {exc}", file=sys.stderr)
+        return 2
     os.environ.update(server_env(workdir, args.port))
     os.environ.setdefault("LANEFLOW_HOME", str(workdir / "home"))
 
     # Prefect reads its settings when first imported: only now, with the server's address in place.
-    from flows.cli import ensure_local_setup
     from flows.params import DataSource
+    from flows.serving import ensure_local_setup
     from flows.train import train_pipeline
 
     # As the benchmark ships TuSimple: train_set.zip, test_set.zip and test_label.json (made offline).
@@ -71,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
           f"FP {metrics['untimed_fp']:.4f}, FN {metrics['untimed_fn']:.4f}")
     print(f"model package   : {volume / result['package']}  (and {volume / result['package']}.tar.gz)")
     print(f"lineage         : LANEFLOW_HOME={os.environ['LANEFLOW_HOME']} PREFECT_API_URL={api} "
+          f"PREFECT_API_AUTH_STRING=$(cat {workdir / 'prefect' / AUTH_FILE}) "
           f".venv/bin/laneflow lineage {result['snapshot'] or result['run']}")
     code = predict_on_video(workdir, volume, result)
-    print(f"Prefect UI      : {api.removesuffix('/api')}  (the server keeps running; `make stop-server` stops it)")
+    print(f"Prefect UI      : {api.removesuffix('/api')}  (sign in with the string in "
+          f"{workdir / 'prefect' / AUTH_FILE}; the server keeps running; `make stop-server` stops it)")
     return code
 
 

@@ -5,12 +5,19 @@ emulated cluster's pods.
 ``make image`` runs ``python scripts/images.py build``: the training image and the data image, CPU flavour,
 on a Debian bookworm base that this script makes once with debootstrap from Debian's own packages (base
 images cannot be pulled here). Every ``RUN`` line of the Dockerfiles is executed; nothing of this machine
-goes into an image but what the Dockerfile copies from the build context.
+goes into an image but what the Dockerfile copies from the build context. ``make image-gpu`` runs ``build
+--flavour gpu``: the training image's GPU flavour (``localhost/laneflow-train:gpu``, CUDA and NCCL from PyPI
+wheels, Horovod compiled for NCCL) on the same base; the data image has one flavour. Not part of ``make
+test``: it downloads several GB and compiles Horovod for GPUs.
 
 Cached by content: an image is tagged ``localhost/laneflow-<name>:<key>`` where the key hashes its
 Dockerfile, build arguments, base image and every file of the build context that ``.dockerignore`` lets
 through, so an unchanged tree finds its image and builds nothing; a changed one rebuilds from the first
-layer that changed (``buildah bud --layers``). ``localhost/laneflow-<name>:cpu`` names the newest.
+layer that changed (``buildah bud --layers``). ``localhost/laneflow-<name>:<flavour>`` names the newest.
+
+One build at a time per flavour (a lock file each, ``lock_path``): the CPU builds (``make test``'s, the suite's
+workers', ``make image``) wait for each other, never for a GPU build's tens of minutes; a GPU build takes the
+CPU lock only while it makes sure the shared base exists.
 
 What the build borrows from this machine, as build-time mounts that never become a layer (buildah ``-v``):
 its CA bundle and pip's package sources (the registries answer only through them here), and the Horovod
@@ -37,15 +44,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if not __package__:  # run as `python scripts/images.py`: the `scripts` folder's modules by their package name
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts import image_gc
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "laneflow"
 WHEEL_CACHE = Path(os.environ.get("LANEFLOW_WHEEL_CACHE") or CACHE / "wheels")
 LOCK = CACHE / "images.lock"
+#: Which images running processes use (a test session's pods run from their root file systems): ``prune``
+#: leaves them alone.
+IN_USE = image_gc.InUse(CACHE / "images" / "in-use")
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = os.environ.get("LANEFLOW_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE_IMAGE = f"localhost/laneflow-base:{DEBIAN_SUITE}"
-#: The flavour built here; the GPU flavour is the Dockerfiles' default (README "Images").
+#: The flavour the tests' pods run and ``make image`` builds; ``make image-gpu`` builds the training image's GPU
+#: flavour, the Dockerfile's default and what a cluster runs (docs/getting-started/images.md).
 FLAVOUR = "cpu"
+FLAVOURS = ("cpu", "gpu")
 #: Working containers whose mounted root file system pods run from (``rootfs``).
 ROOTFS_PREFIX = "laneflow-rootfs-"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -57,22 +73,45 @@ BUILD_INPUTS = "/run/laneflow-build"
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """One of laneflow's images: its Dockerfile and the build arguments of the CPU flavour."""
+    """One of laneflow's images in one flavour: its Dockerfile and build arguments."""
 
     name: str
     dockerfile: str
     build_args: dict[str, str] = field(default_factory=dict)
+    flavour: str = FLAVOUR
 
     @property
     def tag(self) -> str:
-        return f"localhost/laneflow-{self.name}:{FLAVOUR}"
+        return f"localhost/laneflow-{self.name}:{self.flavour}"
 
 
+#: The CPU flavour of every image, by name: what ``make image`` and the tests build.
 IMAGES = {
     # TORCH_INDEX_URL empty: torch's CPU build comes from the package sources pip is configured with here.
     "train": ImageSpec("train", "deployments/Dockerfile.train", {"FLAVOUR": FLAVOUR, "TORCH_INDEX_URL": ""}),
     "data": ImageSpec("data", "deployments/Dockerfile.data"),
 }
+#: The images that have a GPU flavour: the training image (the data image has no GPU stack). CUDA_ARCHS is the
+#: Dockerfile's default (80,90), so ``make image-gpu`` builds what ``docker build`` builds.
+GPU_IMAGES = {
+    "train": ImageSpec("train", "deployments/Dockerfile.train", {"FLAVOUR": "gpu"}, flavour="gpu"),
+}
+
+
+def image_spec(name: str, flavour: str = FLAVOUR) -> ImageSpec:
+    """``name``'s image in ``flavour``; a ``KeyError`` saying why when there is no such image or flavour."""
+    if flavour not in FLAVOURS:
+        raise KeyError(f"no flavour {flavour!r}; laneflow's are {', '.join(FLAVOURS)}")
+    specs = IMAGES if flavour == FLAVOUR else GPU_IMAGES
+    if name not in specs:
+        raise KeyError(f"no image {name!r} in the {flavour} flavour; it has {', '.join(specs)}")
+    return specs[name]
+
+
+def lock_path(flavour: str = FLAVOUR) -> Path:
+    """The lock file of ``flavour``'s builds: ``images.lock`` for the CPU flavour (as ever), its own for the GPU
+    flavour, so a GPU build (tens of minutes) never holds the lock a CPU build waits on."""
+    return LOCK if flavour == FLAVOUR else CACHE / f"images-{flavour}.lock"
 
 
 class ImageBuildError(RuntimeError):
@@ -98,13 +137,33 @@ def run(argv: list[str], what: str) -> str:
 
 
 @contextlib.contextmanager
-def locked() -> Iterator[None]:
-    """One builder at a time on this machine (the suite's xdist workers, a `make image` beside them)."""
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("a") as handle:
+def locked(flavour: str = FLAVOUR) -> Iterator[None]:
+    """One builder of ``flavour`` at a time on this machine (the suite's xdist workers, a `make image` beside
+    them); the flavours' locks are apart (``lock_path``)."""
+    path = lock_path(flavour)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def locked_unless_busy(flavour: str) -> Iterator[bool]:
+    """``flavour``'s build lock if nobody holds it (True), else nothing (False): for work that can wait for
+    another time rather than for a GPU build's tens of minutes."""
+    path = lock_path(flavour)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -244,7 +303,11 @@ def build_volumes() -> list[str]:
     conf, mounts = pip_sources()
     conf_file = CACHE / "images" / "pip.conf"
     conf_file.parent.mkdir(parents=True, exist_ok=True)
-    conf_file.write_text(conf)
+    if not conf_file.is_file() or conf_file.read_text() != conf:
+        # Replaced whole, never rewritten in place: a build of the other flavour may be reading it right now.
+        partial = conf_file.with_name(f".pip.conf.{os.getpid()}")
+        partial.write_text(conf)
+        os.replace(partial, conf_file)
     WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
     volumes = [f"{conf_file}:/etc/pip.conf:ro", f"{WHEEL_CACHE}:/root/.cache/laneflow/wheels"]
     volumes += [f"{here}:{inside}:ro" for inside, here in mounts.items()]
@@ -253,26 +316,31 @@ def build_volumes() -> list[str]:
 
 # --- building ---------------------------------------------------------------------------------------------
 def build_dockerfile(dockerfile: Path, tag: str, *, context: Path, build_args: dict[str, str] | None = None,
-                     base_id: str = "", log=print) -> str:
+                     base_id: str = "", log=print, no_cache: bool = False) -> str:
     """Build ``dockerfile`` with ``context`` unless an image of the same content exists; tag it ``tag``
-    (and ``<repository>:<content key>``). Its image ID."""
+    (and ``<repository>:<content key>``). Its image ID. A failed build leaves no working container behind
+    (``--force-rm``: the GPU flavour's hold GBs). ``no_cache``: build every layer again even so (buildah
+    ``--no-cache``), e.g. to time a build from scratch."""
     build_args = dict(build_args or {})
     key = content_key(dockerfile.read_bytes(), build_args, base_id, context)
     repository = tag.rsplit(":", 1)[0]
     keyed = f"{repository}:{key}"
-    found = image_id(keyed)
+    found = None if no_cache else image_id(keyed)
     if found is None:
-        log(f"images: building {tag} from {dockerfile.name} (content {key})")
-        argv = ["buildah", "bud", "--layers", "--isolation", "chroot", "--network", "host", "--format", "docker",
-                "-f", str(dockerfile), "-t", keyed, *build_volumes()]
+        log_file = CACHE / "images" / f"{repository.rsplit('/', 1)[-1]}-{key}.log"
+        log(f"images: building {tag} from {dockerfile.name} (content {key}; log {log_file})")
+        argv = ["buildah", "bud", "--layers", "--force-rm", "--isolation", "chroot", "--network", "host",
+                "--format", "docker", "-f", str(dockerfile), "-t", keyed, *build_volumes()]
+        if no_cache:
+            argv.append("--no-cache")
         for name, value in sorted(build_args.items()):
             argv += ["--build-arg", f"{name}={value}"]
-        with tempfile.TemporaryFile("w+") as output:
+        # Written as the build goes (a GPU build runs for tens of minutes: `tail -f` it).
+        (CACHE / "images").mkdir(parents=True, exist_ok=True)
+        with log_file.open("w+") as output:
             done = subprocess.run([*argv, str(context)], stdout=output, stderr=subprocess.STDOUT, text=True)
             output.seek(0)
             text = output.read()
-        (CACHE / "images").mkdir(parents=True, exist_ok=True)
-        (CACHE / "images" / f"{repository.rsplit('/', 1)[-1]}-{key}.log").write_text(text)
         if done.returncode != 0:
             raise ImageBuildError(f"building {tag} from {dockerfile} failed (exit {done.returncode}); the build's "
                                   f"output ends:\n{text[-6000:]}")
@@ -280,16 +348,25 @@ def build_dockerfile(dockerfile: Path, tag: str, *, context: Path, build_args: d
         if found is None:
             raise ImageBuildError(f"buildah built {keyed} but cannot find it")
     run(["buildah", "tag", keyed, tag], f"buildah tag {tag}")
+    IN_USE.hold(found)  # the caller is about to use it: no prune beside this process removes it meanwhile
     return found
 
 
-def build(name: str, log=print) -> str:
-    """One of laneflow's images (``IMAGES``), built on the local base; its image ID."""
-    spec = IMAGES[name]
-    with locked():
+def build(name: str, log=print, flavour: str = FLAVOUR, no_cache: bool = False) -> str:
+    """One of laneflow's images (``IMAGES``; ``GPU_IMAGES`` for ``flavour="gpu"``), built on the local base; its
+    image ID. ``no_cache``: every layer built again (``build_dockerfile``)."""
+    spec = image_spec(name, flavour)
+    build_args = {"BASE_IMAGE": BASE_IMAGE, **spec.build_args}
+    if flavour == FLAVOUR:
+        with locked():
+            base_id = ensure_base(log)
+            return build_dockerfile(PROJECT_ROOT / spec.dockerfile, spec.tag, context=PROJECT_ROOT,
+                                    build_args=build_args, base_id=base_id, log=log, no_cache=no_cache)
+    with locked():  # the base is the CPU builds': made under their lock, then theirs again
         base_id = ensure_base(log)
+    with locked(flavour):
         return build_dockerfile(PROJECT_ROOT / spec.dockerfile, spec.tag, context=PROJECT_ROOT,
-                                build_args={"BASE_IMAGE": BASE_IMAGE, **spec.build_args}, base_id=base_id, log=log)
+                                build_args=build_args, base_id=base_id, log=log, no_cache=no_cache)
 
 
 def build_derived(parent: str, lines: list[str], tag: str, log=print) -> str:
@@ -327,37 +404,84 @@ def rootfs(image: str) -> Path:
                                 text=True).stdout.split()
         if name not in listed:
             run(["buildah", "from", "--pull=never", "--name", name, found], f"buildah from {image}")
+        IN_USE.hold(found)  # pods of this process run from it until the process ends
         return Path(run(["buildah", "mount", name], f"buildah mount {name}"))
+
+
+def prune(log=print) -> image_gc.Removed | None:
+    """Remove laneflow's images that nothing needs any more (``image_gc``): older builds of changed sources,
+    their build cache and mounted root file systems, images tests derived. The flavour tags' images, images
+    a running process uses and anything a user tagged stay. None when it had to wait for another time (a GPU
+    build is running, or there is no base yet)."""
+    with locked(), locked_unless_busy("gpu") as free:
+        base_id = image_id(BASE_IMAGE)
+        if not free or base_id is None:
+            return None
+        keep = {spec.tag for spec in [*IMAGES.values(), *GPU_IMAGES.values()]}
+        try:
+            return image_gc.collect(base_id=base_id, keep_names=keep, in_use=IN_USE, rootfs_prefix=ROOTFS_PREFIX,
+                                    log=log)
+        except RuntimeError as exc:
+            raise ImageBuildError(f"removing stale images: {exc}") from exc
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build_cmd = sub.add_parser("build", help="build laneflow's images (CPU flavour) unless they are up to date")
-    build_cmd.add_argument("names", nargs="*", metavar="NAME", help=f"{', '.join(IMAGES)} (default: all)")
+    build_cmd.add_argument("names", nargs="*", metavar="NAME",
+                           help=f"{', '.join(IMAGES)} (default: all that the flavour has)")
+    build_cmd.add_argument("--flavour", choices=FLAVOURS, default=FLAVOUR,
+                           help=f"cpu (default; the tests' pods) or gpu (the training image with CUDA and NCCL: "
+                                f"{GPU_IMAGES['train'].tag}; several GB and a Horovod build the first time)")
+    build_cmd.add_argument("--no-cache", action="store_true",
+                           help="build every layer again, even where an image of the same content exists (to time "
+                                "a build from scratch, or to take new package releases)")
     build_cmd.add_argument("--if-possible", action="store_true",
                            help="where images cannot be built (no root, no buildah), say so and exit 0: the "
                                 "cluster tests then skip, saying why")
+    build_cmd.add_argument("--keep-stale", action="store_true",
+                           help="leave older builds in place (by default a build ends by removing laneflow's "
+                                "images that nothing needs any more: see `prune`)")
+    sub.add_parser("prune", help="remove laneflow's images that nothing needs any more: older builds, their build "
+                                 "cache and mounted root file systems (the :cpu/:gpu images, images a running "
+                                 "test session uses and images you tagged stay)")
     sub.add_parser("list", help="the images and their IDs")
     args = parser.parse_args()
     if missing := missing_tools():
         print(f"images: {missing}", file=sys.stderr)
         return 0 if getattr(args, "if_possible", False) else 2
-    unknown = [name for name in getattr(args, "names", []) if name not in IMAGES]
-    if unknown:
-        print(f"images: no image named {', '.join(unknown)}; laneflow's are {', '.join(IMAGES)}", file=sys.stderr)
+    flavour = getattr(args, "flavour", FLAVOUR)
+    try:
+        specs = [image_spec(name, flavour) for name in getattr(args, "names", [])]
+    except KeyError as exc:
+        print(f"images: {exc.args[0]}", file=sys.stderr)
         return 2
     if args.command == "build":
-        for name in args.names or list(IMAGES):
+        for spec in specs or list((IMAGES if flavour == FLAVOUR else GPU_IMAGES).values()):
             try:
-                built = build(name)
+                built = build(spec.name, flavour=flavour, no_cache=args.no_cache)
             except ImageBuildError as exc:
                 print(f"images: {exc}", file=sys.stderr)
                 return 1
-            print(f"images: {IMAGES[name].tag} is {built[:12]}")
+            print(f"images: {spec.tag} is {built[:12]}")
+        if not args.keep_stale:
+            return _prune()
+    elif args.command == "prune":
+        return _prune()
     else:
-        for spec in IMAGES.values():
+        for spec in [*IMAGES.values(), *GPU_IMAGES.values()]:
             print(f"{spec.tag}\t{(image_id(spec.tag) or 'not built')[:12]}")
+    return 0
+
+
+def _prune() -> int:
+    try:
+        if prune() is None:
+            print("images: nothing removed now (a GPU build is running, or no image was built yet)")
+    except ImageBuildError as exc:
+        print(f"images: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install Horovod (scripts/versions.env: 0.28.1; PyTorch, Gloo and — where OpenMPI is installed — MPI; CPU)
-# into the active Python environment. With MPI, one wheel runs both launch paths laneflow uses:
+# Install Horovod (scripts/versions.env: 0.28.1; PyTorch, Gloo and — where OpenMPI is installed — MPI; CPU,
+# or NCCL on GPUs with HOROVOD_GPU_OPERATIONS=NCCL) into the active Python environment. With MPI, one wheel runs both launch paths laneflow uses:
 # `horovodrun --gloo` locally and `horovodrun --hostfile` (mpirun) as the MPI operator's launcher does.
 #
 # Why a script: Horovod's last release does not build against current torch out of the box
@@ -9,8 +9,12 @@
 # reused by every later install (fresh clones and CI on the same machine included).
 #
 # Usage: scripts/install_horovod.sh [PYTHON]      (default: python from PATH)
+#        scripts/install_horovod.sh --cache-dir    (print the wheel cache folder these settings use, and exit)
 # Env:   LANEFLOW_WHEEL_CACHE  wheel cache dir     (default: ~/.cache/laneflow/wheels)
-#        HOROVOD_GPU_OPERATIONS=NCCL               (GPU images; default CPU only)
+#        HOROVOD_GPU_OPERATIONS=NCCL               (GPU images; default CPU only). Needs nvcc and NCCL:
+#                                                  HOROVOD_CUDA_HOME, HOROVOD_NCCL_* as scripts/cuda_from_wheels.sh
+#                                                  prints them; HOROVOD_BUILD_CUDA_CC_LIST (e.g. 80,90) the GPU
+#                                                  architectures (Horovod's default: every one nvcc knows)
 #        LANEFLOW_HOROVOD_MPI=0|1                  (default: 1 when mpicc is on PATH — Debian's libopenmpi-dev)
 set -euo pipefail
 
@@ -18,15 +22,25 @@ PY=${1:-python}
 # shellcheck source=versions.env
 . "$(dirname "$0")/versions.env"
 CACHE=${LANEFLOW_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/laneflow/wheels}
-# A GPU build must never be mistaken for the CPU one: keep them in separate cache folders.
-FLAVOUR=${HOROVOD_GPU_OPERATIONS:+gpu-${HOROVOD_GPU_OPERATIONS,,}}
-FLAVOUR=${FLAVOUR:-cpu}
+# A GPU build must never be mistaken for the CPU one: keep them in separate cache folders. GPU wheels differ
+# again by the CUDA release they were compiled against and the GPU architectures they carry code for.
+GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}
+if [ -n "$GPU_OPS" ]; then
+    ARCHS=${HOROVOD_BUILD_CUDA_CC_LIST:+sm${HOROVOD_BUILD_CUDA_CC_LIST//,/_}}
+    FLAVOUR="gpu-${GPU_OPS,,}-cu${TORCH_CUDA_VERSION//./}-${ARCHS:-small}"
+else
+    FLAVOUR=cpu
+fi
 if [ -z "${LANEFLOW_HOROVOD_MPI:-}" ]; then
     if command -v mpicc >/dev/null 2>&1; then LANEFLOW_HOROVOD_MPI=1; else LANEFLOW_HOROVOD_MPI=0; fi
 fi
 # With and without MPI are different wheels: a wheel without MPI must never satisfy a machine with it.
 [ "$LANEFLOW_HOROVOD_MPI" = 1 ] && FLAVOUR="$FLAVOUR-mpi"
 CACHE="$CACHE/horovod-$FLAVOUR"
+if [ "$PY" = --cache-dir ]; then
+    echo "$CACHE"
+    exit 0
+fi
 
 die() { echo "install_horovod: error: $*" >&2; exit 1; }
 log() { echo "install_horovod: $*"; }
@@ -37,10 +51,12 @@ check_build() {
     local out
     out=$("$PY" -m horovod.runner.launch --check-build 2>&1) || return 1
     grep -q '\[X\] PyTorch' <<<"$out" && grep -q '\[X\] Gloo' <<<"$out" || return 1
-    [ "$LANEFLOW_HOROVOD_MPI" != 1 ] || grep -q '\[X\] MPI' <<<"$out"
+    [ "$LANEFLOW_HOROVOD_MPI" != 1 ] || grep -q '\[X\] MPI' <<<"$out" || return 1
+    [ "$GPU_OPS" != NCCL ] || grep -q '\[X\] NCCL' <<<"$out"
 }
 WANTED="PyTorch + Gloo"
-[ "$LANEFLOW_HOROVOD_MPI" = 1 ] && WANTED="PyTorch + Gloo + MPI"
+[ "$LANEFLOW_HOROVOD_MPI" = 1 ] && WANTED="$WANTED + MPI"
+[ "$GPU_OPS" = NCCL ] && WANTED="$WANTED + NCCL"
 
 if "$PY" -c "import horovod, sys; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" 2>/dev/null && check_build; then
     log "horovod $HOROVOD_VERSION with $WANTED already installed"
@@ -57,6 +73,12 @@ if [ -z "$wheel" ]; then
     for tool in g++ make; do
         command -v "$tool" >/dev/null 2>&1 || die "'$tool' is required to build horovod; install it (Debian: apt-get install -y build-essential)"
     done
+    if [ -n "$GPU_OPS" ]; then
+        nvcc=${HOROVOD_CUDA_HOME:+$HOROVOD_CUDA_HOME/bin/}nvcc
+        command -v "$nvcc" >/dev/null 2>&1 \
+            || die "HOROVOD_GPU_OPERATIONS=$GPU_OPS needs nvcc ('$nvcc' not found); with torch's CUDA build from PyPI: eval \"\$(scripts/cuda_from_wheels.sh $PY)\" first"
+        log "compiling for GPUs: $("$nvcc" --version | tail -1), architectures ${HOROVOD_BUILD_CUDA_CC_LIST:-all nvcc knows}, NCCL ${HOROVOD_NCCL_HOME:-from the CUDA home}"
+    fi
     # Build-time Python packages (no build isolation: horovod must see the installed torch).
     "$PY" -m pip install -q numpy cloudpickle psutil pyyaml packaging cffi wheel setuptools \
         || die "could not install horovod's build requirements (numpy cloudpickle psutil pyyaml packaging cffi)"

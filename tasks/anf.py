@@ -9,11 +9,14 @@ and 5xx.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
 import re
+import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,22 @@ _POOL_ID = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/
                       r"netAppAccounts/(?P<account>[^/]+)/capacityPools/(?P<pool>[^/]+)/?$", re.IGNORECASE)
 Level = Literal["Standard", "Premium", "Ultra"]
 
+
+
+_PRIVATE: list[Path] = []
+_PRIVATE_LOCK = threading.Lock()
+
+
+def _private_folder() -> Path:
+    """A folder of this process only (0700, removed at exit) for the CA bundle the SDKs read from a path: a file at a
+    predictable place in the shared temporary folder could be planted by another local user beforehand, and a CA
+    of theirs would then be trusted for the token request that carries the client secret."""
+    with _PRIVATE_LOCK:
+        if not _PRIVATE or not _PRIVATE[0].is_dir():
+            folder = Path(tempfile.mkdtemp(prefix="laneflow-anf-"))
+            atexit.register(shutil.rmtree, folder, True)
+            _PRIVATE[:] = [folder]
+        return _PRIVATE[0]
 
 class AnfError(RuntimeError):
     """An ANF operation that failed for good; names the operation and the volume."""
@@ -133,11 +152,12 @@ class AnfVolume(Block):
         if not self.ca_bundle.lstrip().startswith("-----BEGIN"):
             return self.ca_bundle
         digest = hashlib.sha256(self.ca_bundle.encode()).hexdigest()[:16]
-        path = Path(tempfile.gettempdir()) / f"laneflow-anf-ca-{digest}.pem"
+        path = _private_folder() / f"ca-{digest}.pem"
         if not path.exists():
-            staged = path.with_suffix(f".{os.getpid()}.tmp")
-            staged.write_text(self.ca_bundle)
-            staged.replace(path)
+            fd, staged = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as handle:
+                handle.write(self.ca_bundle)
+            os.replace(staged, path)
         return str(path)
 
     def _credential(self) -> Any:

@@ -3,7 +3,7 @@ flags, cost and two charts (the functional core of ``flows/compare.py`` and ``la
 
 Every figure comes from what a run left on its volume: ``metrics.jsonl`` (the trainer's events, each with
 its ``time``) and ``lineage.json`` (parameters, dataset version, evaluation, service level). Definitions,
-as README "Compare runs" gives them:
+as docs/how-to/compare.md gives them:
 
 - *images seen*: every image the trainer fed the model, over all attempts (a resumed run repeats the
   steps after its checkpoint); each ``step`` event covers the steps since the one before it in its attempt,
@@ -47,7 +47,7 @@ class CompareError(LookupError):
 
 
 class Prices(BaseModel):
-    """What compute and storage cost, for the cost columns (README "Compare runs" shows the form).
+    """What compute and storage cost, for the cost columns (docs/how-to/compare.md shows the form).
 
     ``worker_hour`` is keyed by platform block name (``local``, or the name of a cluster block, one per GPU
     type), ``tib_hour`` by ANF service level; the volume's quota is billed at the level it trained on.

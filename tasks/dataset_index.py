@@ -1,8 +1,7 @@
 """Dataset index: the JSON a data team publishes to say "here is a new drop of the dataset".
 
 Nightly retrains with an index source train on the newest version it lists; the ``dataset_watch`` flow
-reads it on an interval and announces versions it has not seen. The format (README "Operating the
-nightly retrain")::
+reads it on an interval and announces versions it has not seen. The format (docs/how-to/nightly.md)::
 
     {"datasets": [
         {"version": "2026-11-30",
@@ -78,9 +77,13 @@ def parse_index(text: str, index_url: str) -> list[DatasetRelease]:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DatasetIndexError(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise DatasetIndexError(f"{where}: not JSON this parser reads (nested too deeply)") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise DatasetIndexError(f"{where}: not JSON this parser reads ({str(exc)[:120]})") from None
     if not isinstance(document, dict) or not isinstance(document.get("datasets"), list):
-        raise DatasetIndexError(f'{where}: expected an object with a "datasets" list (README "Operating the '
-                                'nightly retrain" shows the format)')
+        raise DatasetIndexError(f'{where}: expected an object with a "datasets" list (docs/how-to/nightly.md '
+                                'shows the format)')
     if not document["datasets"]:
         raise DatasetIndexError(f"{where}: lists no datasets")
     local = urllib.parse.urlsplit(index_url).scheme == "file"
@@ -134,7 +137,17 @@ def _artifact(item: Any, where: str, local: bool) -> dict[str, str]:
         raise DatasetIndexError(f"{where}.sha256: {sha256!r} is not 64 hex characters")
     if kind not in KINDS:
         raise DatasetIndexError(f"{where}.kind: {kind!r} is not one of {', '.join(KINDS)}")
-    return {"url": url, "sha256": sha256.lower(), "kind": kind}
+    secret = item.get("query_secret")
+    if secret is None:
+        return {"url": url, "sha256": sha256.lower(), "kind": kind}
+    # The artifact's query string (a SAS) in a Prefect Secret block of that name, as a run's own artifacts may
+    # have it: the index, and the parameters of the runs it starts, then hold no credential.
+    if not isinstance(secret, str) or not secret.strip():
+        raise DatasetIndexError(f"{where}.query_secret: {secret!r} is not the name of a Prefect Secret block")
+    if "?" in url:
+        raise DatasetIndexError(f"{where}: url {redact(url)!r} has a query string and query_secret {secret!r} names "
+                                "another: keep the query string in the Secret block only")
+    return {"url": url, "sha256": sha256.lower(), "kind": kind, "query_secret": secret}
 
 
 def newest(releases: list[DatasetRelease]) -> DatasetRelease:

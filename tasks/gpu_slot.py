@@ -8,10 +8,19 @@ holders, so the run writes its lease's id on its own flow run, as the label ``la
 whoever ends the run from outside its process (``release_slot_of``: the hooks of the run and of its sweep)
 revokes that lease at once. Revoking a lease that was already released does nothing, so the normal path
 and the hook never fight over it.
+
+The slot is taken through the client's lease API itself (increment with a lease, renew, release), not
+``prefect.concurrency.sync.concurrency``: that one keeps the lease's id to itself (only a flow run's
+cancellation clean-up list sees it, which is empty outside a run's engine context), and the id is the one
+thing a release from outside needs.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,47 +28,96 @@ from uuid import UUID
 
 from prefect import get_client
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-from prefect.concurrency.context import ConcurrencyContext
-from prefect.concurrency.sync import concurrency
+from prefect.exceptions import PrefectHTTPStatusError
+
+from tasks.renewal import renew_until
 
 GPU_LIMIT = "gpu"
 #: The flow run label that names the lease of the run's ``gpu`` slot.
 GPU_LEASE_LABEL = "laneflow.io/gpu-lease"
 
 
+#: How long the server keeps a slot whose holder stopped renewing it (Prefect's default for ``concurrency``).
+LEASE_S = 300.0
+#: The longest wait between two asks for a slot when the server names none (its Retry-After).
+MAX_RETRY_WAIT_S = 30.0
+_LOG = logging.getLogger("laneflow.gpu_slot")
+
+
 @contextmanager
 def gpu_slot(flow_run_id: str, warn: Callable[[str], None]) -> Iterator[None]:
-    """One slot of the ``gpu`` limit for the block (no limit: no wait, as with ``concurrency``), its lease
-    named on flow run ``flow_run_id`` (and held in its name) so it can be released from outside."""
-    # Prefect records each lease it grants on the run's ConcurrencyContext (to release it if the block is
-    # cancelled before it can); that is the only place the lease's id is visible to the caller.
+    """One slot of the ``gpu`` limit for the block (no such limit: no wait, as with Prefect's ``concurrency``),
+    its lease named on flow run ``flow_run_id`` so it can be released from outside, renewed while the block
+    runs and released when it ends."""
     _release_earlier_attempts_slot(flow_run_id, warn)
-    context = ConcurrencyContext.get()
-    before = set(context.cleanup_lease_ids) if context is not None else set()
-    with concurrency(GPU_LIMIT, occupy=1, holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id))):
-        granted = [lease for lease in (context.cleanup_lease_ids if context is not None else []) if lease not in before]
-        if granted:
-            try:
-                with get_client(sync_client=True) as client:
-                    client.update_flow_run_labels(UUID(flow_run_id), {GPU_LEASE_LABEL: str(granted[-1])})
-            except Exception as exc:  # the slot is held all the same; only a release from outside is lost
-                warn(f"could not name this run's '{GPU_LIMIT}' slot on its flow run ({exc}): if the run is killed, "
-                     "its slot stays taken until Prefect's lease on it expires (5 minutes)")
+    lease = _take_slot(ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id)))
+    if lease is None:
+        yield
+        return
+    stop = threading.Event()
+    # In a copy of this context: the Prefect settings it holds (the API to talk to) are context variables.
+    renewing = threading.Thread(target=contextvars.copy_context().run, args=(
+        renew_until, stop, LEASE_S / 4, lambda: _renew(lease), f"this run's '{GPU_LIMIT}' slot (lease {lease})", _LOG),
+        daemon=True, name="laneflow-gpu-slot")
+    renewing.start()
+    try:
+        _name_lease(flow_run_id, str(lease), warn)
+        yield
+    finally:
+        stop.set()
+        renewing.join()
         try:
-            yield
-        finally:
-            if granted:  # handed back as the block ends: a later attempt of this run finds no lease named
-                _name_lease(flow_run_id, "")
+            with get_client(sync_client=True) as client:
+                client.release_concurrency_slots_with_lease(lease)
+        except Exception as exc:  # the slot comes back when the lease expires
+            warn(f"could not hand back this run's '{GPU_LIMIT}' slot ({exc}): it is free again once Prefect's lease "
+                 f"on it expires ({LEASE_S / 60:.0f} minutes)")
+        _name_lease(flow_run_id, "", None)  # handed back: a later attempt of this run finds no lease named
 
 
-def _name_lease(flow_run_id: str, lease: str) -> None:
-    """Name ``lease`` on the flow run ("": none); best effort once the slot is handed back (an old name only
-    makes a later attempt revoke a lease that is already gone, which does nothing)."""
+def _take_slot(holder: ConcurrencyLeaseHolder) -> UUID | None:
+    """A slot of the ``gpu`` limit under a lease of its own, waiting while none is free (the server answers 423
+    with a Retry-After); None when there is no such limit."""
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                response = client.increment_concurrency_slots_with_lease([GPU_LIMIT], 1, "concurrency", LEASE_S,
+                                                                         holder)
+            except PrefectHTTPStatusError as exc:
+                if exc.response.status_code != 423:
+                    raise
+                time.sleep(min(MAX_RETRY_WAIT_S, float(exc.response.headers.get("Retry-After") or 1.0)))
+                continue
+            granted = response.json()
+            lease = UUID(str(granted["lease_id"]))
+            if granted.get("limits"):
+                return lease
+            client.release_concurrency_slots_with_lease(lease)  # a lease over no limit holds nothing
+            return None
+
+
+def _renew(lease: UUID) -> bool:
+    """Renew the slot's lease; False once the server no longer holds it (revoked from outside: the run is being
+    stopped; or expired after renewals failed for a whole lifetime), which ends the renewals."""
+    with get_client(sync_client=True) as client:
+        if _lease_live(client, lease, LEASE_S):
+            return True
+    _LOG.warning("this run's '%s' slot (lease %s) is no longer held: it was released from outside or expired",
+                 GPU_LIMIT, lease)
+    return False
+
+
+def _name_lease(flow_run_id: str, lease: str, warn: Callable[[str], None] | None) -> None:
+    """Name ``lease`` on the flow run ("": none). Naming a slot just taken that fails is said (``warn``); once the
+    slot is handed back it is best effort (an old name only makes a later attempt revoke a lease that is already
+    gone, which does nothing)."""
     try:
         with get_client(sync_client=True) as client:
             client.update_flow_run_labels(UUID(flow_run_id), {GPU_LEASE_LABEL: lease})
-    except Exception:
-        pass
+    except Exception as exc:
+        if warn is not None:
+            warn(f"could not name this run's '{GPU_LIMIT}' slot on its flow run ({exc}): if the run is killed, its "
+                 f"slot stays taken until Prefect's lease on it expires ({LEASE_S / 60:.0f} minutes)")
 
 
 def _release_earlier_attempts_slot(flow_run_id: str, warn: Callable[[str], None]) -> None:
@@ -80,13 +138,11 @@ def _release_earlier_attempts_slot(flow_run_id: str, warn: Callable[[str], None]
              "until Prefect's lease on it expires (5 minutes) if no other slot is free")
 
 
-def _lease_live(client: Any, lease: UUID) -> bool:
+def _lease_live(client: Any, lease: UUID, renew_for_s: float = 60.0) -> bool:
     """Whether the server still holds ``lease``: renewing one it let go of (released, expired) is refused with
-    410 Gone (Prefect's ``/v2/concurrency_limits/leases/{id}/renew``); a live one is renewed for a minute."""
-    from prefect.exceptions import PrefectHTTPStatusError
-
+    410 Gone (Prefect's ``/v2/concurrency_limits/leases/{id}/renew``); a live one is renewed for ``renew_for_s``."""
     try:
-        client.renew_concurrency_lease(lease, lease_duration=60)
+        client.renew_concurrency_lease(lease, lease_duration=renew_for_s)
     except PrefectHTTPStatusError as exc:
         if exc.response.status_code in (404, 410):
             return False

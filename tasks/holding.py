@@ -10,6 +10,7 @@ record says, so overlapping joins and leaves converge instead of undoing each ot
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from tasks.level_holds import (
     describe,
     joined,
     renewed,
+    retaken,
     stale,
     wanted_level,
     without,
@@ -115,19 +117,23 @@ def settle(platform: Platform, volume: VolumeRef, why: str, logger: Any, me: str
 
 class _Renewals:
     """One thread per hold this process has, renewing it every quarter of its lifetime until it leaves
-    (``tasks.renewal``)."""
+    (``tasks.renewal``), and taking it again when another run dropped it for dead while this one was only cut off
+    from the API (``_retake``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stops: dict[tuple[str, str], threading.Event] = {}
 
-    def start(self, platform: Platform, volume: VolumeRef, holder: str, ttl_s: float) -> None:
+    def start(self, platform: Platform, volume: VolumeRef, holder: str, hold: LevelHold) -> None:
         key = (volume.name, holder)
         with self._lock:
             if key in self._stops:
                 return
             stop = self._stops[key] = threading.Event()
-        threading.Thread(target=self._renew, args=(platform, volume, holder, key, stop, ttl_s / 4), daemon=True,
+        # In a copy of this context: the Prefect settings it holds (the API that says whether a run ended) are
+        # context variables.
+        threading.Thread(target=contextvars.copy_context().run,
+                         args=(self._renew, platform, volume, holder, hold, key, stop), daemon=True,
                          name=f"laneflow-hold-{volume.name}").start()
 
     def stop(self, volume: VolumeRef, holder: str) -> None:
@@ -136,20 +142,66 @@ class _Renewals:
         if stop is not None:
             stop.set()
 
-    def _renew(self, platform: Platform, volume: VolumeRef, holder: str, key: tuple[str, str],
-               stop: threading.Event, every: float) -> None:
+    def _renew(self, platform: Platform, volume: VolumeRef, holder: str, hold: LevelHold, key: tuple[str, str],
+               stop: threading.Event) -> None:
+        heard = hold.renewed  # when a renewal last got through: how long an outage lasted
+        unsettled = False  # taken again but not settled since (that settle failed): the next renewal settles
+
         def still_held() -> bool:
+            nonlocal heard, unsettled
             record = platform.update_level_record(volume, lambda r: renewed(r, holder, time.time()))
             if record is None or holder not in record.holds:
-                _LOG.warning("the hold on %s's service level was dropped by another run (this one was taken for "
-                             "dead); it no longer keeps the volume promoted", volume.name)
-                return False
+                if stop.is_set():  # it is leaving: gone is what it wants
+                    return False
+                if flow_run_ended(holder):  # every settle would drop it again
+                    _LOG.warning("the hold on %s's service level was dropped by another run, and this run's flow run "
+                                 "is over; it no longer keeps the volume promoted", volume.name)
+                    return False
+                unsettled = True  # from here on, until a settle gets through: the hold may be back already
+                if not _retake(platform, volume, holder, hold, stop, time.time() - heard):
+                    return False
+            heard = time.time()
+            if unsettled:  # up to the level it needs again (a pool change: well within the hold just renewed)
+                settle(platform, volume, f"{hold.run} took its dropped hold again", _LOG, me=holder)
+                unsettled = False
             return True
 
-        renew_until(stop, every, still_held, f"the hold on {volume.name}'s service level", _LOG)
+        renew_until(stop, hold.ttl_s / 4, still_held, f"the hold on {volume.name}'s service level", _LOG)
         with self._lock:  # a later join of the same holder starts renewing again
             if self._stops.get(key) is stop:
                 del self._stops[key]
+
+
+def _retake(platform: Platform, volume: VolumeRef, holder: str, hold: LevelHold, stop: threading.Event,
+            silent_s: float) -> bool:
+    """Put back the hold another run dropped for dead (``retaken``) while this run, still training, could not
+    renew it for ``silent_s``: otherwise the volume stays on, or the next settle moves it to, a level below what
+    the run reads. Never once it leaves: a hold put back as ``leave`` ran is taken out again, and the volume
+    settled. True when it holds the volume again."""
+    def level_now() -> str:  # read only when there is no record: the volume is then on its home level
+        return platform.current_service_level(volume) or LEVEL_ORDER[0]
+
+    took = False
+
+    def change(record: LevelRecord | None) -> LevelRecord | None:
+        nonlocal took
+        took = not stop.is_set()
+        return retaken(record, holder, hold, time.time(), level_now) if took else record
+
+    platform.update_level_record(volume, change)
+    if stop.is_set():
+        if took:  # ``leave`` read the record before this write landed: take the hold out again
+            platform.update_level_record(volume, lambda r: without(r, {holder}))
+            settle(platform, volume, f"{hold.run} left", _LOG)
+        return False
+    why = (f"its renewals could not get through for {silent_s:.0f} s, past the hold's {hold.ttl_s:.0f} s lifetime: "
+           "an API outage, taken for a death" if silent_s > hold.ttl_s else
+           f"{silent_s:.0f} s after its last renewal, within the hold's {hold.ttl_s:.0f} s lifetime: its flow run was "
+           "read as over, or the record was edited")
+    _LOG.warning("service level of %s: the hold of %s (%.1f MiB/s, %s) was dropped by another run (%s); the run still "
+                 "trains, so it holds the volume's level again and settles it", volume.name, hold.run,
+                 hold.mib_per_second, hold.level, why)
+    return True
 
 
 RENEWALS = _Renewals()
@@ -162,7 +214,7 @@ def join(platform: Platform, volume: VolumeRef, holder: str, hold: LevelHold, lo
         return platform.current_service_level(volume) or LEVEL_ORDER[0]
 
     platform.update_level_record(volume, lambda r: joined(r, holder, hold, level_now))
-    RENEWALS.start(platform, volume, holder, hold.ttl_s)
+    RENEWALS.start(platform, volume, holder, hold)
     record, level = settle(platform, volume, f"{hold.run} joined", logger, me=holder)
     if record is None:  # another run dropped this hold between our write and our read: only if it was stale
         raise RuntimeError(f"the hold of {hold.run} on {volume.name} vanished as it was made")

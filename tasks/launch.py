@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the platforms import this module
     from tasks.k8s.diagnose import PodEnd
     from tasks.platforms.base import TrainingSpec
-    from training.data.sources import Artifact
 
 EXIT_CONFIG_ERROR = 2  # training.train: bad setting, missing data root, empty split, mismatched checkpoint
 EXIT_PREEMPTED = 75  # training.train: stopped by a signal after a checkpoint; resumable
@@ -77,11 +76,11 @@ def trainer_args(preset: str, settings: dict[str, str], data_root: str, run_dir:
     return args
 
 
-def prepare_args(artifacts: list[Artifact], volume_path: str) -> list[str]:
-    """``-m training.data.prepare`` and its arguments (``--archive``/``--file URL SHA256`` each), for any
-    platform: the dataset is always prepared by that command in its own process."""
-    sources = [arg for artifact in artifacts for arg in (f"--{artifact.kind}", artifact.url, artifact.sha256)]
-    return ["-m", "training.data.prepare", *sources, "--volume", volume_path]
+def prepare_args(volume_path: str) -> list[str]:
+    """``-m training.data.prepare`` and its arguments, for any platform: the dataset is always prepared by that
+    command in its own process. The artifacts go in its environment (``training.data.sources.SOURCES_ENV``,
+    ``sources_json``), never on its command line, where a credential in a URL would be public."""
+    return ["-m", "training.data.prepare", "--sources-from-env", "--volume", volume_path]
 
 
 def _launcher(horovodrun: str | Sequence[str]) -> list[str]:

@@ -9,7 +9,8 @@ only decides what the record becomes.
 A holder is a Prefect flow run. It is taken for dead, and its hold dropped, when its flow run has ended
 (Crashed, Cancelled, Failed, Completed: it left without saying so) or when it has not renewed its hold
 within the lifetime the hold states (a process killed outright leaves its flow run Running for good: only
-the missing renewals tell).
+the missing renewals tell). A holder taken for dead that was only cut off (its renewals could not get through:
+an API outage) takes its hold again once one does, for as long as it still trains (``retaken``).
 """
 
 from __future__ import annotations
@@ -54,9 +55,24 @@ def joined(record: LevelRecord | None, holder: str, hold: LevelHold, current_lev
 
 def renewed(record: LevelRecord | None, holder: str, now: float) -> LevelRecord | None:
     """The record with ``holder``'s renewal time moved to ``now``; unchanged when it holds nothing (it left,
-    or another run dropped it for dead: a renewal never brings a dropped hold back)."""
+    or another run dropped it for dead: a renewal alone never brings a dropped hold back, ``retaken`` does)."""
     if record is None or holder not in record.holds:
         return record
+    return _with_renewal(record, holder, now)
+
+
+def retaken(record: LevelRecord | None, holder: str, hold: LevelHold, now: float,
+            current_level: Callable[[], str]) -> LevelRecord:
+    """The record with ``holder``'s hold back as it was first taken, renewed ``now``: for a run that still trains
+    but whose hold another run dropped for dead because its renewals could not get through within the hold's
+    lifetime (an API outage, not a death). ``renewed`` never does this, so without it the volume stays below
+    what the run needs, or the next settle moves it there. A hold still in the record is only renewed."""
+    if record is not None and holder in record.holds:
+        return _with_renewal(record, holder, now)
+    return joined(record, holder, hold.model_copy(update={"renewed": now}), current_level)
+
+
+def _with_renewal(record: LevelRecord, holder: str, now: float) -> LevelRecord:
     holds = {**record.holds, holder: record.holds[holder].model_copy(update={"renewed": now})}
     return record.model_copy(update={"holds": holds})
 

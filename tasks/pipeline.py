@@ -55,6 +55,7 @@ from tasks.report import (
 )
 from tasks.retry import RETRY_POLICY
 from tasks.service_level import SERVICE_LEVELS, ThroughputNeed, choose_service_level, render_tier_markdown
+from training.data.redact import redact_exception, redacting
 from training.data.sources import Artifact
 
 HOUR = 3600
@@ -196,7 +197,10 @@ def read_dataset_index(index_url: str) -> tuple[list[dict[str, Any]], dict[str, 
 def prepare_dataset(platform: Platform, volume: VolumeRef, artifacts: list[Artifact]) -> dict[str, Any]:
     """Download -> verify -> extract -> preprocess; each step is skipped when its output is already there."""
     logger = get_run_logger()
-    summary = platform.prepare_dataset(volume, artifacts, logger.info)
+    try:  # a URL may carry a credential (a SAS): neither its output nor its failure shows it
+        summary = platform.prepare_dataset(volume, artifacts, redacting(logger.info))
+    except Exception as exc:
+        raise redact_exception(exc) from None
     steps = summary.get("steps", {})
     if not any(steps.values()):
         logger.info("dataset cache hit: version %s already prepared on %s", summary["dataset_version"], volume.name)

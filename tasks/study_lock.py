@@ -84,7 +84,7 @@ def parse_holder(raw: str | None) -> StudyHolder | None:
         return StudyHolder.model_validate_json(raw)
     except ValueError:
         raise ValueError(f"the study's holder record is not laneflow's ({raw[:200]!r}); if no sweep of this study "
-                         "runs, remove it (kubectl annotate pv <pv> laneflow.io/study.<study>- on a cluster, or "
+                         "runs, remove it (kubectl annotate pvc <claim> laneflow.io/study.<study>- on a cluster, or "
                          "delete .laneflow/records/study.<study>.json on a local volume)") from None
 
 
@@ -126,8 +126,12 @@ def holder_gone(holder: StudyHolder) -> bool:
 class StudyLease:
     """This sweep's hold on a study, renewed in the background until ``release``."""
 
-    def __init__(self, platform: Platform, volume: VolumeRef, study: str, me: StudyHolder) -> None:
+    def __init__(self, platform: Platform, volume: VolumeRef, study: str, me: StudyHolder,
+                 took_over_from: StudyHolder | None = None) -> None:
         self.platform, self.volume, self.study, self.me = platform, volume, study, me
+        #: The sweep this one found dead and took the study from (None: the study was free): what that sweep's
+        #: process left behind (its trials' runs, their slots) is for this one to clean up.
+        self.took_over_from = took_over_from
         self._stop = threading.Event()
         self._lost: StudyHolder | None = None
         self._thread = threading.Thread(target=self._renew_until_released, daemon=True,
@@ -221,9 +225,10 @@ def holding_study(platform: Platform, volume: VolumeRef, study: str, sweep: str,
             log(f"study {study!r} is held by {holder.describe()}: waiting for it to end")
             announced = holder.sweep
         time.sleep(min(10.0, ttl_s / 4))
-    if before is not None and before.sweep != sweep:
-        log(f"study {study!r} was held by {before.describe()}, which is gone: this sweep takes it over")
-    lease = StudyLease(platform, volume, study, holder)
+    took_over = before if before is not None and before.sweep != sweep else None
+    if took_over is not None:
+        log(f"study {study!r} was held by {took_over.describe()}, which is gone: this sweep takes it over")
+    lease = StudyLease(platform, volume, study, holder, took_over)
     lease.start()
     try:
         yield lease

@@ -55,37 +55,71 @@ class Browser:
         self.socket = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=60,
                                                   suppress_origin=True)
         self.ids = itertools.count(1)
+        #: What went wrong in the page so far (uncaught exceptions, console errors, failed loads, a crash), for
+        #: the message of a wait that times out: a blank page says nothing about why.
+        self.troubles: list[str] = []
+        for domain in ("Runtime", "Network", "Inspector", "Page"):
+            self.call(f"{domain}.enable")
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         message_id = next(self.ids)
         self.socket.send(json.dumps({"id": message_id, "method": method, "params": params}))
         while True:
             reply = json.loads(self.socket.recv())
+            self._note_trouble(reply)
             if reply.get("id") == message_id:
                 if "error" in reply:
                     raise RuntimeError(f"{method}: {reply['error']}")
                 return reply["result"]
+
+    def _note_trouble(self, event: dict[str, Any]) -> None:
+        method, params = event.get("method"), event.get("params", {})
+        if method == "Runtime.exceptionThrown":
+            details = params.get("exceptionDetails", {})
+            note = details.get("exception", {}).get("description") or details.get("text", "")
+        elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+            note = "console: " + " ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", []))
+        elif method == "Network.loadingFailed":
+            note = f"load failed: {params.get('errorText')} ({params.get('type')})"
+        elif method == "Inspector.targetCrashed":
+            note = "the page's renderer crashed"
+        else:
+            return
+        self.troubles = [*self.troubles[-19:], note[:300]]
 
     def evaluate(self, expression: str) -> Any:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
         return result["result"].get("value")
 
     def open(self, url: str) -> None:
-        self.call("Page.enable")
         self.call("Page.navigate", url=url)
 
-    def wait_for_text(self, *texts: str, timeout_s: float = 60.0) -> str:
+    def reload(self) -> None:
+        self.call("Page.reload", ignoreCache=True)
+
+    def wait_for_text(self, *texts: str, timeout_s: float = 60.0, reload_blank_after_s: float | None = None) -> str:
         """The page's visible text once it contains every one of ``texts`` (parts of a page render at different
-        times: wait for what you assert); TimeoutError naming what is missing and what the page showed."""
+        times: wait for what you assert); TimeoutError naming what is missing and what the page showed.
+
+        ``reload_blank_after_s``: reload once, as a user would, a page whose app has shown no text at all by then
+        (CI saw the Prefect UI stay blank for 120 s once on a loaded machine); the reload is in the troubles."""
         deadline = time.monotonic() + timeout_s
+        reload_at = None if reload_blank_after_s is None else time.monotonic() + reload_blank_after_s
         body = ""
         while time.monotonic() < deadline:
             body = self.evaluate("document.body ? document.body.innerText : ''") or ""
             if all(text in body for text in texts):
                 return body
+            if reload_at is not None and time.monotonic() > reload_at and not body.strip():
+                self.troubles.append(f"blank after {reload_blank_after_s:.0f} s: reloaded")
+                self.reload()
+                reload_at = None
             time.sleep(0.5)
         missing = [text for text in texts if text not in body]
-        raise TimeoutError(f"{missing} did not appear within {timeout_s:.0f} s; the page showed:\n{body[:2000]}")
+        where = self.evaluate("location.href + ' (' + document.readyState + ')'")
+        troubles = "\n".join(self.troubles) or "nothing went wrong that the page reported"
+        raise TimeoutError(f"{missing} did not appear within {timeout_s:.0f} s at {where}; the page showed:\n"
+                           f"{body[:2000]}\n--- what the page reported:\n{troubles}")
 
     def click_text(self, text: str, timeout_s: float = 30.0) -> None:
         """Click the innermost element whose text is exactly ``text``."""

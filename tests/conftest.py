@@ -4,10 +4,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Before anything imports the task modules: retry delays of 1 s, not 10 s, keep retry tests short.
@@ -199,20 +200,25 @@ class SessionServer:
     home: Path
     port: int
     process: subprocess.Popen
+    #: One restart at a time (the soak's disruptions may come due together): a second start on the port would find
+    #: the first one's server answering and keep its own process, which exits.
+    restarting: threading.Lock = field(default_factory=threading.Lock)
 
     def restart(self) -> None:
         """Stop the server (SIGTERM to its group, SIGKILL after 30 s) and start it again on the same port and
         database; returns once it answers."""
         from flows.local_server import start_server
 
-        stop_process(self.process, grace_s=30)
-        self.process = start_server(self.home, self.port, host=SESSION_SERVER_HOST)
+        with self.restarting:
+            stop_process(self.process, grace_s=30)
+            self.process = start_server(self.home, self.port, host=SESSION_SERVER_HOST)
 
 
 _SESSION_SERVERS: list[SessionServer] = []
-#: The session server listens on every address of this machine: the emulated cluster's pods (flow runs the
-#: Kubernetes worker starts) reach it at the pod network's node address, as pods reach a Prefect server.
-SESSION_SERVER_HOST = "0.0.0.0"
+#: The session server listens on loopback only, as laneflow's local server does; the emulated cluster's pods (flow
+#: runs the Kubernetes worker starts) reach it at the pod network's node address through a forwarder that lives
+#: as long as that worker (tests.test_cluster_worker.kubernetes_worker).
+SESSION_SERVER_HOST = "127.0.0.1"
 
 
 @pytest.fixture(scope="session")
@@ -222,7 +228,12 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     Yields the environment that points a subprocess (worker, ``prefect deploy``, ``laneflow``) at it;
     this process talks to it through Prefect's settings context.
     """
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_URL,
+        PREFECT_SERVER_ANALYTICS_ENABLED,
+        temporary_settings,
+    )
 
     from flows.local_server import free_port, server_env, start_server
 
@@ -238,7 +249,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     _SESSION_SERVERS.append(server)
     env = server_env(home, port)
     try:
-        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_SERVER_ANALYTICS_ENABLED: False,
+                                 PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]}):
             yield env
             from prefect.events.worker import EventsWorker
             from prefect.logging.handlers import APILogWorker

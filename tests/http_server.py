@@ -18,7 +18,8 @@ class Fault:
     kind: "cut" sends the headers and ``cut_after`` bytes, then drops the connection;
     "status" answers ``status`` (with ``retry_after`` if given); "ignore_range" answers 200 with
     the whole file even when a Range was asked; "slow" sleeps ``delay`` s between 64 KiB chunks;
-    "chunked" sends the body with chunked transfer encoding, so its size is not announced.
+    "chunked" sends the body with chunked transfer encoding, so its size is not announced; "hold" answers
+    only once ``gate`` is set (requests a test lets through together).
     """
 
     kind: str
@@ -26,6 +27,7 @@ class Fault:
     cut_after: int = 0
     retry_after: str | None = None
     delay: float = 0.0
+    gate: threading.Event | None = None
 
 
 @dataclass
@@ -50,10 +52,12 @@ def make_handler(state: FileServer) -> type[BaseHTTPRequestHandler]:
             pass
 
         def do_GET(self) -> None:
-            name = self.path.lstrip("/").split("?")[0]
+            name, _, query = self.path.lstrip("/").partition("?")
             range_header = self.headers.get("Range")
-            state.requests.append({"path": name, "range": range_header})
+            state.requests.append({"path": name, "range": range_header, "query": query})
             fault = state.faults.popleft() if state.faults else None
+            if fault and fault.kind == "hold" and fault.gate is not None:
+                fault.gate.wait()
             if fault and fault.kind == "status":
                 self.send_response(fault.status)
                 if fault.retry_after is not None:

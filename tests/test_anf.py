@@ -74,10 +74,9 @@ def on_anf(k8s: KubernetesEmulator, state: Arm, imported: dict[str, str] | None 
 
 def level_record(emulator: KubernetesEmulator, claim: str = "tusimple", namespace: str = "lanes"
                  ) -> LevelRecord | None:
-    """The service-level record as `kubectl get pv` shows it: the annotation on the claim's PV."""
-    pv_name = emulator.cluster.objects["persistentvolumeclaims"][(namespace, claim)]["spec"]["volumeName"]
-    raw = (emulator.cluster.objects["persistentvolumes"][("", pv_name)]["metadata"].get("annotations") or {}).get(
-        LEVEL_RECORD_ANNOTATION)
+    """The service-level record as `kubectl get pvc` shows it: the annotation on the claim."""
+    stored = emulator.cluster.objects["persistentvolumeclaims"][(namespace, claim)]
+    raw = (stored["metadata"].get("annotations") or {}).get(LEVEL_RECORD_ANNOTATION)
     return LevelRecord.model_validate_json(raw) if raw else None
 
 
@@ -136,6 +135,31 @@ def test_a_failed_operation_names_the_operation_and_the_volume(arm: tuple) -> No
                                        r"failed: PoolChangeFailed"):
         anf_volume(emulator).change_level("Ultra")
     assert state.volumes["tusimple"]["pool"] == "pool-standard"
+
+
+def test_a_ca_bundle_given_as_pem_text_is_read_from_a_private_file_never_a_planted_one(arm: tuple) -> None:
+    """The block's PEM text goes to a file the SDKs read. Another local user who plants a file of their own CA where
+    that file used to go (a predictable name in the shared temporary folder) is not trusted: the file is this
+    process's, in a folder only it may enter."""
+    import hashlib
+    import stat
+    import tempfile
+
+    import trustme
+
+    emulator, _ = arm
+    pem = emulator.ca.cert_pem.bytes().decode()
+    digest = hashlib.sha256(pem.encode()).hexdigest()[:16]
+    planted = Path(tempfile.gettempdir()) / f"laneflow-anf-ca-{digest}.pem"
+    planted.write_text(trustme.CA().cert_pem.bytes().decode())  # someone else's CA
+    try:
+        volume = anf_volume(emulator, ca_bundle=pem)
+        assert volume.locate() == ("pool-standard", "Standard", 2.0)  # TLS verified against the block's CA
+        used = Path(volume._verify())
+        assert used != planted and used.read_text() == pem
+        assert stat.S_IMODE(used.parent.stat().st_mode) == 0o700 and used.parent.stat().st_uid == os.getuid()
+    finally:
+        planted.unlink(missing_ok=True)
 
 
 def test_anf_snapshot_and_configuration_errors(arm: tuple) -> None:
@@ -226,6 +250,13 @@ def test_promoted_for_training_demoted_after_and_snapshotted_through_anf(
         assert [(ref.ready, ref.lineage["dataset_version"], ref.lineage["run"]) for ref in refs] == \
             [(True, result["dataset_version"], result["run"])]
         assert refs[0].lineage["created_at"] and lineage["ready"] is True
+        # The run's name again, over other data (a run key reused after a new drop): refused, the record kept.
+        volume = platform.ensure_volume("tusimple")
+        with pytest.raises(FileExistsError, match=f"snapshot '{result['snapshot']}' already exists with dataset "
+                                                  f"version {result['dataset_version']}"):
+            platform.create_snapshot(volume, result["snapshot"], lineage["data_dir"], lineage["run_dir"],
+                                     {**lineage, "dataset_version": "another-drop"})
+        assert platform.find_lineage(result["snapshot"])["dataset_version"] == result["dataset_version"]
         with pytest.raises(ValueError, match="is an ANF snapshot"):
             platform.restore_snapshot(result["snapshot"], "restored")
         # compare reads the cluster run's own records on its volume and bills its storage at Premium.

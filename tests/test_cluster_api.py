@@ -32,7 +32,8 @@ def test_faults_per_call_type_end_in_success_with_one_of_each(prefect_server: di
         cluster.inject(*call, throttled, Fault(status=500), reset)
     cluster.inject("POST", "mpijobs", lost_answer)
     cluster.inject("POST", "volumesnapshots", lost_answer)
-    name = saved(emu, "emu-faults", api_retry_delay_s=0.05)  # the backoff's shape, without its 0.5 s start
+    # The backoff's shape, without its 0.5 s start; the seed's claim named as one to adopt.
+    name = saved(emu, "emu-faults", api_retry_delay_s=0.05, adopt_claims=["legacy"])
     # One worker for two steps: the faults are on the orchestration's calls, not in the ranks.
     result = train_pipeline(**params_for(served_archive, platform=name, volume="legacy", workers=1, max_steps=2))
     assert result["steps"] == 2
@@ -50,7 +51,7 @@ def test_a_hung_api_call_times_out_and_is_tried_again_instead_of_blocking(emulat
     cluster.requests.clear()
     released = threading.Event()
     cluster.inject("GET", "persistentvolumeclaims", Fault(hang=released))
-    platform = cluster_platform(emu, api_timeout_s=1.0)
+    platform = cluster_platform(emu, api_timeout_s=1.0, adopt_claims=["legacy"])
     outcome: list = []
     caller = threading.Thread(target=lambda: outcome.append(platform.ensure_volume("legacy")), daemon=True)
     try:
@@ -69,9 +70,10 @@ def test_forbidden_is_not_retried_and_names_the_permission(prefect_server: dict,
     emu, cluster = emulator
     cluster.inject("PATCH", "persistentvolumes", Fault(status=403))
     create_rwo_claim(emu, "legacy")
-    state = train_pipeline(**params_for(served_archive, platform=saved(emu, "emu-403"), volume="legacy"),
-                           return_state=True)
+    name = saved(emu, "emu-403", adopt_claims=["legacy"])
+    state = train_pipeline(**params_for(served_archive, platform=name, volume="legacy"), return_state=True)
     assert state.is_failed()
-    assert "may not 'patch' persistentvolumes" in str(state.result(raise_on_failure=False))
+    said = str(state.result(raise_on_failure=False))
+    assert "may not 'patch' persistentvolumes" in said and "kubectl apply -k deployments/rwo-claims" in said
     assert sum(1 for r in cluster.requests if (r.method, r.resource) == ("PATCH", "persistentvolumes")) == 1
     assert cluster.count("mpijobs") == 0

@@ -31,8 +31,8 @@ from training.data.sources import Artifact
 
 def test_a_failed_prepare_job_is_replaced_when_the_stage_runs_again_after_the_fix(
         emulator: tuple, synthetic_archive: tuple[Path, str]) -> None:
-    """README's advice after a failed dataset stage is "fix the cause, run again": the failed Job (kept a
-    day by ttlSecondsAfterFinished) must not answer the second run with its old log."""
+    """The troubleshooting page's advice after a failed dataset stage is "fix the cause, run again": the failed Job
+    (kept a day by ttlSecondsAfterFinished) must not answer the second run with its old log."""
     emu, cluster = emulator
     platform = cluster_platform(emu)
     volume = platform.ensure_volume("data")
@@ -68,8 +68,8 @@ def test_a_stage_past_its_deadline_deletes_its_job_and_is_not_retried(
 
 
 def test_a_restore_is_sized_from_its_snapshot_when_the_volume_was_grown(emulator: tuple) -> None:
-    """After README's advice to grow a full volume, the block's volume_size is smaller than the volume's
-    snapshots; the CSI provisioner refuses a claim smaller than a snapshot's restoreSize."""
+    """After the troubleshooting page's advice to grow a full volume, the block's volume_size is smaller than the
+    volume's snapshots; the CSI provisioner refuses a claim smaller than a snapshot's restoreSize."""
     emu, cluster = emulator
     grown = cluster_platform(emu, volume_size="3Gi")
     volume = grown.ensure_volume("data")

@@ -21,11 +21,14 @@ import yaml
 
 from flows.restore import restore
 from flows.train import train_pipeline
+from tasks.k8s.manifests import render_sources_secret, sources_secret_name
 from tasks.platforms import ClusterPlatform, VolumeRef
-from tasks.platforms.cluster.training import remove_expired
+from tasks.platforms.cluster.jobs import dataset_job_name, put_sources
+from tasks.platforms.cluster.training import remove_expired, stop_launcher_replacements
 from tests.cluster_platform_helpers import create_rwo_claim, saved
 from tests.conftest import PROJECT_ROOT
 from tests.test_pipeline import params_for
+from training.data.sources import Artifact
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parent / "golden"
@@ -102,7 +105,8 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
     base = rendered("base")
     cluster.load(base)  # every call is now authorized against deployments/base, as on a real cluster
     # On the AKS-shaped cluster, the GPU stages pinned to the tainted spot pool (tolerated, selected).
-    name = saved(emu, "emu-cluster", namespace="laneflow", node_selector={"agentpool": "gpuspot"})
+    name = saved(emu, "emu-cluster", namespace="laneflow", node_selector={"agentpool": "gpuspot"},
+                 adopt_claims=["legacy"])  # the seed's hand-made claim, below
     uploads: list[tuple[str, str]] = []  # (the uploading pod's image, a line it printed), as the kubelet logs it
 
     def seen(state, namespace: str, pod: str, line: str) -> None:
@@ -185,15 +189,34 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
                                                    for key in cluster.objects[kind] if key[1].startswith(run)]
 
     # Least privilege: the run's calls plus removing expired jobs, listing snapshots, cancelling and adopting a
-    # ReadWriteOnce claim (its PV patched to ReadWriteMany) use exactly what deployments/ grants, nothing more.
+    # ReadWriteOnce claim (its PV patched to ReadWriteMany, once deployments/rwo-claims allows it) use exactly what
+    # deployments/ grants, nothing more.
     assert [ref.name for ref in platform.list_snapshots()] == [result["snapshot"]]
     assert platform.find_lineage(result["snapshot"])["dataset_version"] == result["dataset_version"]
     assert not platform.cancel_training(run, VolumeRef(name="tusimple", location="laneflow/tusimple"))  # gone
+    assert not stop_launcher_replacements(platform, run)  # as for a launcher that failed on its own (gone here)
     create_rwo_claim(emu, "legacy", namespace="laneflow")
+    with pytest.raises(PermissionError, match=r"may not 'patch' persistentvolumes.*kubectl apply -k "
+                                              r"deployments/rwo-claims"):
+        platform.ensure_shared_access(platform.ensure_volume("legacy"))
+    rwo = rendered("rwo-claims")  # the administrator opts in
+    cluster.load(rwo)
     message = platform.ensure_shared_access(platform.ensure_volume("legacy"))
     assert "patched to ReadWriteMany and verified" in message
+    # A preparation interrupted after it made its sources Secret (a drain of the flow's pod) left it: the next
+    # preparation of that dataset replaces its data (the URLs' SAS may have been renewed) and removes it after.
+    artifact, tusimple = Artifact(*served_archive), VolumeRef(name="tusimple", location="laneflow/tusimple")
+    job = dataset_job_name(tusimple.name, [artifact])
+    put_sources(platform, render_sources_secret(job, platform.layout(), [artifact], platform.job_labels(job)))
+    assert platform.prepare_dataset(tusimple, [artifact], lambda _: None)["dataset_dir"] == result["data_dir"]
+    assert ("laneflow", sources_secret_name(job)) not in cluster.objects["secrets"]
+    # A sweep's study lock is a record on the claim (update_volume_record, as tasks.study_lock writes and drops it).
+    written = platform.update_volume_record(tusimple, "study.lanes", lambda _: '{"sweep": "probe"}')
+    claim_annotations = cluster.objects["persistentvolumeclaims"][("laneflow", "tusimple")]["metadata"]["annotations"]
+    assert written == claim_annotations["laneflow.io/study.lanes"] == '{"sweep": "probe"}'
+    assert platform.update_volume_record(tusimple, "study.lanes", lambda _: None) is None
     assert cluster.permissions_used("laneflow") == granted(base, "laneflow")
-    assert {(r.verb, r.resource) for r in cluster.requests if r.namespace is None} == granted(base, None)
+    assert {(r.verb, r.resource) for r in cluster.requests if r.namespace is None} == granted(base + rwo, None)
 
     # restore: a new claim whose dataSource is the snapshot; nothing downloaded, the snapshot's run is there.
     # (One worker for a step, no package, snapshot or tracking: what is asserted here is the restore.)

@@ -40,9 +40,14 @@ def test_a_rank_that_crashes_fails_training_with_the_launcher_log_and_every_pod_
     assert "training failed with exit code 1 on rank" in message, message
     assert "shared memory" in message, message  # PyTorch's own words, from the rank's log
     # restartPolicy Never on the launcher: its failed pod stays, with its exit code; the operator's reason
-    # names the launcher Job's ("BackoffLimitExceeded/<pod reason>").
+    # names the launcher Job's ("BackoffLimitExceeded/<pod reason>"). That Job replaces launchers removed by a
+    # drain (tasks.k8s.manifests.LAUNCHER_REPLACEMENTS), but not this one: laneflow saw it fail on its own within
+    # the Job controller's back-off and told the Job to start no other.
     assert "train-0123456789ab-launcher-" in message and "Error (exit 1)" in message
     assert "BackoffLimitExceeded/" in message
+    launchers = [event for event in cluster.objects["events"].values()
+                 if event["reason"] == "Scheduled" and "-launcher-" in event["involvedObject"]["name"]]
+    assert len(launchers) == 1, launchers
     assert all(job["spec"]["template"]["spec"]["restartPolicy"] == "Never" for job in cluster.objects["jobs"].values()
                if job["metadata"]["name"].endswith("-launcher"))
 
@@ -91,12 +96,13 @@ def test_training_events_arrive_exactly_once_across_log_rotations_and_reconnects
     gaps = [(m[1], m[2]) for line in logs if (m := re.search(r"written after (\S+) and before (\S+) cannot", line))]
     expected = [event for stamp, event in stamped if not any(after < stamp < before for after, before in gaps)]
     assert events == expected
-    # horovodrun --hostfile ran mpirun (OpenMPI's tags on every line), which reached both workers' sshd.
+    # horovodrun --hostfile ran mpirun (OpenMPI's tags on every line), which reached both workers' sshd, logged in
+    # as laneflow's user (never root: sshd allows no one else), as whom the ranks ran.
     launcher_text = "".join(text for _, text in launcher_log.lines)
     assert '[1,0]<stdout>:{"event": "step"' in launcher_text and "<stdout>:" in launcher_text
     for worker in ("train-0123456789ab-worker-0", "train-0123456789ab-worker-1"):  # deleted now (cleanPodPolicy)
         kept = cluster.root / "pods" / "lanes" / worker / "c0" / "output.log"
-        assert "Accepted publickey for root" in kept.read_text()
+        assert "Accepted publickey for laneflow" in kept.read_text()
     # The launcher was created only once both workers were Ready (else horovodrun's SSH check fails).
     (job,) = cluster.objects["mpijobs"].values()
     assert job["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+import kubernetes
 import pytest
 import yaml
 from prefect import get_client
@@ -30,6 +32,7 @@ from tasks.processes import PREFECT_WORKER_SIGNALS, running
 from tests.cluster_platform_helpers import TRAIN_IMAGE, admin_core, cluster_platform
 from tests.conftest import PROJECT_ROOT, arm_with_tusimple
 from tests.gpu_limit import operator_gpu_limit
+from tests.tcp_forward import Forwarder
 from tests.test_cluster_pipeline import flow_run_messages, granted, needs_kubectl, rendered
 from tests.test_pipeline import params_for
 from tests.waiting import wait_until
@@ -37,9 +40,13 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster-worker")]
 POOL = "laneflow-k8s"
 DEPLOYMENT = "train_pipeline/train-k8s"
+NIGHTLY_DEPLOYMENT = "nightly_retrain/nightly-k8s"
+SWEEP_DEPLOYMENT = "sweep/sweep-k8s"
 PREFECT = str(Path(sys.executable).parent / "prefect")
 FLOWS_ACCOUNT = "system:serviceaccount:laneflow:laneflow-flows"
 WORKER_ACCOUNT = "system:serviceaccount:laneflow:prefect-worker"
+#: The Secret holding the Prefect server's auth string in the flows' namespace (docs/getting-started/cluster.md).
+AUTH_SECRET, AUTH_SECRET_KEY = "prefect-api-auth", "auth-string"
 
 
 def _prefect(args: list[str], env: dict[str, str]) -> str:
@@ -57,17 +64,24 @@ def deployed(prefect_server: dict, served_archive: tuple[str, str]) -> Iterator[
 
 @contextmanager
 def deployed_to_pool(prefect_server: dict, served_archive: tuple[str, str]) -> Iterator[dict[str, str]]:
-    """The README's commands: the pool from the shipped template, then the cluster deployments (removed
-    again afterwards: the session's server is shared with other modules); the environment they were made with."""
+    """The cluster guide's commands (docs/getting-started/cluster.md): the pool from the shipped template, then the
+    cluster deployments (removed again afterwards: the session's server is shared with other modules); the
+    environment they were made with."""
     url, sha256 = served_archive
     env = {**os.environ, **prefect_server, "LANEFLOW_IMAGE": TRAIN_IMAGE, "LANEFLOW_PLATFORM": "emu-k8s-flows",
+           "LANEFLOW_DATASET_INDEX": "https://data.example.org/tusimple/index.json",  # the nightly's default
            **{f"{prefix}_{field}": value for prefix in ("LANEFLOW_TRAIN", "LANEFLOW_TEST", "LANEFLOW_TEST_LABEL")
               for field, value in (("URL", url), ("SHA256", sha256))}}
     _prefect(["work-pool", "create", POOL, "--type", "kubernetes", "--overwrite", "--base-job-template",
               str(PROJECT_ROOT / "deployments" / "kubernetes-work-pool.json")], env)
     _prefect(["deploy", "--prefect-file", "deployments/prefect-kubernetes.yaml", "--all"], env)
+    with get_client(sync_client=True) as client:  # no 02:00 nightly of its own while the tests run
+        nightly = client.read_deployment_by_name(NIGHTLY_DEPLOYMENT)
+        for schedule in client.read_deployment_schedules(nightly.id):
+            client.update_deployment_schedule(nightly.id, schedule.id, active=False)
     yield env
-    _prefect(["deployment", "delete", DEPLOYMENT], env)
+    for name in (DEPLOYMENT, NIGHTLY_DEPLOYMENT, SWEEP_DEPLOYMENT):
+        _prefect(["deployment", "delete", name], env)
     _prefect(["work-pool", "delete", POOL], env)
 
 
@@ -77,20 +91,34 @@ def kubernetes_worker(emu, env: dict[str, str], log: Path,
     """``prefect worker start --type kubernetes`` as an operator runs it outside the cluster: a kubeconfig
     with a token of service account ``prefect-worker`` for the cluster's HTTPS endpoint, the observer
     namespaced to ``laneflow``, and the Prefect API at the address pods reach it at (the worker hands its
-    own API URL to each flow run's Job)."""
+    own API URL to each flow run's Job; the server itself listens on loopback only, forwarded there while the
+    worker runs: ``tests.tcp_forward``). The server's auth string reaches the flow pods from a Secret the operator
+    made (docs/getting-started/cluster.md): the worker puts a reference to it into each Job, never the string."""
     from tests.cluster.network import node_address
 
+    core = admin_core(emu)  # the operator, who may create Secrets
+    auth = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": AUTH_SECRET, "namespace": "laneflow"},
+            "stringData": {AUTH_SECRET_KEY: env["PREFECT_API_AUTH_STRING"]}}
+    try:
+        core.create_namespaced_secret("laneflow", auth)
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+        core.replace_namespaced_secret(AUTH_SECRET, "laneflow", auth)
     kubeconfig = log.parent / "worker-kubeconfig.yaml"
     kubeconfig.write_text(yaml.safe_dump(emu.kubeconfig(namespace="laneflow", secure=True,
                                                         token=emu.token("laneflow", "prefect-worker"))))
     port = env["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0]
     worker_env = {**env, "KUBECONFIG": str(kubeconfig), "PREFECT_API_URL": f"http://{node_address()}:{port}/api",
-                  "PREFECT_WORKER_QUERY_SECONDS": "2"}
+                  "PREFECT_WORKER_QUERY_SECONDS": "2",
+                  "PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_NAME": AUTH_SECRET,
+                  "PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_KEY": AUTH_SECRET_KEY}
     if observer_namespaces is not None:
         worker_env["PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES"] = observer_namespaces
-    with log.open("wb") as sink, running([PREFECT, "worker", "start", "--pool", POOL, "--type", "kubernetes"],
-                                         stop_signals=PREFECT_WORKER_SIGNALS, grace_s=20, env=worker_env,
-                                         cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT) as worker:
+    with Forwarder(node_address(), int(port)), log.open("wb") as sink, \
+            running([PREFECT, "worker", "start", "--pool", POOL, "--type", "kubernetes"],
+                    stop_signals=PREFECT_WORKER_SIGNALS, grace_s=20, env=worker_env, cwd=log.parent, stdout=sink,
+                    stderr=subprocess.STDOUT) as worker:
         yield worker
 
 
@@ -99,9 +127,9 @@ def _parameters(served_archive: tuple[str, str], **changes: object) -> dict:
                                  default=lambda value: value.model_dump(mode="json")))
 
 
-def _start(parameters: dict, job_variables: dict | None = None) -> object:
+def _start(parameters: dict, job_variables: dict | None = None, deployment_name: str = DEPLOYMENT) -> object:
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name(DEPLOYMENT)
+        deployment = client.read_deployment_by_name(deployment_name)
         return client.create_flow_run_from_deployment(deployment.id, parameters=parameters,
                                                       job_variables=job_variables)
 
@@ -117,8 +145,11 @@ def _waiting(what: str, check, log: Path, timeout_s: float, every_s: float = 1.0
 def _final_state(flow_run_id: object, log: Path, worker: subprocess.Popen, timeout_s: float = 600) -> object:
     def final() -> object:
         assert worker.poll() is None, f"the worker exited: {log.read_text()[-3000:]}"
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(flow_run_id).state
+        try:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(flow_run_id).state
+        except httpx.TransportError:  # the server restarting (the soak restarts it): ask again
+            return None
         return state if state is not None and state.is_final() else None
     return _waiting("the flow run's end", final, log, timeout_s)
 
@@ -162,6 +193,15 @@ def test_a_run_from_the_deployment_runs_in_a_job_pod_and_drives_the_cluster_with
               if job["metadata"]["labels"].get("prefect.io/flow-run-id") == str(flow_run.id)]
     spec = job["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == "laneflow-flows" and spec["containers"][0]["image"] == TRAIN_IMAGE
+    # The server's auth string reached the pod from the operator's Secret: it is nowhere in the Job (kept in etcd,
+    # readable by anyone who may get Jobs), only a reference to the Secret is.
+    assert deployed["PREFECT_API_AUTH_STRING"] not in json.dumps(job)
+    # AKS workload identity's pod label survives the worker's own labels (prefect-kubernetes merges them).
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels["azure.workload.identity/use"] == "true"
+    assert pod_labels["prefect.io/flow-run-id"] == str(flow_run.id)
+    assert {"name": "PREFECT_API_AUTH_STRING", "valueFrom": {"secretKeyRef": {
+        "name": AUTH_SECRET, "key": AUTH_SECRET_KEY}}} in spec["containers"][0]["env"]
     wait_until("the flow's Job to succeed (its pod exits after the run's final state)",
                lambda: job["status"].get("succeeded") == 1, timeout_s=120, every_s=0.2)
     # ... and everything it made on the cluster it made from there, with its projected token.

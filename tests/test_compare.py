@@ -50,7 +50,7 @@ def three_runs(prefect_server: dict, synthetic_archive: tuple[Path, str],
 
 
 def recomputed(home: Path, run: str) -> dict:
-    """The figures of a run as README "Compare runs" defines them, read straight from its files."""
+    """The figures of a run as docs/how-to/compare.md defines them, read straight from its files."""
     folder = home / "volumes" / "compare" / "runs" / run
     lineage = json.loads((folder / "lineage.json").read_text())
     events = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

@@ -35,6 +35,8 @@ def test_the_newest_version_is_the_one_published_last_whatever_the_order_or_time
 
 @pytest.mark.parametrize(("text", "named"), [
     ("{", "not JSON"),
+    ("[" * 200_000 + "]" * 200_000, "nested too deeply"),
+    ('{"datasets": [' + "9" * 5000 + "]}", "not JSON this parser reads (Exceeds the limit"),
     ("[]", 'expected an object with a "datasets" list'),
     ('{"datasets": []}', "lists no datasets"),
     (json.dumps({"datasets": [entry("v 1", "2026-11-30T18:00:00Z")]}), "datasets[0].version: 'v 1'"),

@@ -18,7 +18,7 @@ import yaml
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from flows.cli import WORK_POOL, apply_deployments, deployment_environment, ensure_local_setup
+from flows.serving import WORK_POOL, apply_deployments, deployment_environment, ensure_local_setup
 from tasks.gpu_slot import GPU_LEASE_LABEL
 from tasks.names import run_name, snapshot_name
 from tasks.processes import PREFECT_WORKER_SIGNALS, running
@@ -183,8 +183,14 @@ def test_a_one_field_run_is_executed_by_the_worker_with_the_deployments_dataset(
 def test_prefect_ui_shows_the_metrics_artifact_of_a_finished_run(worker_run: str, deployed: dict) -> None:
     ui = deployed["PREFECT_API_URL"].removesuffix("/api")
     with Browser() as browser:
+        # The server asks for its auth string: signed in as the UI's login page does (it keeps the string's base64
+        # under this key of the origin's local storage), then the run's page.
+        browser.open(f"{ui}/")
+        wait_until("the UI's page", lambda: str(browser.evaluate("location.href")).startswith(ui), timeout_s=60)
+        auth = json.dumps(deployed["PREFECT_API_AUTH_STRING"])
+        browser.evaluate(f"localStorage.setItem('prefect-password', btoa({auth}))")
         browser.open(f"{ui}/runs/flow-run/{worker_run}")
-        browser.wait_for_text("Completed", timeout_s=120)
+        browser.wait_for_text("Completed", timeout_s=180, reload_blank_after_s=60)
         browser.click_text("Artifacts")
         # What the user sees on the run's Artifacts tab: the key, the type and the description. The key renders
         # before the other two, so the wait is for all three (it fails naming what never appeared).
@@ -318,15 +324,16 @@ def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_swe
     assert retries == keys  # trial 2 runs trial 0 again, trial 3 trial 1, each under its own run key
 
 
-def test_ctrl_c_stops_laneflow_serve_cleanly_and_leaves_the_server_running(deployed: dict,
+def test_ctrl_c_stops_laneflow_serve_cleanly_and_leaves_the_server_running(deployed: dict, session_server,
                                                                           tmp_path: Path) -> None:
-    """``make serve``, then Ctrl-C: one line says what stopped, no traceback, the worker is gone, the UI stays."""
+    """``make serve``, then Ctrl-C: one line says what stopped, no traceback, the worker is gone, the UI stays.
+    (Its home is the session server's: a server on the port is reused only by the home that started it.)"""
     from flows.local_server import is_healthy
 
     laneflow = str(Path(sys.executable).parent / "laneflow")
     port = deployed["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0]
     log = tmp_path / "serve.log"
-    with log.open("wb") as sink, running([laneflow, "serve", "--home", str(tmp_path / "serve"), "--port", port],
+    with log.open("wb") as sink, running([laneflow, "serve", "--home", str(session_server.home), "--port", port],
                                          stop_signals=(signal.SIGINT,), grace_s=60, env=deployed, cwd=PROJECT_ROOT,
                                          stdout=sink, stderr=subprocess.STDOUT) as serve:
         deadline = time.monotonic() + 600

@@ -12,6 +12,7 @@ import pytest
 from tests.http_server import Fault, FileServer
 from training.data.fetch import (
     ChecksumMismatch,
+    DownloadTooLarge,
     FetchError,
     backoff_delay,
     fetch,
@@ -83,6 +84,23 @@ def test_wrong_checksum_names_expected_and_actual_and_keeps_the_bytes(served: Fi
     result = fetch(served.url("train_set.zip"), dest, PAYLOAD_SHA, sleep=no_sleep)
     assert result.cached and dest.read_bytes() == PAYLOAD
     assert len(served.requests) == requests_before
+
+
+def test_a_mismatch_advises_a_fresh_download_never_pinning_the_mixed_bytes(served: FileServer, tmp_path):
+    """A .part another writer left (here: bytes the source never had) is resumed into a file no published
+    archive has. The advice must not invite pinning its checksum; following it (delete, run again) gives the
+    right file."""
+    dest = tmp_path / "train_set.zip"
+    (tmp_path / "train_set.zip.part").write_bytes(b"x" * 1000)  # what another writer appended
+    with pytest.raises(ChecksumMismatch) as info:
+        fetch(served.url("train_set.zip"), dest, PAYLOAD_SHA, sleep=no_sleep)
+    message, kept = str(info.value), tmp_path / "train_set.zip.unverified"
+    assert kept.read_bytes() == b"x" * 1000 + PAYLOAD[1000:]
+    assert f"Delete {kept} and run again" in message and "publisher" in message
+    assert "Do not pin its checksum" in message and "adopted" not in message
+    kept.unlink()
+    result = fetch(served.url("train_set.zip"), dest, PAYLOAD_SHA, sleep=no_sleep)
+    assert not result.cached and dest.read_bytes() == PAYLOAD
 
 
 def test_verified_file_is_not_downloaded_again(served: FileServer, tmp_path):
@@ -190,3 +208,38 @@ def test_backoff_grows_exponentially_with_bounded_jitter():
     for n, delay in enumerate(delays):
         nominal = min(30.0, 2.0**n)
         assert 0.75 * nominal <= delay <= 1.25 * nominal
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_download_over_the_limit_fails_and_leaves_nothing(file_server: FileServer, tmp_path, announced: bool):
+    """A server that streams without end (no Content-Length) is cut off at the limit instead of filling the volume;
+    one that announces too much is refused before a byte is written. Neither is retried."""
+    file_server.zeros["endless.zip"] = 8 << 20
+    if not announced:
+        file_server.faults.append(Fault("chunked"))
+    dest = tmp_path / "downloads" / "endless.zip"
+    with pytest.raises(DownloadTooLarge, match="over the download limit of 2,097,152 bytes; nothing of it is kept") \
+            as refused:
+        fetch(file_server.url("endless.zip"), dest, WRONG_SHA, sleep=no_sleep, max_bytes=2 << 20)
+    assert ("announces 8,388,608 bytes" in str(refused.value)) == announced
+    assert len(file_server.requests) == 1 and list(dest.parent.iterdir()) == []
+
+
+def test_a_local_file_over_the_limit_is_refused_as_a_download_is(tmp_path) -> None:
+    source = tmp_path / "big.zip"
+    source.write_bytes(b"\0" * (3 << 20))
+    dest = tmp_path / "downloads" / "big.zip"
+    with pytest.raises(DownloadTooLarge, match="announces 3,145,728 bytes, over the download limit of 2,097,152"):
+        fetch(source.as_uri(), dest, WRONG_SHA, sleep=no_sleep, max_bytes=2 << 20)
+    assert list(dest.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("limit", ["inf", "nan", "0", "-1"])
+def test_a_download_limit_that_is_no_number_of_gib_is_refused_with_its_reason(limit: str, tmp_path,
+                                                                              capsys: pytest.CaptureFixture) -> None:
+    from training.data.prepare import main
+
+    assert main(["--archive", "https://example.org/a.zip", "0" * 64, "--volume", str(tmp_path),
+                 f"--max-download-gib={limit}"]) == 2
+    assert f"--max-download-gib must be a positive number of GiB, not {float(limit)}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing fetched, nothing written

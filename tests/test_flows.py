@@ -21,7 +21,7 @@ from flows.predict import resolve_package
 from flows.restore import restore
 from flows.sweep import sweep
 from flows.train import GPU_LIMIT, train_pipeline
-from tasks.gpu_slot import GPU_LEASE_LABEL, release_slot_of
+from tasks.gpu_slot import GPU_LEASE_LABEL
 from tasks.platforms import LocalPlatform
 from tasks.processes import run_to_end
 from tests.conftest import PROJECT_ROOT
@@ -218,7 +218,10 @@ def test_a_search_space_is_refused_before_anything_trains_naming_the_key(
 def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_from_its_checkpoint(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
     """SIGKILL to the sweep's process while trial 1 trains (trial 0 done); the same sweep again: trial 0 is
-    not run again, trial 1 runs again under its run key and resumes from the checkpoint its run left."""
+    not run again, trial 1 runs again under its run key and resumes from the checkpoint its run left. One slot of
+    the operator's 'gpu' limit, which the killed trial held: the new sweep, taking the study over from the dead
+    one, stops the killed trial's run (its training, its slot) as the dead sweep's hook would have — the retry
+    does not wait out Prefect's lease on that slot."""
     import signal
     import subprocess
 
@@ -233,9 +236,7 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
     runs = laneflow_home / "volumes" / "study" / "runs"
     output = tmp_path / "sweep.log"
-    # Two slots of the operator's 'gpu' limit: the killed run keeps one (held until its lease is revoked or
-    # expires), the retry takes the other.
-    with operator_gpu_limit(2), output.open("wb") as sink, running(
+    with operator_gpu_limit(1), output.open("wb") as sink, running(
             [sys.executable, "-c", script, json.dumps(arguments, default=lambda v: v.model_dump(mode="json"))],
             stop_signals=(signal.SIGKILL,), env=env, cwd=PROJECT_ROOT, stdout=sink,
             stderr=subprocess.STDOUT) as killed:
@@ -253,10 +254,11 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
                 any_=["killed-trial-0", "killed-trial-1", "killed-trial-2"])))
             children = {run.name: run for run in runs}
-        # Killed outright, no hook handed the killed trial's slot back: its lease, named on its flow run, is what
-        # a hook (or an operator) revokes. Revoked here, so the next test on this server does not wait it out.
-        lease = children["killed-trial-1"].labels[GPU_LEASE_LABEL]
-        assert release_slot_of(children["killed-trial-1"].id) and lease_released(lease)
+        # Killed outright, no hook handed the killed trial's slot back: the sweep that took the study over did.
+        killed_trial = children["killed-trial-1"]
+        assert lease_released(killed_trial.labels[GPU_LEASE_LABEL])
+        assert killed_trial.state.is_cancelled() and "is gone (taken over)" in killed_trial.state.message, \
+            killed_trial.state
     assert sorted(row["trial"] for row in table) == [0, 2]  # trial 1 interrupted; its retry is trial 2
     assert all(row["state"] == "Completed" for row in table), table
     retry = next(row for row in table if row["trial"] == 2)

@@ -3,6 +3,10 @@ commands import fails its own build; an unchanged tree builds nothing; the build
 
 from __future__ import annotations
 
+import fcntl
+import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,6 +38,80 @@ def test_dockerignore_patterns_match_as_docker_reads_them() -> None:
     assert images.ignored("laneflow.egg-info/PKG-INFO", patterns)
     assert not images.ignored("training/tests.py", patterns)  # a top-level pattern, not any path's name
     assert not images.ignored("flows/train.py", patterns)
+
+
+def test_the_gpu_flavour_is_the_training_image_under_its_own_tag_and_build_arguments() -> None:
+    gpu = images.image_spec("train", "gpu")
+    assert gpu.tag == "localhost/laneflow-train:gpu" and gpu.build_args == {"FLAVOUR": "gpu"}
+    cpu = images.image_spec("train")  # the tests' pods run this one, built as before
+    assert cpu is images.IMAGES["train"] and cpu.tag == "localhost/laneflow-train:cpu"
+    assert cpu.build_args == {"FLAVOUR": "cpu", "TORCH_INDEX_URL": ""}
+    assert images.image_spec("data").tag == "localhost/laneflow-data:cpu"
+    with pytest.raises(KeyError, match="no image 'data' in the gpu flavour"):
+        images.image_spec("data", "gpu")  # the data image has no GPU stack
+    with pytest.raises(KeyError, match="no flavour 'rocm'"):
+        images.image_spec("train", "rocm")
+
+
+def test_every_build_argument_the_builder_passes_is_one_the_dockerfile_declares() -> None:
+    for spec in [*images.IMAGES.values(), *images.GPU_IMAGES.values()]:
+        declared = set(re.findall(r"^ARG (\w+)", (PROJECT_ROOT / spec.dockerfile).read_text(), re.M))
+        assert {"BASE_IMAGE", *spec.build_args} <= declared, spec
+
+
+def test_the_flavours_build_under_separate_locks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`make test` builds the CPU images under images.lock; a GPU build beside it (tens of minutes) must not hold
+    that lock while it builds: it takes it only to make sure the base exists, then builds under its own."""
+    monkeypatch.setattr(images, "CACHE", tmp_path)
+    monkeypatch.setattr(images, "LOCK", tmp_path / "images.lock")
+    assert images.lock_path("cpu") == tmp_path / "images.lock"
+    assert images.lock_path("gpu") == tmp_path / "images-gpu.lock"
+
+    def cpu_lock_is_free() -> bool:
+        with (tmp_path / "images.lock").open("a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return True
+
+    seen: dict[str, object] = {}
+
+    def fake_base(log=print) -> str:
+        seen["base, cpu lock free"] = cpu_lock_is_free()
+        return "base-id"
+
+    def fake_build(dockerfile: Path, tag: str, **kwargs) -> str:
+        seen["build, cpu lock free"] = cpu_lock_is_free()
+        seen["tag"], seen["args"] = tag, kwargs["build_args"]
+        return "image-id"
+
+    monkeypatch.setattr(images, "ensure_base", fake_base)
+    monkeypatch.setattr(images, "build_dockerfile", fake_build)
+    assert images.build("train", flavour="gpu") == "image-id"
+    assert seen == {"base, cpu lock free": False, "build, cpu lock free": True, "tag": "localhost/laneflow-train:gpu",
+                    "args": {"BASE_IMAGE": images.BASE_IMAGE, "FLAVOUR": "gpu"}}
+    images.build("train")  # the CPU flavour: base and build under the CPU lock, as ever
+    assert seen["base, cpu lock free"] is False and seen["build, cpu lock free"] is False
+    assert seen["tag"] == "localhost/laneflow-train:cpu"
+
+
+def test_cpu_and_gpu_horovod_wheels_are_cached_apart(tmp_path: Path) -> None:
+    def cache_dir(**env: str) -> str:
+        return subprocess.run([str(PROJECT_ROOT / "scripts/install_horovod.sh"), "--cache-dir"], check=True,
+                              capture_output=True, text=True,
+                              env={"PATH": os.environ["PATH"], "LANEFLOW_WHEEL_CACHE": str(tmp_path), **env},
+                              ).stdout.strip()
+
+    cpu = cache_dir(LANEFLOW_HOROVOD_MPI="1")
+    assert cpu == f"{tmp_path}/horovod-cpu-mpi"  # where the bootstrap's wheel has always been
+    assert cache_dir(LANEFLOW_HOROVOD_MPI="0") == f"{tmp_path}/horovod-cpu"
+    cuda = re.search(r"^TORCH_CUDA_VERSION=(\S+)", (PROJECT_ROOT / "scripts/versions.env").read_text(), re.M)[1]
+    gpu = cache_dir(LANEFLOW_HOROVOD_MPI="1", HOROVOD_GPU_OPERATIONS="NCCL", HOROVOD_BUILD_CUDA_CC_LIST="80,90")
+    assert gpu == f"{tmp_path}/horovod-gpu-nccl-cu{cuda.replace('.', '')}-sm80_90-mpi"  # e.g. CUDA 13.0: cu130
+    # Other GPU architectures are another build too.
+    assert cache_dir(LANEFLOW_HOROVOD_MPI="1", HOROVOD_GPU_OPERATIONS="NCCL", HOROVOD_BUILD_CUDA_CC_LIST="90") != gpu
 
 
 def test_an_unchanged_tree_builds_nothing_and_names_its_content(builder: None) -> None:

@@ -95,6 +95,7 @@ def test_the_mpi_operator_recreates_a_deleted_worker_leaves_the_launcher_on_evic
     volume = platform.ensure_volume("data")
     body = mpijob_body(platform, spec_for(volume.name, job="ops-0123456789ab", workers=2))
     body["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"] = ["sleep", "600"]
+    body["spec"]["runPolicy"]["backoffLimit"] = 0  # the launcher's end ends the job: no replacement launcher
     core, custom = client_apis(emu)
     custom.create_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs", body)
 

@@ -6,6 +6,7 @@ and review the diff of tests/golden/.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
@@ -21,12 +22,13 @@ from tasks.k8s.manifests import (
     render_mpijob,
     render_pvc,
     render_snapshot,
+    render_sources_secret,
 )
 from tasks.k8s.scheduling import WorkerScheduling
 from tasks.names import InvalidName, validate_mpijob_name
 from tests.cluster.admission import check
 from tests.cluster.apierrors import Rejection
-from training.data.sources import Artifact
+from training.data.sources import SOURCES_ENV, Artifact, artifacts_from_json
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUT = ClusterLayout(namespace="lanes", image="registry.example.org/laneflow-train:0.1.0",
@@ -83,7 +85,24 @@ def test_pvc_snapshot_restore_and_data_job_match_golden() -> None:
     check_golden("pvc-from-snapshot", render_pvc("restored", LAYOUT, LABELS, from_snapshot="tusimple-train-1"))
     check_golden("volumesnapshot", render_snapshot("tusimple-train-1", LAYOUT, "tusimple", LABELS,
                                                    {"laneflow.io/lineage": '{"run": "train-1"}'}))
-    check_golden("data-job", render_data_job("prepare-7d2eaa95c8df", LAYOUT, "tusimple", ARTIFACTS, LABELS))
+    check_golden("data-job", render_data_job("prepare-7d2eaa95c8df", LAYOUT, "tusimple", LABELS))
+    check_golden("data-job-sources", render_sources_secret("prepare-7d2eaa95c8df", LAYOUT, ARTIFACTS, LABELS))
+
+
+def test_a_dataset_jobs_urls_reach_its_pod_from_the_secret_never_its_spec() -> None:
+    """A SAS in a URL would be readable by anyone who may ``get pods`` (and kept in etcd): the Job names a Secret,
+    whose data the prepare command reads from its environment."""
+    sas = [Artifact("https://acct.blob.core.windows.net/data/train_set.zip?sv=2024&sig=S3CR3T%3D", "a" * 64)]
+    job = render_data_job("prepare-7d2eaa95c8df", LAYOUT, "tusimple", LABELS)
+    secret = render_sources_secret("prepare-7d2eaa95c8df", LAYOUT, sas, LABELS)
+    assert "sig=" not in json.dumps(job) and "acct.blob" not in json.dumps(job)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    (env,) = container["env"]
+    reference = env["valueFrom"]["secretKeyRef"]
+    assert reference["name"] == secret["metadata"]["name"] and env["name"] == SOURCES_ENV
+    assert "--sources-from-env" in container["command"]
+    passed = base64.b64decode(secret["data"][reference["key"]]).decode()
+    assert artifacts_from_json(passed) == sas  # what the pod's prepare command reads back
 
 
 def test_every_object_is_labelled_as_ours_and_names_are_checked_first() -> None:
@@ -155,7 +174,8 @@ def test_every_rendered_object_is_valid_for_the_api_server(replicas: int, gpus: 
         render_pvc("restored", layout, labels, from_snapshot="tusimple-train-7d2eaa95c8df"),
         render_snapshot("tusimple-train-7d2eaa95c8df", layout, "tusimple", labels,
                         {"laneflow.io/lineage": json.dumps({"run": "train-7d2eaa95c8df", "metrics": {"accuracy": 1}})}),
-        render_data_job("prepare-tusimple-4d561454fb71df42", layout, "tusimple", ARTIFACTS, labels),
+        render_data_job("prepare-tusimple-4d561454fb71df42", layout, "tusimple", labels),
+        render_sources_secret("prepare-tusimple-4d561454fb71df42", layout, ARTIFACTS, labels),
     ]
     for obj in objects:
         assert check(obj, "Strict").warnings == []
@@ -185,3 +205,29 @@ def test_job_names_follow_the_mpi_operators_rule() -> None:
                                     ("x" * 62, 1, "71 characters"), ("train.1", 1, "DNS-1123")]:
         with pytest.raises(InvalidName, match=problem):
             validate_mpijob_name(name, replicas)
+
+
+def test_every_pod_runs_without_a_token_escalation_root_or_an_unconfined_seccomp_profile() -> None:
+    """Nothing in laneflow's pods calls the Kubernetes API (only the flow's own pod, which the Prefect worker makes):
+    no token is mounted. No container may gain privileges or run as root; only the MPI workers' sshd is root and
+    keeps the runtime's default capabilities (privilege separation, port 22), and logs the launcher in as
+    laneflow's user, where the launcher finds its key."""
+    data = render_data_job("prepare-7d2eaa95c8df", LAYOUT, "tusimple", LABELS)["spec"]["template"]["spec"]
+    replicas = render_mpijob("train-7d2eaa95c8df", LAYOUT, "tusimple", "tusimple", 4, "datasets/x", "runs/r",
+                             SETTINGS, LABELS)["spec"]["mpiReplicaSpecs"]
+    pods = {"data": data, "launcher": replicas["Launcher"]["template"]["spec"],
+            "worker": replicas["Worker"]["template"]["spec"]}
+    for role, pod in pods.items():
+        assert pod["automountServiceAccountToken"] is False, role
+        assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}, role
+        (container,) = pod["containers"]
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False, role
+        assert container["securityContext"].get("capabilities") == (
+            None if role == "worker" else {"drop": ["ALL"]}), role
+        user = {key: container["securityContext"].get(key) for key in ("runAsNonRoot", "runAsUser", "runAsGroup")}
+        assert user == ({"runAsNonRoot": None, "runAsUser": 0, "runAsGroup": None} if role == "worker" else
+                        {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 0}), role
+    job = render_mpijob("train-7d2eaa95c8df", LAYOUT, "tusimple", "tusimple", 4, "datasets/x", "runs/r", SETTINGS,
+                        LABELS)
+    assert job["spec"]["sshAuthMountPath"] == "/home/laneflow/.ssh"
+    assert pods["data"]["securityContext"] is not pods["launcher"]["securityContext"]  # no shared objects

@@ -5,18 +5,23 @@ emulated cluster; the holders are real processes, killed for real. No pods: none
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
 from prefect import flow, get_client
 from prefect.runtime import flow_run
+from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCredentials
 
 from tasks.level_holds import LevelHold, joined
 from tasks.pipeline import demote_service_level, ensure_dataset_volume, ensure_shared_access, promote_service_level
@@ -27,6 +32,7 @@ from tests.cluster import KubernetesEmulator
 from tests.cluster_platform_helpers import cluster_platform
 from tests.conftest import PROJECT_ROOT
 from tests.test_anf import ACCOUNT, POOLS, anf_volume, level_record, on_anf, pool_changes
+from tests.waiting import wait_until
 
 NEED = ThroughputNeed(workers=2, images_per_second_per_worker=200, bytes_per_image=256 * 1024)  # Premium at 2 TiB
 #: A process that holds the volume's level with the pipeline's own tasks, then waits to be killed.
@@ -230,6 +236,150 @@ def test_a_killed_holder_is_dropped_once_its_hold_runs_out(prefect_server: dict,
         assert level_record(k8s) is None
     assert state.pool_of("tusimple") == "pool-standard"
     assert [level for _, _, level in state.levels] == ["Premium", "Standard"]
+
+
+class ApiPath:
+    """One holder's own way to the API server (its node's network, a proxy in between), which the test cuts and
+    restores: while cut, every connection through it is dropped, a new one at once — the holder cannot reach the
+    API, everyone else still does."""
+
+    def __init__(self, target_url: str) -> None:
+        target = urllib.parse.urlsplit(target_url)
+        self._target = (target.hostname, target.port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)  # so the accepting thread sees the path close
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._cut = False
+        self._closing = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._pumps: list[threading.Thread] = []
+        self._accepting = threading.Thread(target=self._accept, daemon=True, name="api-path")
+
+    def __enter__(self) -> ApiPath:
+        self._accepting.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing.set()
+        self._accepting.join(30)
+        self.cut()
+        for pump in self._pumps:
+            pump.join(30)
+        for sock in [*self._sockets, self._listener]:
+            sock.close()
+
+    def cut(self) -> None:
+        with self._lock:
+            self._cut = True
+            for sock in self._sockets:
+                _shut(sock)
+
+    def restore(self) -> None:
+        with self._lock:
+            self._cut = False
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            client.settimeout(None)
+            try:
+                server = socket.create_connection(self._target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            with self._lock:
+                self._sockets += [client, server]
+                if self._cut:
+                    _shut(client)
+                    _shut(server)
+                    continue
+                pumps = [threading.Thread(target=self._pump, args=pair, daemon=True, name="api-path-pump")
+                         for pair in ((client, server), (server, client))]
+                self._pumps += pumps
+            for pump in pumps:
+                pump.start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _shut(source)
+            _shut(sink)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # not connected any more
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _credentials_through(k8s: KubernetesEmulator, url: str) -> KubernetesCredentials:
+    """The emulator's kubeconfig, its server reached at ``url``."""
+    config = k8s.kubeconfig()
+    config["clusters"][0]["cluster"]["server"] = url
+    return KubernetesCredentials(cluster_config=KubernetesClusterConfig(config=config, context_name="emulator"))
+
+
+def test_a_hold_dropped_in_an_outage_is_taken_again_once_the_api_answers(
+        prefect_server: dict, laneflow_home: Path, arm: tuple, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 49. A holder's way to the API server is cut for longer than its hold's lifetime: its renewals fail,
+    and another run's settle takes it for dead, drops its hold and takes the volume home. The holder still
+    trains: once a renewal gets through again it holds the level again — Premium, its own need — says so, and
+    leaves as usual when it has trained."""
+    emulator, state = arm
+    ttl_s = 6.0
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
+    with k8s, ApiPath(k8s.url) as path, caplog.at_level(logging.INFO, logger="laneflow.service_level"):
+        anf = anf_volume(emulator, hold_ttl_s=ttl_s)
+        cluster_platform(k8s, anf=anf, credentials=_credentials_through(k8s, path.url), api_attempts=2
+                         ).save("emu-hold-outage", overwrite=True)
+        cluster_platform(k8s, anf=anf).save("emu-hold-outage-others", overwrite=True)
+        handles, results = _run_in_threads("emu-hold-outage", {"train-outage": "tusimple"})
+        (joined_event, leave), thread = handles["events"]["train-outage"], handles["threads"]["train-outage"]
+        thread.start()
+        try:
+            assert joined_event.wait(120)
+            (holder_id,) = level_record(k8s).holds
+            assert state.pool_of("tusimple") == "pool-premium"
+            path.cut()
+            wait_until("a renewal failing", lambda: any(
+                r.getMessage().startswith("could not renew the hold on tusimple") for r in caplog.records),
+                timeout_s=60, every_s=0.2)
+            wait_until("the hold running out", lambda: (
+                time.time() > level_record(k8s).holds[holder_id].renewed + ttl_s), timeout_s=60, every_s=0.2)
+            assert settle_with_promotion_off("emu-hold-outage-others") == {"home": "Standard", "training": "Standard",
+                                                                            "held": False}
+            assert level_record(k8s) is None and state.pool_of("tusimple") == "pool-standard"
+            path.restore()
+            wait_until("the hold taken again and the volume back on Premium", lambda: (
+                (record := level_record(k8s)) is not None and holder_id in record.holds
+                and state.pool_of("tusimple") == "pool-premium"), timeout_s=60, every_s=0.2)
+            record = level_record(k8s)
+            assert record.home == "Standard" and [hold.run for hold in record.holds.values()] == ["train-outage"]
+            assert record.holds[holder_id].level == "Premium"
+            (said,) = [r for r in caplog.records if "was dropped by another run" in r.getMessage()]
+            assert said.levelno == logging.WARNING
+            assert said.getMessage().startswith(
+                "service level of tusimple: the hold of train-outage (125.0 MiB/s, Premium) was dropped by another "
+                "run (its renewals could not get through for ")
+            assert "past the hold's 6 s lifetime: an API outage, taken for a death); the run still trains, so it " \
+                   "holds the volume's level again" in said.getMessage()
+        finally:
+            leave.set()
+            thread.join(120)
+        assert results["train-outage"] == {"training": "Premium", "home": "Standard", "after": "Standard"}
+        assert level_record(k8s) is None
+    assert [level for _, _, level in state.levels] == ["Premium", "Standard", "Premium", "Standard"]
 
 
 def test_a_platform_without_service_levels_keeps_no_record(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.level_holds import LevelHold, LevelRecord, joined, renewed, stale, wanted_level, without
+from tasks.level_holds import LevelHold, LevelRecord, joined, renewed, retaken, stale, wanted_level, without
 from tasks.service_level import MIB, ThroughputNeed, choose_service_level
 
 #: 2 workers x 200 img/s x 256 KiB x 1.25 headroom: 125 MiB/s, which a 2 TiB volume gets on Premium (128).
@@ -72,6 +72,33 @@ def test_a_silent_holder_is_stale_and_a_renewal_never_brings_a_dropped_hold_back
     assert stale(record, now=2101.0) == {"run-b"}
     dropped = without(record, {"run-a"})
     assert renewed(dropped, "run-a", now=3000.0) == dropped and renewed(None, "run-a", now=3000.0) is None
+
+
+def test_a_holder_dropped_during_an_outage_takes_its_hold_back_as_it_was_first_taken() -> None:
+    """Issue 49: b's renewals could not get through for longer than its hold's lifetime, another run's settle
+    dropped it for dead and the volume would go down to what a alone needs; when b's renewal gets through again
+    it still trains, and the level it needs comes back with its hold."""
+    slow = ThroughputNeed(workers=1, images_per_second_per_worker=1, bytes_per_image=MIB)  # Standard
+    first = hold("train-b", renewed_at=1000.0, ttl_s=60.0)
+    record = joined(joined(None, "run-a", hold("train-a", need=slow), on("Standard")), "run-b", first, on("Premium"))
+    assert wanted_level(record, 2.0, "Ultra") == "Premium"
+    assert stale(record, now=1061.0) == {"run-b"}
+    dropped = without(record, {"run-b"})
+    assert wanted_level(dropped, 2.0, "Ultra") == "Standard"  # where the dropping settle takes the volume
+    assert renewed(dropped, "run-b", now=1100.0) == dropped  # a renewal alone brings nothing back
+
+    back = retaken(dropped, "run-b", first, now=1100.0, current_level=on("Ultra"))
+    assert back.home == "Standard"  # the record's home, not the level the volume is on
+    assert back.holds["run-b"] == first.model_copy(update={"renewed": 1100.0})  # its own need, renewed now
+    assert back.holds["run-a"] == record.holds["run-a"]
+    assert wanted_level(back, 2.0, "Ultra") == "Premium" and stale(back, now=1160.0) == set()
+    # The last holder was dropped: the record went with the volume home; the first to hold again records home.
+    alone = retaken(None, "run-b", first, now=1100.0, current_level=on("Standard"))
+    assert alone.home == "Standard" and set(alone.holds) == {"run-b"}
+    assert wanted_level(alone, 2.0, "Ultra") == "Premium"
+    # A hold still in the record is only renewed, whatever the holder asks again.
+    greedy = first.model_copy(update={"level": "Ultra", "mib_per_second": 500.0})
+    assert retaken(record, "run-b", greedy, now=1100.0, current_level=on("Premium")) == renewed(record, "run-b", 1100.0)
 
 
 def test_the_record_survives_its_json_form() -> None:

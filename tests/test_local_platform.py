@@ -96,7 +96,8 @@ def test_snapshot_links_immutable_files_copies_the_rest_and_is_adopted_on_retry(
     (Path(volume.location) / data_dir / "cache").mkdir(exist_ok=True)
     (Path(volume.location) / data_dir / "cache" / "big.bin").write_bytes(b"x" * 100)
 
-    ref = platform.create_snapshot(volume, "unit-train-snap", data_dir, "runs/train-snap", {"run": "train-snap"})
+    ref = platform.create_snapshot(volume, "unit-train-snap", data_dir, "runs/train-snap",
+                                   {"run": "train-snap", "dataset_version": "aaaa"})
     content = Path(ref.location) / "content"
     assert ref.ready and ref.lineage["run"] == "train-snap" and ref.lineage["content"]["linked"] > 0
     images = list((content / data_dir).rglob("*.jpg"))
@@ -108,8 +109,14 @@ def test_snapshot_links_immutable_files_copies_the_rest_and_is_adopted_on_retry(
 
     (run_dir / "metrics.jsonl").write_text("changed afterwards\n")
     assert copied.read_text() == '{"event": "done"}\n'
-    again = platform.create_snapshot(volume, "unit-train-snap", data_dir, "runs/train-snap", {"run": "other"})
+    again = platform.create_snapshot(volume, "unit-train-snap", data_dir, "runs/train-snap",
+                                     {"run": "other", "dataset_version": "aaaa"})
     assert again.lineage["run"] == "train-snap"  # adopted, not overwritten
+    # The same name for a run on other data (a run key reused after a new drop) is not this run's snapshot.
+    with pytest.raises(FileExistsError, match="already exists with dataset version aaaa, but this run trained on "
+                                              "version bbbb"):
+        platform.create_snapshot(volume, "unit-train-snap", data_dir, "runs/train-snap",
+                                 {"run": "train-snap", "dataset_version": "bbbb"})
     assert [s.name for s in platform.list_snapshots()] == ["unit-train-snap"]
 
     restored = platform.restore_snapshot("unit-train-snap", "unit-copy")

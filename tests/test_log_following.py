@@ -59,6 +59,15 @@ def test_a_resumed_runs_record_is_read_from_its_newest_start() -> None:
     assert outcome_from_events("j", last_attempt(record), 1.0, []).resumed_from == 1
 
 
+def test_an_attempt_that_resumed_at_its_last_step_ends_where_it_started() -> None:
+    """An earlier attempt's ranks trained to the end, but its launcher was lost before it could report: the
+    replacement resumes at the last step and trains none — it ended there, not at step 0."""
+    events = [{"event": "start", "step": 16, "total_steps": 16, "resumed": True},
+              {"event": "eval", "split": "val", "accuracy": 0.5}]
+    outcome = outcome_from_events("j", events, 1.0, [])
+    assert (outcome.resumed_from, outcome.steps, outcome.total_steps) == (16, 16, 16)
+
+
 def test_the_reconnect_window_covers_the_last_line_on_either_clock() -> None:
     cursor = LogCursor()
     assert cursor.since_seconds(100.0) is None  # nothing yet: from the start

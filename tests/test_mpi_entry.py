@@ -151,3 +151,13 @@ def test_a_stop_heard_before_the_command_started_means_it_never_starts(tmp_path:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=60)
     assert done.returncode == 128 + signal.SIGTERM and not marker.exists(), done.stderr
     assert "signal 15 before touch started: not starting it" in done.stderr
+
+
+def test_a_rank_is_told_by_its_command_line_where_its_environment_cannot_be_read() -> None:
+    """laneflow-sshd (root, without CAP_SYS_PTRACE) cannot read the environment of ranks running as laneflow's
+    user: their command line says it — the trainer itself, never a shell whose -c string names it."""
+    from training.ranks import is_trainer_command
+
+    assert is_trainer_command(["/opt/venv/bin/python", "-m", "training.train", "--data-root", "/data/d"])
+    assert not is_trainer_command(["bash", "-c", "cd /opt && python -m training.train --run-dir r"])
+    assert not is_trainer_command(["python", "-m", "training.evaluate"]) and not is_trainer_command([])

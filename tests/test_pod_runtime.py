@@ -13,12 +13,14 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from tests.cluster import Cluster, KubernetesEmulator
+from tests.cluster import Cluster, KubernetesEmulator, podinit
 from tests.cluster.images import container_argv
 from tests.cluster.quantities import quantity_bytes
 from tests.cluster.runtime import expand_references
+from tests.cluster.security_context import DEFAULT_CAPABILITIES
 from tests.cluster_platform_helpers import TRAIN_IMAGE, client_apis, create_rwo_claim
 from tests.conftest import PROJECT_ROOT
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +140,69 @@ def test_volumes_are_where_their_mount_path_says_read_only_where_marked(emulator
     # A Secret volume as the kubelet makes it: a tmpfs whose root is 1777 (sshd's StrictModes refuses such a
     # folder: hence `StrictModes no` in the training image), mounted read-only.
     assert "creds 1777 tmpfs" in log and "creds-write Read-only file system" in log
+
+
+def test_a_container_runs_as_its_security_context_says_and_the_kernel_holds_it_to_that(emulator_claim: tuple) -> None:
+    """runAsUser 1000 and runAsGroup 0, as laneflow's pods run: the process has those ids and the HOME of the
+    image's passwd entry, writes the claim's root (a new ANF volume's root is 0770 root:root: group 0 may) and
+    owns what it wrote, and cannot write a folder root made 0755 — the kernel refuses, not the emulator."""
+    emulator, state, claim_dir = emulator_claim
+    (claim_dir / "roots").mkdir(mode=0o755)
+    pod, log = run_job(emulator, state, "as-user", {
+        "command": ["sh", "-c", 'echo "ids=$(id -u):$(id -g):$(id -G) home=$HOME"; echo mine > /mnt/work/mine; '
+                                'touch /mnt/work/roots/x 2>&1 | grep -o "Permission denied"; true'],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 0},
+        "volumeMounts": [{"name": "work", "mountPath": "/mnt/work"}]},
+        volumes=[{"name": "work", "persistentVolumeClaim": {"claimName": "c"}}])
+    assert exit_code(pod) == 0, log
+    assert log.splitlines() == ["ids=1000:0:0 home=/home/laneflow", "Permission denied"], log
+    assert (claim_dir / "mine").stat().st_uid == 1000 and not (claim_dir / "roots" / "x").exists()
+    assert oct(claim_dir.stat().st_mode & 0o777) == oct(0o770) and claim_dir.stat().st_uid == 0
+
+
+def test_a_root_container_has_the_runtimes_default_capabilities_and_what_its_context_adds_or_drops(
+        cluster: tuple) -> None:
+    """containerd's default set for root, not this machine's root's: no SYS_PTRACE (so laneflow-sshd cannot read
+    the ranks' environment: training.mpi_entry reads their command lines), no SYS_ADMIN; ``drop: [ALL]`` leaves
+    none, ``add`` adds."""
+    emulator, state = cluster
+    names = podinit.CAPABILITY_NAMES
+
+    def effective(name: str, context: dict | None) -> set[str]:
+        pod, log = run_job(emulator, state, name, {"command": ["sh", "-c", "grep CapEff /proc/self/status"],
+                                                   **({"securityContext": context} if context else {})})
+        assert exit_code(pod) == 0, log
+        mask = int(log.split()[-1], 16)
+        return {names[bit] for bit in range(len(names)) if mask >> bit & 1}
+
+    assert effective("caps-default", None) == set(DEFAULT_CAPABILITIES)
+    assert effective("caps-none", {"capabilities": {"drop": ["ALL"]}}) == set()
+    assert effective("caps-some", {"capabilities": {"drop": ["NET_RAW"], "add": ["SYS_PTRACE"]}}) == \
+        set(DEFAULT_CAPABILITIES) - {"NET_RAW"} | {"SYS_PTRACE"}
+
+
+def test_runs_as_non_root_is_refused_for_a_container_that_would_run_as_root(cluster: tuple) -> None:
+    """The kubelet's check before it creates the container: the training image sets no USER (root), so
+    ``runAsNonRoot`` without a ``runAsUser`` is a CreateContainerConfigError naming why; nothing runs."""
+    emulator, state = cluster
+    client = kubernetes.config.new_client_from_config_dict(emulator.kubeconfig())
+    kubernetes.client.BatchV1Api(client).create_namespaced_job("lanes", {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "rooted"},
+        "spec": {"template": {"spec": {"restartPolicy": "Never", "securityContext": {"runAsNonRoot": True},
+                                       "containers": [{"name": "main", "image": TRAIN_IMAGE, "command": ["true"]}]}}}})
+
+    def refused() -> dict | None:
+        with state.lock:
+            for pod in state.objects["pods"].values():
+                waiting = (pod["status"].get("containerStatuses") or [{}])[0].get("state", {}).get("waiting", {})
+                if waiting.get("reason") == "CreateContainerConfigError":
+                    return waiting
+        return None
+
+    waiting = wait_until("the kubelet's refusal", refused, timeout_s=60)
+    assert waiting["message"].startswith("Error: container has runAsNonRoot and image will run as root (pod: "), \
+        waiting
+    assert not state.containers
 
 
 @pytest.fixture

@@ -77,6 +77,10 @@ def test_every_quarantine_reason_is_reported_with_file_and_line(dataset_copy: Pa
         (json.dumps({**good, "raw_file": "clips/0313-1/empty/20.jpg"}), "unreadable_image"),
         (json.dumps({"h_samples": good["h_samples"], "raw_file": "clips/a/20.jpg"}), "invalid_record"),
         (json.dumps(good), "duplicate_raw_file"),
+        # Lines that made the whole preparation fail (exit 2) before: a RecursionError, a ValueError of int().
+        ('{"raw_file": ' + "[" * 20_000 + "]" * 20_000 + "}", "invalid_json"),
+        (json.dumps({**good, "raw_file": "clips/big/20.jpg"})[:-1] + ', "n": ' + "9" * 5000 + "}", "invalid_json"),
+        ('{"raw_file": ' + "[" * 200_000 + "]" * 200_000 + "}", "line_too_long"),  # not even parsed
     ]
     # A truncated JPEG and an empty file stand for broken images.
     jpeg = (root / good["raw_file"]).read_bytes()
@@ -98,9 +102,10 @@ def test_every_quarantine_reason_is_reported_with_file_and_line(dataset_copy: Pa
     assert [(q["file"], q["line"], q["reason"]) for q in quarantine] == [
         ("label_data_0313.json", lines_before + 1 + i, reason) for i, (_, reason) in enumerate(bad)
     ]
-    assert counts["quarantine_reasons"] == {"duplicate_raw_file": 1, "invalid_json": 1, "invalid_record": 1,
-                                            "length_mismatch": 1, "missing_image": 1, "unreadable_image": 2,
-                                            "x_out_of_range": 1}
+    assert counts["quarantine_reasons"] == {"duplicate_raw_file": 1, "invalid_json": 3, "invalid_record": 1,
+                                            "length_mismatch": 1, "line_too_long": 1, "missing_image": 1,
+                                            "unreadable_image": 2, "x_out_of_range": 1}
+    assert "nested too deeply" in quarantine[8]["detail"] and "digits" in quarantine[9]["detail"]
     assert "truncated" in quarantine[4]["detail"] and "empty file" in quarantine[5]["detail"]
     assert "label_data_0313.json:1" in quarantine[7]["detail"]
     # Quarantined records are in no list file.

@@ -115,7 +115,7 @@ def test_the_session_check_finds_an_orphan_wherever_it_was_reparented() -> None:
 def test_a_real_prefect_worker_is_stopped_and_leaves_nothing(prefect_server: dict, tmp_path: Path) -> None:
     """``prefect worker start`` idle on a pool, then stopped as laneflow stops it: gone with its group, whichever
     way its shutdown went (it may hang after the first SIGINT)."""
-    from flows.cli import WORK_POOL, ensure_local_setup
+    from flows.serving import WORK_POOL, ensure_local_setup
 
     ensure_local_setup()
     log = tmp_path / "worker.log"
@@ -151,7 +151,7 @@ def test_ctrl_c_reaches_laneflow_serve_s_wait_when_another_thread_takes_the_sign
     waiter = python(f"""
         import signal, subprocess, sys, threading, time
         sys.path.insert(0, {str(PROJECT_ROOT)!r})
-        from flows.cli import _wait_interruptibly
+        from flows.serving import _wait_interruptibly
         # As laneflow serve does, whatever it inherited: a shell's background job starts with SIGINT ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Thread(target=lambda: time.sleep(600), daemon=True).start()  # takes the signal

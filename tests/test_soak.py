@@ -5,80 +5,149 @@ one short seed here; ``make soak SEED=<n>`` runs a longer one (``LANEFLOW_SOAK_S
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from uuid import UUID
 
 import kubernetes
+import optuna
 import pytest
 import urllib3
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
 from prefect import get_client
+from prefect.variables import Variable
 
-from tasks.names import run_name
+from flows.study import journal_path
+from tasks.champion import champion_variable
 from tasks.platforms.cluster.training import remove_expired
+from tests.azure import Arm
 from tests.cluster import KubernetesEmulator
 from tests.cluster.aks import GPU_TAINT, SPOT_TAINT, aks_nodes, pool_node, preempt
+from tests.cluster.network import node_address
 from tests.cluster.node_lifecycle import drain, lose, uncordon
 from tests.cluster.state import Cluster, Fault
 from tests.cluster_platform_helpers import admin_core, cluster_platform
+from tests.conftest import SessionServer, arm_with_tusimple
 from tests.gpu_limit import active_gpu_slots, operator_gpu_limit
 from tests.soak import (
+    STUDY,
     Disruption,
     Plan,
     RunRecord,
     broken_invariants,
+    deployment_of,
     plan,
     read_metrics,
     resumptions,
     run_parameters,
     table,
 )
+from tests.test_anf import anf_volume, level_record, on_anf
 from tests.test_cluster_pipeline import needs_kubectl, rendered
 from tests.test_cluster_worker import _final_state, _parameters, _start, deployed_to_pool, kubernetes_worker
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster-worker")]
 NAMESPACE = "laneflow"
+#: Where the soak's ANF volume lives when no run has it promoted (arm_with_tusimple).
+HOME_POOL = "pool-standard"
 #: A step event as a launcher prints it (within OpenMPI's or Gloo's rank tags).
 STEP = re.compile(r'\{"event": "step", "step": (?P<step>\d+)')
 #: How long a drained node stays cordoned, and how soon a lost or preempted VM is replaced in its pool.
 BACK_IN_SERVICE_S = 5.0
+#: ``anf-slow``: how long each pool change Azure accepts takes, for how long (well within the block's wait for one).
+ANF_SLOW_S, ANF_TROUBLE_S = 8.0, 60.0
 #: How long one run may take before the seed is said to hang (its cluster described).
 RUN_TIMEOUT_S = float(os.environ.get("LANEFLOW_SOAK_RUN_TIMEOUT_S", "900"))
+#: The short seed's runs take about 2 minutes: they are said to hang well within the suite's 600 s per test, so that
+#: a hang shows the cluster and the training pods' logs rather than a bare pytest timeout.
+SHORT_SEED_RUN_TIMEOUT_S = 420.0
+#: How much of each MPI pod's log a hang shows.
+LOG_TAIL_LINES = 25
 
 
 class Disruptor:
-    """Fires each disruption of a plan once, when its run's launcher first reports the disruption's step."""
+    """Fires each disruption of a plan once, when a training of its run (a sweep's trial, a nightly's challenger)
+    first reports the disruption's step."""
 
-    def __init__(self, plan_: Plan, cluster: Cluster, admin: kubernetes.client.CoreV1Api,
-                 jobs: list[str], flow_runs: list[str]) -> None:
-        self.plan, self.cluster, self.admin, self.jobs, self.flow_runs = plan_, cluster, admin, jobs, flow_runs
+    def __init__(self, plan_: Plan, cluster: Cluster, admin: kubernetes.client.CoreV1Api, flow_runs: list[str],
+                 server: SessionServer, arm: Arm) -> None:
+        self.plan, self.cluster, self.admin, self.flow_runs = plan_, cluster, admin, flow_runs
+        self.server, self.arm, self.anf_quick_s = server, arm, arm.operation_s
         self.pending = list(plan_.disruptions)
         self.fired: list[tuple[Disruption, str]] = []  # (disruption, what it did)
         self.threads: list[threading.Thread] = []
         self.errors: list[str] = []
         self.lock = threading.Lock()
         self.replacements = 0
+        #: Each training flow run (the ``laneflow.io/flow-run`` label of its pods) -> the index of its soak run.
+        self.run_of: dict[str, int | None] = {str(run): index for index, run in enumerate(flow_runs)}
+        self.resolving: set[str] = set()
+        #: The MPIJobs each run has trained with so far; its last one is where a disruption of it lands.
+        self.trainings: dict[int, list[str]] = {index: [] for index in range(len(flow_runs))}
+        self.context = contextvars.copy_context()  # Prefect's settings (the API URL), for the threads it starts
 
     def on_line(self, cluster: Cluster, namespace: str, pod: str, line: str) -> None:
         if "-launcher-" not in pod or '"event": "step"' not in line:
             return
-        run = next((index for index, job in enumerate(self.jobs) if pod.startswith(f"{job}-launcher-")), None)
         said = STEP.search(line)  # a launcher line may hold more than one rank's output
-        if run is None or said is None:
+        with cluster.lock:
+            labels = (cluster.objects["pods"].get((namespace, pod)) or {}).get("metadata", {}).get("labels", {})
+        job, flow_run = labels.get("training.kubeflow.org/job-name"), labels.get("laneflow.io/flow-run")
+        if said is None or job is None or flow_run is None:
+            return
+        run = self._run_of(flow_run)
+        if run is None:
             return
         step = int(said["step"])
         with self.lock:
+            if job not in self.trainings[run]:
+                self.trainings[run].append(job)
             due = [hit for hit in self.pending if hit.run == run and hit.at_step <= step]
             for hit in due:
                 self.pending.remove(hit)
         for hit in due:
-            thread = threading.Thread(target=self._fire, args=(hit,), name=f"soak-{hit.kind}", daemon=True)
-            thread.start()
-            self.threads.append(thread)
+            self._start(self._fire, hit, name=f"soak-{hit.kind}")
+
+    def _start(self, target: Callable, *args: object, name: str) -> None:
+        thread = threading.Thread(target=self.context.copy().run, args=(target, *args), name=name, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _run_of(self, flow_run: str) -> int | None:
+        """The soak run a training flow run belongs to: itself, or the sweep or nightly it is a child of (asked of
+        Prefect once, in a thread of its own: the caller is a container's output)."""
+        with self.lock:
+            if flow_run in self.run_of:
+                return self.run_of[flow_run]
+            if flow_run in self.resolving:
+                return None
+            self.resolving.add(flow_run)
+        self._start(self._resolve, flow_run, name="soak-resolve")
+        return None
+
+    def _resolve(self, flow_run: str) -> None:
+        try:
+            with get_client(sync_client=True) as client:
+                current = flow_run
+                while current not in self.run_of:
+                    parent = client.read_flow_run(UUID(current)).parent_task_run_id
+                    if parent is None:
+                        break
+                    current = str(client.read_task_run(parent).flow_run_id)
+            with self.lock:
+                self.run_of[flow_run] = self.run_of.get(current)
+        except Exception:  # the server restarting, say: the run's next step line asks again
+            pass
+        finally:
+            with self.lock:
+                self.resolving.discard(flow_run)
 
     def join(self) -> None:
         for thread in self.threads:
@@ -134,12 +203,17 @@ class Disruptor:
     def _drain_flow_node(self, run: int) -> str:
         return self._drain(self._node_of(f"prefect.io/flow-run-id={self.flow_runs[run]}"), "flow pod")
 
+    def _training(self, run: int) -> str:
+        with self.lock:
+            return self.trainings[run][-1]
+
     def _drain_launcher_node(self, run: int) -> str:
-        return self._drain(self._node_of(f"training.kubeflow.org/job-name={self.jobs[run]},"
+        return self._drain(self._node_of(f"training.kubeflow.org/job-name={self._training(run)},"
                                          "training.kubeflow.org/job-role=launcher"), "launcher")
 
     def _worker_node(self, run: int) -> str | None:
-        return self._node_of(f"training.kubeflow.org/job-name={self.jobs[run]},training.kubeflow.org/job-role=worker")
+        return self._node_of(f"training.kubeflow.org/job-name={self._training(run)},"
+                             "training.kubeflow.org/job-role=worker")
 
     def _drain_worker_node(self, run: int) -> str:
         return self._drain(self._worker_node(run), "worker")
@@ -182,7 +256,8 @@ class Disruptor:
         return f"lost {node}, replaced by {self._replace_vm(node, *pool)}"
 
     def _evict_worker(self, run: int) -> str:
-        pods = self._pods(f"training.kubeflow.org/job-name={self.jobs[run]},training.kubeflow.org/job-role=worker")
+        pods = self._pods(f"training.kubeflow.org/job-name={self._training(run)},"
+                          "training.kubeflow.org/job-role=worker")
         if not pods:
             return "no worker"
         name = pods[0]["metadata"]["name"]
@@ -196,15 +271,40 @@ class Disruptor:
             self.cluster.inject("GET", resource, *burst)
         return "500, 429 and a reset on GET pods, jobs and mpijobs"
 
+    def _restart_server(self, run: int) -> str:
+        started = time.monotonic()
+        self.server.restart()
+        return f"Prefect server restarted ({time.monotonic() - started:.0f} s down)"
+
+    def _anf_slow(self, run: int) -> str:
+        """Azure takes ANF_SLOW_S for each pool change accepted in the next ANF_TROUBLE_S, then is quick again."""
+        with self.arm.lock:
+            self.arm.operation_s = ANF_SLOW_S
+        self._start(self._anf_recovers, name="soak-anf-recovers")
+        return f"pool changes take {ANF_SLOW_S:.0f} s for {ANF_TROUBLE_S:.0f} s"
+
+    def _anf_recovers(self) -> None:
+        time.sleep(ANF_TROUBLE_S)
+        with self.arm.lock:
+            self.arm.operation_s = self.anf_quick_s
+
+    def _anf_errors(self, run: int) -> str:
+        with self.arm.lock:
+            self.arm.faults["pool_change"] += [500, 429, 503]
+        return "the next pool changes answered 500, 429 and 503"
+
 
 def soak(seed: int, runs: int, disruptions: int, deployed: dict, served_archive: tuple[str, str],
-         folder: Path) -> tuple[Plan, list[RunRecord], list[str]]:
-    """Run seed ``seed``: the plan's runs side by side from the deployment, its disruptions as they come due; the
+         server: SessionServer, folder: Path, run_timeout_s: float = RUN_TIMEOUT_S
+         ) -> tuple[Plan, list[RunRecord], list[str]]:
+    """Run seed ``seed``: the plan's runs side by side from the deployments, its disruptions as they come due; the
     plan, what each run did, and the invariants it broke."""
     plan_ = plan(seed, runs, disruptions)
     emulator = KubernetesEmulator(folder / "k8s")
     log = folder / "worker.log"
-    with emulator as cluster:
+    # Azure at the pod network's node address (flow pods reach it there), trusted from the block's CA.
+    with arm_with_tusimple(folder / "arm", host=node_address()) as (arm_emulator, arm), emulator as cluster:
+        on_anf(emulator, arm)
         # The controllers' and kubelet's periods shortened alike (node monitor, pod GC, ConfigMap sync).
         cluster.node_monitor_grace_s, cluster.node_monitor_period_s = 2.0, 0.5
         cluster.podgc_quarantine_s, cluster.podgc_period_s = 0.5, 1.0
@@ -217,18 +317,25 @@ def soak(seed: int, runs: int, disruptions: int, deployed: dict, served_archive:
                              *(pool_node("gpuspot", index, "Standard_NC96ads_A100_v4", spot=True,
                                          taints=[GPU_TAINT, SPOT_TAINT]) for index in range(2)))}}
         cluster.load(rendered("base"))
-        cluster_platform(emulator, credentials=None, namespace=NAMESPACE, termination_grace_s=20,
-                         pod_problem_grace_s=10, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30,
+        anf = anf_volume(arm_emulator, ca_bundle=arm_emulator.ca.cert_pem.bytes().decode())
+        # The pods' grace covers what a drained elastic worker needs: up to five steps to its next stop check (an
+        # elastic run checks every fifth step) and a checkpoint. A CPU step of this model takes 7-15 s on two busy
+        # cores: 60 s was short when both of a run's workers sat on the drained node (exit 255, twice in three
+        # tries under load), and a grace that is not needed costs nothing.
+        cluster_platform(emulator, credentials=None, namespace=NAMESPACE, termination_grace_s=150,
+                         pod_problem_grace_s=10, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30, anf=anf,
                          ).save("emu-k8s-flows", overwrite=True)
         admin = admin_core(emulator)
+        # A fresh cluster is a fresh world: no champion crowned on an earlier seed's (gone) volume.
+        Variable.unset(champion_variable("tusimple"))
         records: list[RunRecord] = []
         with operator_gpu_limit(runs), kubernetes_worker(emulator, deployed, log) as worker:
-            started = [_start(_parameters(served_archive, **run_parameters(kind))) for kind in plan_.runs]
-            disruptor = Disruptor(plan_, cluster, admin, [run_name(run.id) for run in started],
-                                  [str(run.id) for run in started])
+            started = [_start({**_parameters(served_archive, **training), **own}, deployment_name=deployment_of(kind))
+                       for kind in plan_.runs for training, own in [run_parameters(kind)]]
+            disruptor = Disruptor(plan_, cluster, admin, [str(run.id) for run in started], server, arm)
             cluster.on_log_line = disruptor.on_line
             try:
-                finals = [_final_state(run.id, log, worker, timeout_s=RUN_TIMEOUT_S) for run in started]
+                finals = [_final_state(run.id, log, worker, timeout_s=run_timeout_s) for run in started]
             except AssertionError:
                 print(f"seed {seed}: a run did not end; the cluster then:\n{_describe(cluster)}")
                 for hit, did in disruptor.fired:
@@ -242,16 +349,43 @@ def soak(seed: int, runs: int, disruptions: int, deployed: dict, served_archive:
         claim = cluster.claim_dir(NAMESPACE, "tusimple")
         for index, (kind, run, final) in enumerate(zip(plan_.runs, started, finals, strict=True)):
             hits = [f"{hit.kind}@{hit.at_step}" for hit, _ in disruptor.fired if hit.run == index]
+            trainings = disruptor.trainings[index]
             records.append(RunRecord(index, kind, str(run.id), final.name, final.message or "", attempts[index],
-                                     hits, resumptions(read_metrics(claim / "runs" / run_name(run.id) /
-                                                                    "metrics.jsonl"))))
+                                     hits, [resumed for training in trainings for resumed in
+                                            resumptions(read_metrics(claim / "runs" / training / "metrics.jsonl"))],
+                                     trainings))
         left_running = _still_running(cluster)
+        volumes_away = _volumes_away(emulator, arm)
         left_after_ttl = _left_after_ttl(emulator, cluster)
-        broken = broken_invariants(records, slots_held, left_running, left_after_ttl) + disruptor.errors
+        studies = [] if "sweep" not in plan_.runs else _unreadable_studies(claim / journal_path(STUDY), STUDY)
+        broken = broken_invariants(records, slots_held, left_running, left_after_ttl, volumes_away, studies
+                                   ) + disruptor.errors
+        if broken:  # what the MPI pods said, kept on disk after their pods went: why a run failed as it did
+            print(_mpi_pod_outputs(cluster))
     print(table(plan_, records, broken))
     for hit, did in disruptor.fired:
         print(f"  {hit.kind} on run {hit.run} at step {hit.at_step}: {did}")
     return plan_, records, broken
+
+
+def _volumes_away(emulator: KubernetesEmulator, arm: Arm) -> list[str]:
+    """ANF volumes not on their home pool, or with a level still held, once Azure ran out what it had accepted."""
+    arm.run_out()
+    with arm.lock:
+        away = [f"{name} on {volume['pool']}" for name, volume in arm.volumes.items() if volume["pool"] != HOME_POOL]
+    held = level_record(emulator, "tusimple", NAMESPACE)
+    return away + ([f"tusimple still holds {held.model_dump_json()}"] if held is not None else [])
+
+
+def _unreadable_studies(journal: Path, study: str) -> list[str]:
+    """The sweep's study as stock Optuna reads it: unreadable, or with a trial still running, is a broken study."""
+    try:
+        trials = optuna.load_study(study_name=study, storage=JournalStorage(JournalFileBackend(str(journal)))
+                                   ).get_trials(deepcopy=False)
+    except Exception as exc:
+        return [f"{journal.name}: {type(exc).__name__}: {exc}"]
+    running = [trial.number for trial in trials if trial.state == optuna.trial.TrialState.RUNNING]
+    return [f"{journal.name}: trial(s) {running} still RUNNING"] if running else []
 
 
 def _describe(cluster: Cluster) -> str:
@@ -268,7 +402,21 @@ def _describe(cluster: Cluster) -> str:
                 for (_, name), job in cluster.objects["mpijobs"].items()]
         events = sorted(cluster.objects["events"].values(), key=lambda e: int(e["metadata"]["uid"].split("-")[1]))
         said = [f"event {e['reason']} {e['involvedObject']['name']}: {e['message'][:160]}" for e in events[-40:]]
-    return "\n".join(nodes + pods + jobs + said)
+        logs = [f"--- log of {name} ---\n" + "\n".join(text[:300] for _, text in log.lines[-LOG_TAIL_LINES:])
+                for (_, name), log in cluster.logs.items() if "-launcher-" in name or "-worker-" in name]
+    return "\n".join(nodes + pods + jobs + said + logs)
+
+
+def _mpi_pod_outputs(cluster: Cluster) -> str:
+    """The last lines of every launcher's and worker's containers, from the runtime's files (the pods' logs go
+    with the pods)."""
+    tails = []
+    for output in sorted((cluster.root / "pods" / NAMESPACE).glob("*/c*/output.log")):
+        pod = output.parent.parent.name
+        if "-launcher-" in pod or "-worker-" in pod:
+            lines = output.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            tails.append(f"--- {pod}/{output.parent.name} ---\n" + "\n".join(line[:300] for line in lines))
+    return "\n".join(tails)
 
 
 def _container_state(cluster: Cluster, namespace: str, pod: str) -> str:
@@ -316,18 +464,22 @@ def _seeds() -> list[int]:
 
 
 @needs_kubectl
-def test_a_short_seed_keeps_every_invariant(deployed: dict, served_archive: tuple[str, str], tmp_path: Path) -> None:
-    """Two runs side by side (a plain and an elastic one) and two disruptions: a drain of the node of the plain
-    run's MPI launcher (with it the flow pods there), then of the elastic run's flow pod's node (seed 4)."""
-    plan_, records, broken = soak(4, 2, 2, deployed, served_archive, tmp_path)
+def test_a_short_seed_keeps_every_invariant(deployed: dict, served_archive: tuple[str, str],
+                                            session_server: SessionServer, tmp_path: Path) -> None:
+    """Two runs side by side (an elastic and a one-worker one), each promoting the shared ANF volume, and two
+    disruptions: a drain of the node of one of the elastic run's workers, then of the node of the other run's MPI
+    launcher (seed 4)."""
+    plan_, records, broken = soak(4, 2, 2, deployed, served_archive, session_server, tmp_path,
+                                  run_timeout_s=SHORT_SEED_RUN_TIMEOUT_S)
     assert not broken, table(plan_, records, broken)
 
 
 @needs_kubectl
 @pytest.mark.skipif(not _seeds(), reason="make soak SEED=<n> (LANEFLOW_SOAK_SEEDS) runs the long soak")
 @pytest.mark.parametrize("seed", _seeds() or [0])
-def test_soak(seed: int, deployed: dict, served_archive: tuple[str, str], tmp_path: Path) -> None:
+def test_soak(seed: int, deployed: dict, served_archive: tuple[str, str], session_server: SessionServer,
+              tmp_path: Path) -> None:
     runs = int(os.environ.get("LANEFLOW_SOAK_RUNS", "3"))
     disruptions = int(os.environ.get("LANEFLOW_SOAK_DISRUPTIONS", "5"))
-    plan_, records, broken = soak(seed, runs, disruptions, deployed, served_archive, tmp_path)
+    plan_, records, broken = soak(seed, runs, disruptions, deployed, served_archive, session_server, tmp_path)
     assert not broken, table(plan_, records, broken)

@@ -77,6 +77,37 @@ def test_the_cluster_platform_appends_to_a_file_on_the_claim(emulator: tuple) ->
     assert platform.read_file(volume, "studies/s.journal") == b'{"a": 1}\n{"b": 2}\n'
 
 
+def test_a_journal_write_on_a_cluster_leaves_the_study_to_the_trials_judges_meanwhile(emulator: tuple) -> None:
+    """On a cluster every journal write is a Kubernetes Job; here one that cannot be scheduled yet (every node
+    cordoned, as during an upgrade). While the sweep's tell waits for it, a running trial's judge can still take
+    the study (its lock) to report — it must, or every trial would stall behind the sweep's bookkeeping. The write
+    lands once a node takes its Job, and stock Optuna reads the journal."""
+    from tests.cluster.node_lifecycle import cordon, uncordon
+    from tests.cluster_platform_helpers import cluster_platform
+    from tests.waiting import wait_until
+
+    emu, cluster = emulator
+    platform = cluster_platform(emu, scheduling_grace_s=600)
+    volume = platform.ensure_volume("data")
+    study = _open(platform, volume)
+    asked = study.ask()
+    for node in list(cluster.nodes):
+        cordon(cluster, node)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        told = pool.submit(study.tell, asked, _row(asked.number), 0.5)
+        try:
+            wait_until("the journal write's Job to wait for a node", lambda: cluster.unschedulable, timeout_s=120)
+            assert not told.done()
+            assert study.lock.acquire(timeout=30), "the study's lock is held for the whole journal write"
+            study.lock.release()
+        finally:
+            for node in list(cluster.nodes):
+                uncordon(cluster, node)
+        told.result(timeout=300)
+    journal = cluster.claim_dir("lanes", "data") / journal_path("lanes")
+    assert stock_optuna_values(journal) == [pytest.approx(0.5)]
+
+
 def stock_optuna_values(path: Path) -> list[float | None]:
     """The trials' values as stock Optuna reads the journal file (``JournalFileBackend``, which
     optuna-dashboard uses too): no laneflow code involved."""

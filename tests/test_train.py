@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,6 +252,76 @@ def test_mismatched_checkpoint_is_a_clear_error(prepared: Path, tmp_path: Path):
     done = run(train_cmd(prepared, run_dir, "--set", "max_steps=4", "--set", "model.mp_kernel=3"))
     assert done.returncode == 2
     assert "was written for a different model" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_run_resumed_on_another_dataset_version_is_refused(prepared: Path, tmp_path: Path):
+    """A run key reused after a new dataset drop finds the old run's checkpoints: resuming there would record a model
+    trained mostly on the old data as trained on the new. The same data (another copy of it) still resumes."""
+    run_dir = tmp_path / "run"
+    assert run(train_cmd(prepared, run_dir, "--set", "max_steps=2", "--set", "checkpoint_every=2")).returncode == 0
+    old_version = json.loads((prepared / "manifest.json").read_text())["dataset_version"]
+    newer = tmp_path / "newer"
+    shutil.copytree(prepared, newer)
+    manifest = json.loads((newer / "manifest.json").read_text())
+    (newer / "manifest.json").write_text(json.dumps({**manifest, "dataset_version": "0123456789abcdef"}))
+    refused = run(train_cmd(newer, run_dir, "--set", "max_steps=4"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"was trained on dataset version {old_version}; this run trains on version 0123456789abcdef" \
+        in refused.stderr and "another run_key" in refused.stderr
+    same = tmp_path / "same"
+    shutil.copytree(prepared, same)
+    resumed = run(train_cmd(same, run_dir, "--set", "max_steps=4"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert [e["step"] for e in events(resumed.stdout) if e["event"] == "start"] == [2]
+
+
+class _RunsCodeOnLoad:
+    """What someone with write access to the volume could leave as a checkpoint: unpickling it calls a function."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_the_run_fails_naming_it(prepared: Path,
+                                                                                       tmp_path: Path):
+    """The newest checkpoint on the volume is not the trainer's: loading it would run code. Resuming refuses it
+    (nothing runs) and the run stops with exit 2 naming the file; it is not skipped, which would quietly start
+    the run over from an older checkpoint."""
+    run_dir = tmp_path / "run"
+    first = run(train_cmd(prepared, run_dir, "--set", "max_steps=2", "--set", "checkpoint_every=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    marker = tmp_path / "code-ran"
+    planted = run_dir / "checkpoints" / "step-00000099.pt"
+    torch.save({"step": 99, "model": _RunsCodeOnLoad(marker)}, planted)
+    done = run(train_cmd(prepared, run_dir, "--set", "max_steps=4", "--set", "checkpoint_every=2"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert not marker.exists()
+    assert f"{planted} holds objects other than tensors and plain data" in done.stderr
+    assert "could run code" in done.stderr and "Traceback" not in done.stderr
+    # The same file as the model a finished run left: evaluate refuses it too.
+    (run_dir / "model.pt").write_bytes(planted.read_bytes())
+    scored = run([sys.executable, "-m", "training.evaluate", "--run-dir", str(run_dir), "--data-root", str(prepared),
+                  "--split", "val"])
+    assert scored.returncode == 2 and not marker.exists()
+    assert "model.pt holds objects other than tensors and plain data" in scored.stderr
+
+
+def test_every_field_the_trainer_checkpoints_loads_as_data(prepared: Path, tmp_path: Path):
+    """Checkpoints and model.pt load with weights_only=True (no unpickling of code), a mixed-precision run's scaler
+    included; an elastic run's (its sampler's place in the epoch) is loaded by every elastic resume test."""
+    from training.checkpoints import load_latest_checkpoint, load_weights
+
+    run_dir = tmp_path / "run"
+    done = run(train_cmd(prepared, run_dir, "--set", "max_steps=2", "--set", "checkpoint_every=2",
+                         "--set", "precision=bf16"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = load_latest_checkpoint(run_dir)
+    assert state is not None and state["step"] == 2 and state["precision"] == "bf16"
+    assert {"model", "optimizer", "model_config", "train_config", "world_size", "scaler"} <= set(state)
+    assert set(load_weights(run_dir / "model.pt")) == {"model", "model_config", "step"}
 
 
 def test_a_learning_rate_that_blows_the_weights_up_is_a_clear_error_not_a_crash(prepared: Path, tmp_path: Path):

@@ -44,7 +44,7 @@ class TrainConfig:
     #: contiguous | channels_last | auto (channels-last on GPUs).
     memory_format: str = "auto"
     #: none | fp16: Horovod gradient compression. Off by default: slower on CPUs here, not yet measured
-    #: on several GPUs (README "Performance").
+    #: on several GPUs (docs/performance.md).
     compression: str = "none"
     #: 1: elastic Horovod (``training.elastic``): ranks may leave and join while the run trains; the launcher
     #: is ``horovodrun --min-np/--max-np --host-discovery-script``.

@@ -19,6 +19,7 @@ import cv2
 import numpy as np
 import torch
 
+from training.checkpoints import UnsafeCheckpoint, load_weights
 from training.data.labels import LABEL_FILES
 from training.dataset import DataError, read_list
 from training.inference import DeployedSCNN, draw_lanes, lanes_from_probabilities, resize_for_model, slot_lanes
@@ -142,7 +143,7 @@ def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Pat
 
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[SCNN, ModelConfig]:
     """A model saved by the trainer (``model.pt``)."""
-    state = torch.load(path, map_location=device, weights_only=False)
+    state = load_weights(Path(path), map_location=device)  # data only: model.pt lies on a shared volume
     config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["model_config"].items()})
     model = SCNN(config).to(device)
     model.load_state_dict(state["model"])
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         model, config = load_model(model_file, device)
         result = evaluate_run(model, config, args.data_root, args.run_dir, args.split, device,
                               suffix=f"_{args.split}")
-    except (DataError, FileNotFoundError) as exc:
+    except (DataError, FileNotFoundError, UnsafeCheckpoint) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({"event": "eval", **result}), flush=True)

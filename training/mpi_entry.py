@@ -49,7 +49,7 @@ import time
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from training.ranks import is_rank
+from training.ranks import is_rank, is_trainer_command
 
 #: mpirun's names in OpenMPI 4 (``orterun``, linked as mpirun and mpiexec) and 5 (``prterun``).
 MPIRUN_NAMES = frozenset({"mpirun", "mpiexec", "orterun", "prterun"})
@@ -90,16 +90,30 @@ def read_processes(proc: str = "/proc") -> dict[int, Process]:
         try:
             with open(f"{proc}/{entry}/stat") as handle:
                 stat = handle.read()
-            with open(f"{proc}/{entry}/environ", "rb") as handle:
-                environ = handle.read()
+            rank = _is_rank_process(f"{proc}/{entry}")
         except OSError:
             continue
         # stat: "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split at the last ')'.
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         parent = int(stat[stat.rindex(")") + 2:].split()[1])
-        env = dict(item.split(b"=", 1) for item in environ.split(b"\0") if b"=" in item)
-        found[int(entry)] = Process(int(entry), parent, name, is_rank(_decoded(env)))
+        found[int(entry)] = Process(int(entry), parent, name, rank)
     return found
+
+
+def _is_rank_process(folder: str) -> bool:
+    """Whether the process whose ``/proc`` folder this is is a rank: from its environment, or — the ranks run as
+    laneflow's user, and this PID 1 as root has not the capability to read another user's environment
+    (CAP_SYS_PTRACE: not among a container runtime's default capabilities; proc(5) /proc/pid/environ) — from its
+    command line, which anyone may read."""
+    try:
+        with open(f"{folder}/environ", "rb") as handle:
+            environ = handle.read()
+    except PermissionError:
+        with open(f"{folder}/cmdline", "rb") as handle:
+            argv = [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
+        return is_trainer_command(argv)
+    env = dict(item.split(b"=", 1) for item in environ.split(b"\0") if b"=" in item)
+    return is_rank(_decoded(env))
 
 
 def _decoded(env: Mapping[bytes, bytes]) -> dict[str, str]:

@@ -38,7 +38,7 @@ log = logging.getLogger("laneflow.predict")
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".m4v", ".webm")
-#: The backend each device runs fastest, measured by bench/predict.py (README "Use the model").
+#: The backend each device runs fastest, measured by bench/predict.py (docs/how-to/predict.md).
 FASTEST_BACKEND = {"cpu": "onnx", "cuda": "torchscript"}
 #: A video gives up after this many unreadable frames in a row (the rest of a truncated file).
 MAX_BAD_FRAMES_IN_A_ROW = 5

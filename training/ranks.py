@@ -1,4 +1,5 @@
-"""Which process is an MPI rank, read from what its launcher put in its environment.
+"""Which process is an MPI rank, read from what its launcher put in its environment (or, where that cannot be
+read, from its command line).
 
 Kept free of torch and Horovod: the pods' entry points (``training.mpi_entry``) import it as PID 1, where
 start-up time matters (sshd must listen at once).
@@ -22,3 +23,14 @@ def launcher_rank(env: Mapping[str, str]) -> str:
 def is_rank(env: Mapping[str, str]) -> bool:
     """A launcher started this process as a rank (or it descends from one: a data-loader worker)."""
     return any(env.get(name) for name in RANK_VARIABLES)
+
+
+#: The trainer's module, as every launcher starts a rank: ``python -m training.train ...``.
+TRAINER_MODULE = "training.train"
+
+
+def is_trainer_command(argv: list[str]) -> bool:
+    """Whether a command line runs the trainer (``-m training.train`` as two of its arguments): how a rank is told
+    where its environment cannot be read. A shell whose one ``-c`` string holds that command is no rank; the
+    trainer it starts is."""
+    return any(argv[index:index + 2] == ["-m", TRAINER_MODULE] for index in range(len(argv) - 1))

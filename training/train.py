@@ -33,8 +33,9 @@ import cv2
 import torch
 
 from training import precision
-from training.checkpoints import check_compatible, load_latest_checkpoint, save_checkpoint
+from training.checkpoints import check_compatible, check_same_data, load_latest_checkpoint, save_checkpoint
 from training.config import TRAIN_PRESETS, TrainConfig, parse_overrides
+from training.data.preprocess import load_manifest
 from training.dataset import (
     DataError,
     LaneDataset,
@@ -48,7 +49,7 @@ from training.evaluate import evaluate_run, score_split
 from training.model import SCNN, ModelConfig, SCNNLoss, TrainingDiverged, load_backbone_weights, model_config
 from training.precision import MixedPrecision
 from training.ranks import launcher_rank
-from training.stop_request import STOP_CHECK_EVERY, STOP_REQUEST, StopRequest, read_stop_request
+from training.stop_request import STOP_REQUEST, StopCadence, StopRequest, read_stop_request
 from training.tensorboard_log import TENSORBOARD_DIR, TensorBoardLog
 
 log = logging.getLogger("laneflow.train")
@@ -107,10 +108,15 @@ class Distributed:
 
     def count(self, flags: tuple[bool, ...], name: str) -> tuple[int, ...]:
         """For each flag, how many ranks raised it (one allreduce for all of them)."""
+        return tuple(round(value) for value in self.sums(tuple(float(flag) for flag in flags), name))
+
+    def sums(self, values: tuple[float, ...], name: str) -> tuple[float, ...]:
+        """Each value summed over every rank (one allreduce for all of them); float32, so whole numbers below 2**24
+        are exact and every rank reads the same."""
         if self.size == 1:
-            return tuple(int(flag) for flag in flags)
-        summed = self.hvd.allreduce(torch.tensor([float(flag) for flag in flags]), name=name, op=self.hvd.Sum)
-        return tuple(round(float(value)) for value in summed)
+            return values
+        summed = self.hvd.allreduce(torch.tensor(values, dtype=torch.float32), name=name, op=self.hvd.Sum)
+        return tuple(float(value) for value in summed)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -178,6 +184,8 @@ class RunParts:
     criterion: SCNNLoss
     closing: contextlib.ExitStack
     board: TensorBoardLog | None = None
+    #: The data's version (its manifest's), kept in every checkpoint: a resume on other data is refused.
+    dataset_version: str | None = None
 
     @classmethod
     def build(cls, config: TrainConfig, data_root: Path, run_dir: Path, weights: Path | None, stop: StopRequest,
@@ -203,7 +211,8 @@ class RunParts:
                                     weight_decay=config.weight_decay, nesterov=True)
         return cls(config, data_root, run_dir, dist, stop, device, run_precision, memory_format,
                    MixedPrecision(run_precision, device.type), model_cfg, dataset, model, optimizer,
-                   SCNNLoss(check_finite=run_precision != "fp16"), closing)
+                   SCNNLoss(check_finite=run_precision != "fp16"), closing,
+                   dataset_version=(load_manifest(data_root) or {}).get("dataset_version"))
 
     @property
     def is_main(self) -> bool:
@@ -252,7 +261,7 @@ class RunParts:
                 "step": step, "model": self.model.state_dict(), "optimizer": optimizer.state_dict(),
                 "model_config": asdict(self.model_cfg), "train_config": asdict(self.config),
                 "world_size": self.dist.size, "precision": self.run_precision, "scaler": self.mixed.state_dict(),
-                **extra})
+                "dataset_version": self.dataset_version, **extra})
             self.record("checkpoint", step, step=step, path=str(path))
 
     def resume(self, optimizer: torch.optim.Optimizer) -> dict | None:
@@ -261,6 +270,7 @@ class RunParts:
         if state is None:
             return None
         check_compatible(state, self.model_cfg, state["path"])
+        check_same_data(state, self.dataset_version, state["path"])
         if "sampler" in state and not self.config.elastic:
             raise ValueError(f"checkpoint {state['path']} was written by an elastic run, whose steps do not say where "
                              "in the data it was: resume it as an elastic run, or train in a new run")
@@ -365,7 +375,7 @@ def _train_fixed(parts: RunParts) -> int:
     sampler = ResumableDistributedSampler(parts.dataset, dist.size, dist.rank, config.seed, step % per_epoch,
                                           config.batch_size)
     loader = make_loader(parts.dataset, config.batch_size, sampler, config.num_workers, parts.device.type == "cuda")
-    window = StepWindow()
+    window, cadence = StepWindow(), StopCadence(step)
     while step < total_steps:
         epoch = step // per_epoch
         sampler.set_epoch(epoch)
@@ -384,9 +394,9 @@ def _train_fixed(parts: RunParts) -> int:
                 window = StepWindow()
             if config.eval_every and step % config.eval_every == 0 and step < total_steps:
                 window.started += parts.validate(step)
-            if step % STOP_CHECK_EVERY == 0:
+            if cadence.due(step):
                 request = read_stop_request(run_dir) if parts.is_main else None
-                signalled, asked = dist.any((stop.requested, request is not None), "stop")
+                signalled, asked = cadence.agree(dist, step, (stop.requested, request is not None))
                 if signalled:
                     parts.checkpoint(step, optimizer)
                     parts.record("preempted", step, step=step)

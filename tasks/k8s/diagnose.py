@@ -44,7 +44,7 @@ ADVICE = {
     "WorkerReplaced": "the job cannot go on without it; the run resumes from its last checkpoint with a new job",
     "WorkerExited": "an MPI worker must keep sshd running for the launcher (the operator waits for every worker "
                     "and never replaces one that exited): its log says why it stopped (kubectl logs <pod>); see "
-                    "README, 'What the training image must contain'",
+                    "docs/getting-started/cluster.md, 'What the training image must contain'",
     "ProvisioningFailed": "the storage class cannot provision the claim: check storage_class in the platform block "
                           "(kubectl get storageclass; deployments/base/storageclass-anf.yaml is an example) and "
                           "the CSI provisioner's log",

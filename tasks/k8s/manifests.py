@@ -7,13 +7,15 @@ rendered; every object carries ``app.kubernetes.io/managed-by: laneflow`` and th
 
 from __future__ import annotations
 
+import base64
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.k8s.scheduling import WorkerScheduling
 from tasks.launch import HOROVODRUN_MODULE, ElasticLaunch, elastic_horovodrun_args, prepare_args, trainer_args
 from tasks.names import validate_mpijob_name, validate_name
-from training.data.sources import Artifact
+from training.data.sources import SOURCES_ENV, Artifact, sources_json
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "laneflow"}
 MOUNT_PATH = "/data"
@@ -84,6 +86,13 @@ def object_labels(layout: ClusterLayout, run: str, labels: dict[str, str]) -> di
     return merged
 
 
+def another_owner(obj: dict, owner: str | None) -> str | None:
+    """The flow run that made ``obj`` (its ``laneflow.io/flow-run`` label) when that is not ``owner``; None when it is
+    ``owner``'s, or there is nobody to compare."""
+    made_by = (obj["metadata"].get("labels") or {}).get("laneflow.io/flow-run")
+    return made_by if owner is not None and made_by and made_by != label_value(owner) else None
+
+
 def render_pvc(name: str, layout: ClusterLayout, labels: dict[str, str], from_snapshot: str | None = None) -> dict:
     """A ReadWriteMany claim; restored from a VolumeSnapshot when ``from_snapshot`` is given."""
     validate_name(name, "volume")
@@ -106,9 +115,29 @@ def _volume_mounts(claim: str, shm_size: str | None) -> tuple[list[dict], list[d
     return volumes, mounts
 
 
+#: Every pod laneflow makes: no service-account token (nothing in a data, scoring or training pod calls the API;
+#: only the flow's own pod does, and the Prefect worker makes that one) and the runtime's default seccomp profile.
+POD_SECURITY: dict[str, Any] = {"automountServiceAccountToken": False,
+                                "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}}
+#: The user every laneflow process runs as: the images' ``laneflow`` (uid 1000), with group 0 as its primary group
+#: (not root's privileges: a group). A new ANF volume's root directory is ``0770`` root:root (Azure NetApp Files,
+#: "Configure Unix permissions": the default), and fsGroup is not applied to NFS volumes, so group 0 is what lets
+#: a non-root pod write there. The MPI workers' ranks run as this user too: sshd logs the launcher in as it.
+LANEFLOW_UID = 1000
+LANEFLOW_HOME = "/home/laneflow"
+#: A container that needs no privilege (the dataset stage, scoring, packaging, the MPI launcher's ssh client and
+#: mpirun): laneflow's user, never root (the kubelet refuses to start it as root), no escalation, no capabilities.
+UNPRIVILEGED: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": LANEFLOW_UID, "runAsGroup": 0,
+                                "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+#: The MPI workers run sshd as root (it switches to the logged-in user, laneflow, for the ranks): the runtime's
+#: default capabilities, no escalation through setuid programs.
+SSHD: dict[str, Any] = {"runAsUser": 0, "allowPrivilegeEscalation": False}
+
+
 def _pod_spec(layout: ClusterLayout, container: dict, volumes: list[dict], restart: str | None = None) -> dict:
+    container = {**container, "securityContext": copy.deepcopy(container.get("securityContext", UNPRIVILEGED))}
     spec: dict[str, Any] = {"serviceAccountName": layout.service_account, "containers": [container],
-                            "volumes": volumes}
+                            "volumes": volumes, **copy.deepcopy(POD_SECURITY)}
     if restart:
         spec["restartPolicy"] = restart
     if layout.runai_project:
@@ -116,14 +145,16 @@ def _pod_spec(layout: ClusterLayout, container: dict, volumes: list[dict], resta
     return spec
 
 
-def render_data_job(name: str, layout: ClusterLayout, claim: str, artifacts: list[Artifact],
-                    labels: dict[str, str]) -> dict:
-    """A batch Job running the same prepare code as the local platform on the claim, for these artifacts
-    (``--archive URL SHA256`` / ``--file URL SHA256`` each)."""
+def render_claim_job(name: str, layout: ClusterLayout, claim: str, command: list[str], labels: dict[str, str],
+                     env: list[dict] | None = None) -> dict:
+    """A batch Job running ``command`` once in the data image with the claim at /data: the dataset stage, a file
+    read or write, and (in the training image, on GPUs) evaluation, packaging and prediction."""
     validate_name(name, "job")
     volumes, mounts = _volume_mounts(claim, None)
-    container = {"name": "prepare", "image": layout.data_image,
-                 "command": ["python", *prepare_args(artifacts, MOUNT_PATH)], "volumeMounts": mounts}
+    container: dict[str, Any] = {"name": "prepare", "image": layout.data_image, "command": command,
+                                 "volumeMounts": mounts}
+    if env:
+        container["env"] = env
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},
             "spec": {"backoffLimit": 0, "ttlSecondsAfterFinished": layout.finished_ttl_s,
@@ -131,6 +162,44 @@ def render_data_job(name: str, layout: ClusterLayout, claim: str, artifacts: lis
                                   "spec": _pod_spec(layout, container, volumes, restart="Never")}}}
 
 
+#: The key of a sources Secret (``render_sources_secret``) that holds the artifacts.
+SOURCES_KEY = "sources"
+
+
+def sources_secret_name(job: str) -> str:
+    """The Secret a dataset Job reads its artifacts from: named after the Job, so a retry finds its own."""
+    return f"{validate_name(job, 'job')}-sources"
+
+
+def render_sources_secret(job: str, layout: ClusterLayout, artifacts: list[Artifact],
+                          labels: dict[str, str]) -> dict:
+    """The dataset's artifacts for the Job ``job``, kept out of its pod spec: a URL may carry a credential (an
+    Azure SAS, a presigned signature), and a pod spec is readable by anyone who may ``get pods``. Base64 ``data``,
+    as the API server returns a Secret (``stringData`` is write-only and merged into it)."""
+    encoded = base64.b64encode(sources_json(artifacts).encode()).decode()
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": sources_secret_name(job), "namespace": layout.effective_namespace(),
+                         "labels": labels},
+            "data": {SOURCES_KEY: encoded}}
+
+
+def render_data_job(name: str, layout: ClusterLayout, claim: str, labels: dict[str, str]) -> dict:
+    """The dataset stage as a Job: the same prepare code as the local platform on the claim; the artifacts come
+    from the Secret ``sources_secret_name(name)`` into its environment, never its command."""
+    env = [{"name": SOURCES_ENV,
+            "valueFrom": {"secretKeyRef": {"name": sources_secret_name(name), "key": SOURCES_KEY}}}]
+    return render_claim_job(name, layout, claim, ["python", *prepare_args(MOUNT_PATH)], labels, env=env)
+
+
+#: The MPIJob's ``runPolicy.backoffLimit``, which the operator gives its launcher Job (mpi_job_controller.go
+#: ``newLauncherJob``; no podFailurePolicy): how many launcher pods the Job controller replaces in one MPIJob. A
+#: launcher removed from outside (a drain or scale-down of its node, an eviction) has its ranks checkpoint; its
+#: replacement runs horovodrun again on the same workers, which resumes there, so routine maintenance of the
+#: system pool costs no pods, no GPUs and no new MPIJob. A launcher that ends on its own (training failed) is
+#: seen by laneflow within the Job controller's first back-off (10 s), and its launcher Job told to replace no
+#: more (tasks/platforms/cluster/training.py stop_launcher_replacements): replacements are for removals, not for
+#: retrying a failure.
+LAUNCHER_REPLACEMENTS = 3
 #: Each MPI worker's command, a console script of the training image (training.mpi_entry.worker_main): the
 #: worker's own host key, then sshd under a PID 1 that passes the kubelet's SIGTERM on to the ranks.
 WORKER_COMMAND = "laneflow-sshd"
@@ -188,7 +257,7 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
     # would share them), and laneflow-sshd makes the worker's own; and sshd as PID 1 would take the ranks with it
     # on the kubelet's SIGTERM, unsaved.
     worker = {"name": "worker", "image": layout.image, "command": [WORKER_COMMAND], "volumeMounts": mounts,
-              "resources": layout.scheduling.resources(layout.gpus_per_worker)}
+              "resources": layout.scheduling.resources(layout.gpus_per_worker), "securityContext": SSHD}
     scheduling = layout.scheduling.pod_fields()  # tolerations, nodeSelector, affinity, priority: the workers'
     launcher_priority = {key: value for key, value in scheduling.items() if key == "priorityClassName"}
     grace = {"terminationGracePeriodSeconds": layout.termination_grace_s}
@@ -201,10 +270,14 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
             # The operator gives ttlSecondsAfterFinished to the launcher Job only (mpi_job_controller.go
             # newLauncherJob); the MPIJob itself, its ssh Secret and its ConfigMap stay until laneflow removes
             # them (training.remove_expired).
-            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0,
+            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": LAUNCHER_REPLACEMENTS,
                           "ttlSecondsAfterFinished": layout.finished_ttl_s,
                           **({"schedulingPolicy": {"minAvailable": 1 + elastic[0] // gpus}} if elastic else {})},
             "mpiImplementation": "OpenMPI",
+            # The key pair where laneflow's user finds it: the launcher's ssh runs as that user, and each
+            # worker's sshd reads the user's authorized_keys there (the operator mounts the Secret at this path
+            # in both, mode 0644 off /root/.ssh: mpi_job_controller.go setupSSHOnPod).
+            "sshAuthMountPath": f"{LANEFLOW_HOME}/.ssh",
             "launcherCreationPolicy": "AtStartup" if elastic else "WaitForWorkersReady",
             "mpiReplicaSpecs": {
                 "Launcher": {"replicas": 1, "restartPolicy": "Never", "template": {
@@ -216,6 +289,26 @@ def render_mpijob(name: str, layout: ClusterLayout, claim: str, preset: str, wor
             },
         },
     }
+
+
+#: The label the MPI operator gives the launcher and every worker of an MPIJob (mpi-operator v2
+#: ``pkg/controller/mpi_job_controller.go`` ``labelMPIJobName``): what the job's NetworkPolicy selects by.
+MPI_JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+
+
+def render_network_policy(job: dict, labels: dict[str, str]) -> dict:
+    """Only the MPIJob's own pods may connect to its pods: the workers' sshd and the ranks' Gloo and MPI ports
+    (Horovod's rendezvous is unauthenticated) are closed to every other pod of the cluster. Owned by the MPIJob
+    (deleted with it) and named after its uid, so a replaced job never finds its predecessor's policy."""
+    name, uid = job["metadata"]["name"], job["metadata"]["uid"]
+    suffix = "".join(ch for ch in uid.lower() if ch.isalnum())[-8:]
+    own_pods = {"matchLabels": {MPI_JOB_NAME_LABEL: name}}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{name}-{suffix}", "namespace": job["metadata"]["namespace"], "labels": labels,
+                         "ownerReferences": [{"apiVersion": job["apiVersion"], "kind": job["kind"], "name": name,
+                                              "uid": uid}]},
+            "spec": {"podSelector": own_pods, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": own_pods}]}]}}
 
 
 def render_snapshot(name: str, layout: ClusterLayout, claim: str, labels: dict[str, str],

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
+from prefect import get_run_logger
 from prefect.blocks.core import Block
+from prefect.exceptions import MissingContextError
 
 from tasks.platforms.base import (
     Platform,
@@ -18,6 +22,7 @@ from tasks.platforms.base import (
     VolumeRef,
 )
 from tasks.platforms.cluster import ClusterPlatform
+from tasks.platforms.cluster.kubeconfig import clear_credentials_warning
 from tasks.platforms.local import LocalPlatform
 
 DEFAULT_PLATFORM = "local"
@@ -54,10 +59,10 @@ def load_platform(name: str = DEFAULT_PLATFORM) -> Platform:
         block = Block.load(name)
         if not isinstance(block, Platform):
             raise UnknownPlatform(f"block '{name}' is a {type(block).__name__}, not a laneflow platform")
-        return block
+        return _warned(name, block)
     for kind in PLATFORM_TYPES:
         try:
-            return kind.load(name)
+            return _warned(name, kind.load(name))
         except ValueError:  # Prefect: "Unable to find block document named ..."
             continue
     if name == DEFAULT_PLATFORM:
@@ -65,3 +70,14 @@ def load_platform(name: str = DEFAULT_PLATFORM) -> Platform:
     slugs = ", ".join(kind.get_block_type_slug() for kind in PLATFORM_TYPES)
     raise UnknownPlatform(f"no platform block named '{name}' (looked in block types: {slugs}); save one first, "
                           f"e.g. LocalPlatform(home='/data/laneflow').save('{name}'), or use '{DEFAULT_PLATFORM}'")
+
+
+def _warned(name: str, platform: Platform) -> Platform:
+    """``platform``, once a stored kubeconfig with credentials in clear has been warned about (in the run's log)."""
+    cluster = getattr(getattr(getattr(platform, "credentials", None), "cluster_config", None), "config", None)
+    if (message := clear_credentials_warning(name, cluster)) is not None:
+        try:
+            get_run_logger().warning(message)
+        except MissingContextError:
+            logging.getLogger("laneflow").warning(message)
+    return platform

@@ -50,6 +50,16 @@ class StageBlocked(RuntimeError):
     the platform block; the message says what to fix."""
 
 
+class NotOurJob(PermissionError):
+    """A training job of the run's name that another flow run started (the same run key): never adopted or
+    stopped by this one."""
+
+
+class NotOurClaim(PermissionError):
+    """A claim of the volume's name that laneflow did not make and the platform was not told to adopt: using it
+    would let a run write to, snapshot and move between service levels a volume someone else may own."""
+
+
 class ServiceLevelBusy(TransientPlatformError):
     """The storage refused a level change because another operation on the volume is running: wait for it,
     then decide again (the level wanted may have changed meanwhile)."""
@@ -171,14 +181,16 @@ class SnapshotRef(BaseModel):
 
 def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s: float,
                         log_tail: list[str]) -> TrainingOutcome:
-    """What a finished job's event stream says: last step, where the last attempt started, its evaluation."""
+    """What a finished job's event stream says: last step, where the last attempt started, its evaluation. An
+    attempt that resumed at its last step (an earlier one trained to the end, but its launcher was lost before it
+    could report) trained no step: it ends where it started."""
     starts = [e for e in events if e.get("event") == "start"]
     plans = [e for e in events if e.get("event") in ("start", "workers") and "total_steps" in e]  # elastic: re-planned
     steps = [e for e in events if e.get("event") in ("step", "done", "stopped")]
     evals = [e for e in events if e.get("event") == "eval"]
     stopped = [e for e in events if e.get("event") == "stopped"]
     return TrainingOutcome(
-        job_name=job_name, steps=int(steps[-1]["step"]) if steps else 0,
+        job_name=job_name, steps=int(steps[-1]["step"]) if steps else int(starts[-1]["step"]) if starts else 0,
         total_steps=int(plans[-1]["total_steps"]) if plans else 0,
         resumed_from=int(starts[-1]["step"]) if starts else 0,
         eval=_payload(evals[-1]) if evals else {},
@@ -274,8 +286,9 @@ class Platform(Block):
         """
 
     @abc.abstractmethod
-    def cancel_training(self, job_name: str, volume: VolumeRef) -> bool:
-        """Stop the job and everything it started; False when there was nothing to stop."""
+    def cancel_training(self, job_name: str, volume: VolumeRef, owner: str | None = None) -> bool:
+        """Stop the job and everything it started; False when there was nothing to stop. With ``owner`` (a flow
+        run id) only a job that flow run started: another's (a run of the same run key) raises ``NotOurJob``."""
 
     @abc.abstractmethod
     def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
@@ -357,3 +370,14 @@ class Platform(Block):
     def level_hold_ttl_s(self, volume: VolumeRef) -> float:
         """How long a run's hold on the volume's level lasts without renewal before it is taken for dead."""
         return 600.0
+
+
+def refuse_other_data(snapshot: str, existing: object, wanted: object) -> None:
+    """A snapshot of the run's name that exists already is this run's own (a retry of the stage) only when it holds
+    the same dataset version: adopting one of other data (a run key reused after a new drop) would record lineage
+    that is not true."""
+    unknown = ("", "None")  # a label written for a run whose version was not known says nothing
+    if str(existing or "") not in unknown and str(wanted or "") not in unknown and str(existing) != str(wanted):
+        raise FileExistsError(f"snapshot '{snapshot}' already exists with dataset version {existing}, but this run "
+                              f"trained on version {wanted}: it is not this run's. Use another run_key, or delete the "
+                              "snapshot if it is no longer needed")

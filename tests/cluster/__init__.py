@@ -40,6 +40,8 @@ module models one component and cites the file it follows.
 - ``podinit.py``: a container's PID 1, which builds its file system and execs its command.
 - ``images.py``: the image registry: laneflow's images as ``scripts/images.py`` builds them (buildah).
 - ``network.py``: the pod network: a network namespace and address per pod on a bridge.
+- ``network_policy.py``: NetworkPolicy ingress rules enforced in each pod's network namespace (iptables), as a
+  policy plugin (Azure NPM, Calico, Cilium) does; egress and named ports are refused, not modelled.
 
 Containers really run here, through the pod runtime (``runtime.py``): each container's command, from the root
 file system of the image it names (built from ``deployments/Dockerfile.*``; nothing of this machine is

@@ -37,12 +37,20 @@ from typing import Any
 from tests.cluster.admission import apply_crd_defaults, check, check_resize
 from tests.cluster.apierrors import Rejection, invalid, invalid_status, not_supported, status_body
 from tests.cluster.authentication import Identity, authenticate
-from tests.cluster.authorization import authorize, authorize_path, forbidden
+from tests.cluster.authorization import (
+    SELF_SUBJECT_ACCESS_REVIEWS,
+    authorize,
+    authorize_path,
+    forbidden,
+    self_subject_access_review,
+)
 from tests.cluster.controller_manager import CONTROLLERS
-from tests.cluster.discovery import document
+from tests.cluster.discovery import document, withheld_groups
 from tests.cluster.disruption import evict
 from tests.cluster.garbage_collector import delete, finish_deletion
-from tests.cluster.objects import RESOURCES, stamp_metadata
+from tests.cluster.job_controller import sync_job
+from tests.cluster.network_policy import check_supported, enforce
+from tests.cluster.objects import RESOURCES, label_namespace, stamp_metadata
 from tests.cluster.podlogs import PodLogEndpoint
 from tests.cluster.selectors import field_selector, label_selector
 from tests.cluster.state import Cluster, Fault, Request
@@ -52,6 +60,9 @@ from tests.cluster.watch import WatchStream
 _ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
                     r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|eviction))?$")
 _CUSTOM_RESOURCES = {"mpijobs", "volumesnapshots", "volumesnapshotclasses"}
+#: An update of these may change which pods a NetworkPolicy isolates or admits (a policy, a pod's or a namespace's
+#: labels): the policy plugin brings the rules up to date.
+POLICY_INPUTS = {"networkpolicies", "pods", "namespaces"}
 #: pkg/registry/batch/job/storage/storage.go L56-57: a batch/v1 Job DELETE without a policy orphans its pods
 #: (strategy.go DefaultGarbageCollectionPolicy) and says so.
 JOB_DELETE_WARNING = ("child pods are preserved by default when jobs are deleted; set propagationPolicy=Background "
@@ -116,7 +127,15 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
         except Rejection as rejection:
             self._send(rejection.code, rejection.body)
             return
-        if method == "GET" and (found := document(parsed.path)) is not None:
+        if parsed.path.rstrip("/") == SELF_SUBJECT_ACCESS_REVIEWS:
+            try:
+                review = json.loads(raw) if raw else None
+            except json.JSONDecodeError:
+                review = None
+            self._send(*self_subject_access_review(self.cluster, who, method, review))
+            return
+        withheld = withheld_groups(self.cluster)
+        if method == "GET" and (found := document(parsed.path, withheld)) is not None:
             denied = authorize_path(self.cluster, who, parsed.path.rstrip("/") or "/")
             self._send(403, denied) if denied else self._send(200, found)
             return
@@ -124,7 +143,7 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
         resource = None
         if match:
             resource = match["resource"] + (f"/{match['sub']}" if match["sub"] else "")
-        if match is None or resource not in RESOURCES:
+        if match is None or resource not in RESOURCES or RESOURCES[resource][0] in withheld:
             self._send(404, status_body(404, "NotFound", f"the server could not find the requested resource "
                                                          f"({parsed.path})"))
             return
@@ -243,6 +262,8 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
                         secrets.choice("bcdfghjklmnpqrstvwxz2456789") for _ in range(5))
             checked = check(body, (query.get("fieldValidation") or [None])[0])
             obj = checked.obj
+            if resource == "networkpolicies":
+                check_supported(obj)
             if obj["kind"] != kind:
                 raise Rejection(400, status_body(400, "BadRequest", f"the API version in the data "
                                                                      f"({obj['apiVersion']}) does not match the "
@@ -258,6 +279,8 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
                                                               f'"{obj_key[1]}" already exists',
                                         details={"name": obj_key[1], "group": group, "kind": resource}), []
             apply_crd_defaults(obj)
+            if resource == "namespaces":
+                label_namespace(obj)
             stamp_metadata(cluster, obj, namespace if namespaced else None)
             store[obj_key] = obj
             CONTROLLERS.get(resource, lambda *_: None)(cluster, obj)
@@ -290,13 +313,28 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
             if "status" in current:
                 checked.obj["status"] = copy.deepcopy(current["status"])
             check_update(current, checked.obj)
+            if resource == "networkpolicies":
+                check_supported(checked.obj)
+            if resource == "namespaces":
+                label_namespace(checked.obj)
             if resource == "persistentvolumeclaims":
                 check_resize(cluster, current, checked.obj)
             cluster.version += 1
             checked.obj["metadata"]["resourceVersion"] = str(cluster.version)
-            store[key] = checked.obj
-            finish_deletion(cluster, resource, checked.obj)  # its last finalizer removed: it goes now
-            return 200, checked.obj, checked.warnings
+            if resource == "jobs":
+                # The Job controller holds the Job it syncs (its pods' callbacks): changed in place, then synced,
+                # as its informer's update event makes it (pkg/controller/job updateJob; a lowered backoffLimit
+                # fails a Job whose failures now exceed it).
+                current.clear()
+                current.update(checked.obj)
+                store[key] = current
+                sync_job(cluster, current)
+            else:
+                store[key] = checked.obj
+            finish_deletion(cluster, resource, store[key])  # its last finalizer removed: it goes now
+            if resource in POLICY_INPUTS:  # what the NetworkPolicy plugin watches: policies, and labels it selects by
+                enforce(cluster)
+            return 200, store[key], checked.warnings
         if method == "DELETE":
             obj = store.get(key)
             if obj is None:

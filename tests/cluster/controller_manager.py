@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from tests.cluster.job_controller import start_job, sync_job
 from tests.cluster.mpi_operator import start_mpijob, sync_mpijob
+from tests.cluster.network_policy import enforce
 from tests.cluster.objects import resource_of
 from tests.cluster.pv_binder import bind_pvc
 from tests.cluster.snapshot_controller import start_snapshot
@@ -41,4 +42,5 @@ def sync_owner(cluster: Cluster, obj: dict) -> None:
 
 
 CONTROLLERS: dict[str, Callable[[Cluster, dict], None]] = {
-    "persistentvolumeclaims": bind_pvc, "jobs": start_job, "mpijobs": start_mpijob, "volumesnapshots": start_snapshot}
+    "persistentvolumeclaims": bind_pvc, "jobs": start_job, "mpijobs": start_mpijob, "volumesnapshots": start_snapshot,
+    "networkpolicies": lambda cluster, _: enforce(cluster)}

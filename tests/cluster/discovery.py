@@ -7,7 +7,12 @@ the resources the emulator serves (``objects.RESOURCES``), with the verbs the re
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tests.cluster.objects import RESOURCES
+
+if TYPE_CHECKING:
+    from tests.cluster.state import Cluster
 
 #: What every served resource answers (apiserver ``endpoints/installer.go`` for a standard REST storage).
 _VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
@@ -18,8 +23,15 @@ VERSION = {"major": "1", "minor": "33", "gitVersion": "v1.33.0", "gitCommit": "e
            "buildDate": "2025-04-23T00:00:00Z", "goVersion": "go1.24.2", "compiler": "gc", "platform": "linux/amd64"}
 
 
-def _group_versions() -> dict[str, str]:
-    return {group: version for group, version, _, _ in RESOURCES.values() if group}
+def _group_versions(withheld: frozenset[str] = frozenset()) -> dict[str, str]:
+    return {group: version for group, version, _, _ in RESOURCES.values() if group and group not in withheld}
+
+
+def withheld_groups(cluster: Cluster) -> frozenset[str]:
+    """The API groups a test took off the cluster (``cluster.withheld_groups.add("kubeflow.org")``): as on a cluster
+    without that CRD (no MPI operator, no external-snapshotter), discovery does not list them and their resources'
+    paths are 404."""
+    return frozenset(cluster.withheld_groups)
 
 
 def _resources(group: str, version: str) -> list[dict]:
@@ -42,8 +54,8 @@ def _resources(group: str, version: str) -> list[dict]:
     return sorted(listed, key=lambda item: item["name"])
 
 
-def document(path: str) -> dict | None:
-    """The discovery document at ``path``, or None when the path is not one."""
+def document(path: str, withheld: frozenset[str] = frozenset()) -> dict | None:
+    """The discovery document at ``path``, or None when the path is not one (``withheld`` groups are not served)."""
     path = path.rstrip("/") or "/"
     if path == "/version":
         return VERSION
@@ -52,7 +64,7 @@ def document(path: str) -> dict | None:
                 "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "10.96.0.1:443"}]}
     if path == "/api/v1":
         return {"kind": "APIResourceList", "groupVersion": "v1", "resources": _resources("", "v1")}
-    groups = _group_versions()
+    groups = _group_versions(withheld)
     if path == "/apis":
         return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
             {"name": group, "versions": [{"groupVersion": f"{group}/{version}", "version": version}],

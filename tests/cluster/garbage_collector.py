@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tests.cluster.kubelet import kill, release_network
+from tests.cluster.network_policy import enforce
 from tests.cluster.objects import now
 
 if TYPE_CHECKING:
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 
 
 def _dependents(cluster: Cluster, uid: str) -> list[tuple[str, dict]]:
-    return [(resource, child) for resource in ("jobs", "pods", "secrets", "configmaps", "services")
+    return [(resource, child) for resource in ("jobs", "pods", "secrets", "configmaps", "services",
+                                                    "networkpolicies")
             for child in list(cluster.objects[resource].values())
             if any(ref.get("uid") == uid for ref in child["metadata"].get("ownerReferences") or [])]
 
@@ -110,6 +112,8 @@ def _remove(cluster: Cluster, resource: str, obj: dict) -> None:
     cluster.objects[resource].pop((namespace, name))
     if resource == "mpijobs":
         cluster.operator_specs.pop((namespace, name), None)
+    if resource == "networkpolicies":
+        enforce(cluster)
     if resource == "pods":
         kill(cluster, namespace, name)
         release_network(cluster, namespace, name)

@@ -34,6 +34,8 @@ class ImageConfig:
     cmd: list[str] = field(default_factory=list)
     workdir: str = "/"
     env: dict[str, str] = field(default_factory=dict)
+    #: The image's ``USER`` ("" when it sets none: root), as its config has it ("1000", "1000:0", "name").
+    user: str = ""
 
 
 def read_image(reference: str, local: str) -> ImageConfig:
@@ -44,7 +46,8 @@ def read_image(reference: str, local: str) -> ImageConfig:
     env = dict(item.split("=", 1) for item in config.get("Env") or [])
     env.setdefault("PATH", DEFAULT_PATH)
     return ImageConfig(reference, config["id"], builder.rootfs(config["id"]), list(config.get("Entrypoint") or []),
-                       list(config.get("Cmd") or []), config.get("WorkingDir") or "/", env)
+                       list(config.get("Cmd") or []), config.get("WorkingDir") or "/", env,
+                       config.get("User") or "")
 
 
 def container_argv(image: ImageConfig, command: list[str] | None, args: list[str] | None) -> list[str]:

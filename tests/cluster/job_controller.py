@@ -1,7 +1,10 @@
 """The Job controller (kubernetes ``pkg/controller/job``): ``restartPolicy: Never`` keeps a failed pod and
 counts it; ``OnFailure`` restarts the container in place (a new, empty log) and counts restarts; past
 ``backoffLimit`` the Job fails ``BackoffLimitExceeded`` and, for ``OnFailure``, its pods are deleted;
-``activeDeadlineSeconds`` fails it ``DeadlineExceeded``. Pods need their service account.
+``activeDeadlineSeconds`` fails it ``DeadlineExceeded``. A failed or removed pod is replaced after the pod failure
+back-off (10 s, doubled per failure), never for a Job being deleted (``syncJob`` calls ``manageJob`` only while
+``job.DeletionTimestamp == nil``); a Job changed through the API is synced again (a lowered ``backoffLimit`` fails
+it at once). Pods need their service account.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def _job_pod_labels(job: dict) -> dict:
 
 
 def _new_job_pod(cluster: Cluster, job: dict) -> None:
+    if job["metadata"].get("deletionTimestamp"):  # syncJob: manageJob only for ``job.DeletionTimestamp == nil``
+        return
     template = job["spec"]["template"]
     pod = make_pod(cluster, job, f"{job['metadata']['name']}-{_suffix()}", template, _job_pod_labels(job))
     if pod is None:
@@ -82,7 +87,7 @@ def _job_container_exited(cluster: Cluster, job: dict, pod: dict, terminated: di
     if job["status"]["failed"] > job["spec"]["backoffLimit"]:
         _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
     else:
-        _new_job_pod(cluster, job)
+        _replace_after_backoff(cluster, job)
 
 
 def sync_job(cluster: Cluster, job: dict) -> None:
@@ -99,7 +104,31 @@ def sync_job(cluster: Cluster, job: dict) -> None:
     if job["status"]["failed"] > job["spec"]["backoffLimit"]:
         _fail_job(cluster, job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
     else:
-        _new_job_pod(cluster, job)
+        _replace_after_backoff(cluster, job)
+
+
+#: pkg/controller/job ``MaxJobPodFailureBackOff``.
+MAX_POD_FAILURE_BACKOFF_S = 600.0
+
+
+def _replace_after_backoff(cluster: Cluster, job: dict) -> None:
+    """A new pod once the pod failure back-off has passed (backoff_utils.go: the default back-off doubled per
+    failure since the last success, up to its maximum), unless the Job has one active, has finished or is being
+    deleted by then."""
+    failures = max(1, job["status"].get("failed", 1))
+    delay = min(cluster.job_pod_failure_backoff_s * 2 ** (failures - 1), MAX_POD_FAILURE_BACKOFF_S)
+    namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+
+    def replace() -> None:
+        uid = job["metadata"]["uid"]
+        active = any(p["status"].get("phase") in ("Pending", "Running") and any(
+            ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or [])
+            for p in cluster.objects["pods"].values())
+        if cluster.objects["jobs"].get((namespace, name)) is job and not job["status"].get("conditions") and \
+                not active:
+            _new_job_pod(cluster, job)
+
+    later(cluster, delay, replace)
 
 
 def _fail_job(cluster: Cluster, job: dict, reason: str, message: str) -> None:

@@ -27,11 +27,13 @@ from tests.cluster.kubelet_volumes import (
     secret_bytes,
 )
 from tests.cluster.network import PodNetwork
+from tests.cluster.network_policy import enforce
 from tests.cluster.objects import later, now, record_event
 from tests.cluster.podlogs import append_log
 from tests.cluster.quantities import quantity_bytes
 from tests.cluster.runtime import container_env, container_spec, hosts_file, memory_limits_missing
 from tests.cluster.scheduler import park, schedule
+from tests.cluster.security_context import process_user, verify_run_as_non_root
 from tests.cluster.state import ContainerLog
 from tests.leaks import MARKER as SESSION_MARKER
 
@@ -51,6 +53,7 @@ def _pod_network(cluster: Cluster, namespace: str, name: str) -> tuple[str, str]
             PodNetwork.route_service(netns, runtime.KUBERNETES_SERVICE, cluster.service_endpoint)
         if cluster.dns_endpoint is not None:  # the ``kube-dns`` Service's DNS port, to the cluster's DNS server
             PodNetwork.route_service(netns, (CLUSTER_DNS, 53), cluster.dns_endpoint, protocol="udp")
+        enforce(cluster)  # the policy plugin's rules for the new pod, and the new pod as a peer of the others'
     return cluster.pod_networks[key]
 
 
@@ -58,6 +61,7 @@ def release_network(cluster: Cluster, namespace: str, name: str) -> None:
     """The CNI plugin's DEL: the namespace's name goes at once; the kernel frees it when its last process exits."""
     network = cluster.pod_networks.pop((namespace, name), None)
     if network is not None:
+        cluster.policy_chains.pop(network[0], None)
         PodNetwork.detach(network[0])
 
 
@@ -145,9 +149,10 @@ def start_container(cluster: Cluster, pod: dict, on_exit: Callable[[dict], None]
             raise mount_error
         env = container_env(container, pod, ip, _lookup_key(cluster, namespace))
         env[SESSION_MARKER] = os.environ.get(SESSION_MARKER, "")  # bookkeeping of the test suite, not the pod's
+        verify_run_as_non_root(pod, container, image.user)
         spec = container_spec(image, container, sandbox=folder / instance / "fs", hostname=hostname,
                               hosts=hosts_file(ip, hostname, _fqdn(pod)), env=env, mounts=mounts,
-                              resolv_conf=_resolv_conf(pod))
+                              resolv_conf=_resolv_conf(pod), user=process_user(pod, container, image.user))
     except (LookupError, ValueError) as exc:
         message = f"Error: {exc}"
         set_container_state(pod, {"waiting": {"reason": "CreateContainerConfigError", "message": message}}, False)

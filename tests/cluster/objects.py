@@ -25,6 +25,7 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "pods/log": ("", "v1", "Pod", True),
     "pods/eviction": ("", "v1", "Eviction", True),
     "poddisruptionbudgets": ("policy", "v1", "PodDisruptionBudget", True),
+    "networkpolicies": ("networking.k8s.io", "v1", "NetworkPolicy", True),
     "events": ("", "v1", "Event", True),
     "serviceaccounts": ("", "v1", "ServiceAccount", True),
     "secrets": ("", "v1", "Secret", True),
@@ -49,6 +50,17 @@ def now(later_s: float = 0.0) -> str:
     """The time in RFC 3339, as the API writes it (``later_s`` from now: a graceful deletion's
     ``deletionTimestamp`` is the moment its grace period ends, apiserver ``rest.BeforeDelete``)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + later_s))
+
+
+#: The label the API server gives every namespace, its own name (pkg/registry/core/namespace/strategy.go,
+#: PrepareForCreate and PrepareForUpdate; GA in 1.22): what a NetworkPolicy's namespaceSelector picks one by.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def label_namespace(obj: dict) -> None:
+    """What the namespace strategy does on every create and update: the name label set, whatever was sent."""
+    metadata = obj["metadata"]
+    metadata["labels"] = {**(metadata.get("labels") or {}), NAMESPACE_NAME_LABEL: metadata["name"]}
 
 
 def stamp_metadata(cluster: Cluster, obj: dict, namespace: str | None) -> None:

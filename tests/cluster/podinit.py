@@ -9,14 +9,15 @@ volumes reaches the image or the host. Into it go the pod's volumes at their ``m
 honoured; a Secret's files copied onto a tmpfs of their own), ``/proc`` of the new PID namespace, a ``/dev``
 with only the devices runc gives a container (``null zero full random urandom tty``, a private ``devpts``) and
 a private 64 MiB ``/dev/shm`` (containerd's default for a pod, ``defaultShmSize``) unless a volume is mounted
-there, ``/sys`` read-only, ``/etc/hosts`` and the host name. Then ``chroot``, ``chdir`` to the working
-directory, ``execvpe`` with exactly the container's environment.
+there, ``/sys`` read-only, ``/etc/hosts`` and the host name. Then ``chroot``, the container's user and groups
+(``switch_user``), ``chdir`` to the working directory, ``execvpe`` with exactly the container's environment.
 
 Only the standard library: this file runs before anything is set up.
 """
 
 from __future__ import annotations
 
+import ctypes  # here: after chroot, only the container's files are there to import from
 import json
 import os
 import socket
@@ -140,6 +141,65 @@ def build(spec: dict) -> Path:
     return root
 
 
+def _entries(path: str) -> list[list[str]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    return [line.split(":") for line in lines if line and not line.startswith("#")]
+
+
+def switch_user(identity: dict, env: dict[str, str]) -> None:
+    """Become the container's user, resolved in its own ``/etc/passwd`` and ``/etc/group`` (runc's
+    ``GetExecUserPath``; see tests/cluster/security_context.py): groups first, then the gid, then the uid; and
+    ``HOME`` from the passwd entry when the environment has none."""
+    user, group = identity["user"], identity["group"]
+    passwd = _entries("/etc/passwd")
+    entry = next((e for e in passwd if len(e) >= 7 and (e[0] == user or (str(user).isdigit() and e[2] == str(user)))),
+                 None)
+    if entry is None and not str(user).isdigit():
+        raise RuntimeError(f'unable to find user {user}: no matching entries in passwd file')
+    uid = int(entry[2]) if entry is not None else int(user)
+    if group is None:
+        gid = int(entry[3]) if entry is not None else 0
+    elif str(group).isdigit():
+        gid = int(group)
+    else:
+        found = next((e for e in _entries("/etc/group") if len(e) >= 3 and e[0] == group), None)
+        if found is None:
+            raise RuntimeError(f"unable to find group {group}: no matching entries in group file")
+        gid = int(found[2])
+    name = entry[0] if entry is not None else None
+    member_of = [int(e[2]) for e in _entries("/etc/group")
+                 if name is not None and len(e) >= 4 and name in e[3].split(",")]
+    os.setgroups(sorted({*member_of, *identity.get("supplemental", [])}))
+    os.setgid(gid)
+    os.setuid(uid)
+    env.setdefault("HOME", entry[5] if entry is not None else "/")
+
+
+#: Linux's capabilities by number (linux/capability.h), as container runtimes name them.
+CAPABILITY_NAMES = ("CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
+                    "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
+                    "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT",
+                    "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "MKNOD",
+                    "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG",
+                    "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF", "CHECKPOINT_RESTORE")
+PR_CAPBSET_DROP = 24
+
+
+def keep_only_capabilities(kept: list[str]) -> None:
+    """Drop every capability but ``kept`` from the bounding set: the command exec'd next (root, with no file
+    capabilities) gets only those as its permitted and effective sets (capabilities(7), "Transformation of
+    capabilities during execve()"); a process that changes to another user loses them all anyway."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    for number in range(last + 1):
+        name = CAPABILITY_NAMES[number] if number < len(CAPABILITY_NAMES) else f"CAP_{number}"
+        if name not in kept and libc.prctl(PR_CAPBSET_DROP, number, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"could not drop capability {name}")
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     try:
@@ -148,11 +208,14 @@ def main() -> int:
         os.chroot(root)
         cwd = spec.get("cwd") or "/"
         Path(cwd).mkdir(parents=True, exist_ok=True)  # as runc does for a working directory that is missing
+        env = spec["env"]
+        keep_only_capabilities(spec.get("capabilities", []))
+        switch_user(spec["user"], env)
         os.chdir(cwd)
     except (OSError, RuntimeError) as exc:
         print(f"pod runtime: could not set up the container: {exc}", file=sys.stderr, flush=True)
         return 128
-    argv, env = spec["argv"], spec["env"]
+    argv = spec["argv"]
     try:
         os.execvpe(argv[0], argv, env)
     except FileNotFoundError:

@@ -7,6 +7,8 @@ carry on across rotations (PR #115702) and end when the container exits.
 from __future__ import annotations
 
 import calendar
+import select
+import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -43,6 +45,16 @@ class PodLogEndpoint:
     cluster: Cluster
 
     # --- the kubelet's log endpoint ----------------------------------------------------------------
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end (a read timeout, a follower that gave up). Go's HTTP server cancels the
+        request's context then, and the kubelet's log stream ends; without this, a silent container's followers
+        would pile up, one thread each, for as long as it runs."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def _pod_log(self, namespace: str, name: str, query: dict) -> None:
         cluster = self.cluster
 
@@ -91,7 +103,11 @@ class PodLogEndpoint:
                         if not log.running:
                             break
                         cluster.changed.wait(timeout=0.5)
-                        continue
+                if not fresh:
+                    if self._client_gone():  # the API server's request context is cancelled: the stream ends
+                        self.close_connection = True
+                        return
+                    continue
                 for line in fresh:
                     if cluster.cut_streams_after_lines is not None and sent >= cluster.cut_streams_after_lines:
                         self._reset()

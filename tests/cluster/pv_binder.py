@@ -7,7 +7,8 @@ not ready, is a ``ProvisioningFailed`` Warning.
 
 from __future__ import annotations
 
-import shutil
+import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tests.cluster.objects import record_event, stamp_metadata
@@ -52,9 +53,13 @@ def bind_pvc(cluster: Cluster, pvc: dict) -> None:
     pv_name = f"pvc-{pvc['metadata']['uid']}"
     folder = cluster.root / "pv" / pv_name
     if source and source.get("kind") == "VolumeSnapshot":
-        shutil.copytree(cluster.root / "snapshots" / namespace / source["name"], folder, symlinks=True)
+        copy_volume_tree(cluster.root / "snapshots" / namespace / source["name"], folder)
     else:
+        # A new ANF volume's root directory: owned by root, ``0770`` (Azure NetApp Files "Configure Unix
+        # permissions": "The Unix permissions setting is set to 0770 by default"): a pod writes to it as root or
+        # with group 0, which is why laneflow's non-root pods run with runAsGroup 0.
         folder.mkdir(parents=True)
+        folder.chmod(0o770)
     modes = list(pvc["spec"].get("accessModes") or cluster.initial_pv_modes)
     if pvc["spec"].get("storageClassName") is None:
         modes = list(cluster.initial_pv_modes)
@@ -82,3 +87,12 @@ def bind_pvc(cluster: Cluster, pvc: dict) -> None:
     cluster.objects["persistentvolumes"][("", pv_name)] = pv
     pvc["spec"]["volumeName"] = pv_name
     pvc["status"] = {"phase": "Bound", "accessModes": modes, "capacity": pvc["spec"]["resources"]["requests"]}
+
+
+def copy_volume_tree(source: Path, target: Path) -> None:
+    """A whole volume's files, with their owners, modes and links (a snapshot, a volume made from one): what
+    the storage keeps, so a non-root pod can go on writing what it wrote before."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise OSError(f"copying {source} to {target}: {done.stderr.strip()}")

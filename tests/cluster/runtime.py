@@ -13,11 +13,11 @@ What runs for real and what is modelled:
   runc; ``MemoryCgroup``), bind-mounted PVC folders, Secret volumes on a tmpfs and ConfigMap volumes with the
   kubelet's modes (read-only, as the kubelet mounts them), ``emptyDir`` (``medium: Memory`` as a tmpfs of
   ``sizeLimit``), a private 64 MiB ``/dev/shm``, the container's exit code and its output as the pod log;
-- modelled: the pod network (``network.py``: a network namespace per pod with an address of its own on a
-  bridge of this machine, as the reference CNI ``bridge`` plugin sets a node up; no NetworkPolicy, no
-  Services but the headless ones' DNS), cluster DNS (every pod's ``/etc/hosts`` names the pods of its
-  namespace that have a subdomain, as the headless Service's DNS records would, as of the container's
-  start), Ready = the container runs (no probes, as the kubelet reports a container without a readiness
+- modelled: the pod network (``network.py``: a network namespace per pod with an address of its own on a bridge of
+  this machine, as the reference CNI ``bridge`` plugin sets a node up; NetworkPolicy ingress as
+  ``network_policy.py`` says; no Services but the headless ones' DNS), cluster DNS (every pod's ``/etc/hosts`` names
+  the pods of its namespace that have a subdomain, as the headless Service's DNS records would, as of the
+  container's start), Ready = the container runs (no probes, as the kubelet reports a container without a readiness
   probe). ``KUBERNETES_SERVICE_*`` name the ``kubernetes`` Service's address as on a cluster, and a
   connection there reaches the emulated API server over TLS (``network.PodNetwork.route_service``).
 
@@ -52,6 +52,7 @@ from pathlib import Path
 
 from scripts import images as builder
 from tests.cluster.images import ImageConfig, container_argv
+from tests.cluster.security_context import capabilities
 
 PODINIT = Path(__file__).with_name("podinit.py")
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][-._A-Za-z0-9]*)\)")
@@ -358,10 +359,11 @@ def process_env(image: ImageConfig, kubelet_env: dict[str, str], hostname: str) 
 
 
 def container_spec(image: ImageConfig, container: dict, *, sandbox: Path, hostname: str, hosts: str,
-                   env: dict[str, str], mounts: list[Mount], resolv_conf: str | None = None) -> dict:
+                   env: dict[str, str], mounts: list[Mount], user: dict, resolv_conf: str | None = None) -> dict:
     """What ``podinit.py`` needs to build the container and exec its command; ``env`` is the kubelet's
     (``container_env``), which alone ``$(VAR)`` in command and args is expanded from; ``resolv_conf`` the
-    kubelet's for the pod's DNS policy (None: the image's own)."""
+    kubelet's for the pod's DNS policy (None: the image's own); ``user`` who the process runs as
+    (``security_context.process_user``)."""
     argv = [expand_references(arg, env) for arg in container_argv(image, container.get("command"),
                                                                   container.get("args"))]
     if not argv:
@@ -379,7 +381,8 @@ def container_spec(image: ImageConfig, container: dict, *, sandbox: Path, hostna
             "files": {"/etc/hosts": hosts, "/etc/hostname": hostname + "\n",
                       **({"/etc/resolv.conf": resolv_conf} if resolv_conf is not None else {})},
             "cwd": container.get("workingDir") or image.workdir, "env": process_env(image, env, hostname),
-            "argv": argv}
+            "argv": argv, "user": user,
+            "capabilities": capabilities(container)}
 
 
 #: What util-linux 2.38's unshare prints, exiting 1, when its child (the container's PID 1) was killed by

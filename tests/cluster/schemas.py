@@ -44,6 +44,7 @@ CORE_SCHEMAS = {
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "clusterrolebinding-rbac-v1.json",
     ("storage.k8s.io/v1", "StorageClass"): "storageclass-storage-v1.json",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudget-policy-v1.json",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicy-networking-v1.json",
     ("policy/v1", "Eviction"): "eviction-policy-v1.json",
 }
 

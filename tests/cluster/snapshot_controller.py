@@ -5,10 +5,10 @@ last error in ``status.error`` and clears it when ``readyToUse`` turns true.
 
 from __future__ import annotations
 
-import shutil
 from typing import TYPE_CHECKING
 
 from tests.cluster.objects import later, now, record_event
+from tests.cluster.pv_binder import copy_volume_tree
 
 if TYPE_CHECKING:
     from tests.cluster.state import Cluster
@@ -33,7 +33,7 @@ def start_snapshot(cluster: Cluster, snapshot: dict) -> None:
             return
         claim = snapshot["spec"]["source"]["persistentVolumeClaimName"]
         target = cluster.root / "snapshots" / namespace / name
-        shutil.copytree(cluster.claim_dir(namespace, claim), target, symlinks=True)  # the whole volume
+        copy_volume_tree(cluster.claim_dir(namespace, claim), target)  # the whole volume
         # restoreSize: the size the CSI driver reports for the snapshot (CreateSnapshot's size_bytes); for a
         # filesystem volume as ANF's, the source volume's size (external-snapshotter sets it from the driver).
         pv = cluster.objects["persistentvolumes"][("", cluster.objects["persistentvolumeclaims"][(namespace, claim)]

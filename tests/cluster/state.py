@@ -19,7 +19,7 @@ import trustme
 
 from tests.cluster.admission import check
 from tests.cluster.images import ImageRegistry
-from tests.cluster.objects import resource_of
+from tests.cluster.objects import NAMESPACE_NAME_LABEL, resource_of
 from tests.cluster.runtime import ContainerProcess
 from tests.cluster.watch_cache import WatchCache
 
@@ -112,6 +112,9 @@ class Cluster:
     images: ImageRegistry = field(default_factory=ImageRegistry)
     #: Each pod's network namespace and IP (from its first container start to its deletion), by (namespace, pod).
     pod_networks: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    #: Network namespaces whose ``INPUT`` jumps to a NetworkPolicy chain, and the rules written there
+    #: (network_policy.py; none: every policy that selected the pod has gone).
+    policy_chains: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: Objects marked for deletion that wait for their finalizers: (resource, namespace, name) -> policy.
     pending_deletions: dict[tuple[str, str, str], str] = field(default_factory=dict)
     #: Whether the MPI operator runs: without it an MPIJob is stored and nothing ever acts on it.
@@ -125,6 +128,9 @@ class Cluster:
     image_pull_s: float = 0.2
     #: After a failed pull, when the kubelet reports ImagePullBackOff (10 s upstream).
     image_pull_backoff_s: float = 1.0
+    #: The Job controller's wait before it replaces a failed (or removed) pod, doubled per failure up to 10 minutes
+    #: (pkg/controller/job: DefaultJobPodFailureBackOff 10 s, MaxJobPodFailureBackOff 10 min): upstream's.
+    job_pod_failure_backoff_s: float = 10.0
     #: The kubelet's first wait before restarting a crashed container, doubled per restart up to 30 times it
     #: (pkg/kubelet: 10 s, capped at MaxContainerBackOff 300 s upstream; shortened here).
     crash_backoff_s: float = 1.0
@@ -142,6 +148,9 @@ class Cluster:
     #: Nodes whose kubelet is gone (node_lifecycle.lose): their pods' statuses stay as they were, and a pod
     #: deleted there stays, terminating, until it is force-deleted or the pod GC removes it.
     lost_nodes: set[str] = field(default_factory=set)
+    #: API groups taken off the cluster, as on one without that CRD (no MPI operator, no external-snapshotter):
+    #: discovery does not list them and their resources' paths answer 404 (tests/cluster/discovery.py).
+    withheld_groups: set[str] = field(default_factory=set)
     #: The node lifecycle controller's --node-monitor-grace-period (50 s since 1.32, 40 s before; shortened
     #: by tests): how long a node may go without a heartbeat before it is Unknown and its pods not Ready.
     node_monitor_grace_s: float = 50.0
@@ -215,7 +224,8 @@ class Cluster:
         to every namespace: the ``default`` ServiceAccount (pkg/controller/serviceaccount) and the cluster's
         CA as ConfigMap ``kube-root-ca.crt`` (pkg/controller/certificates/rootcacertpublisher)."""
         self.objects["namespaces"][("", name)] = {
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}, "status": {"phase": "Active"}}
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {NAMESPACE_NAME_LABEL: name}},
+            "status": {"phase": "Active"}}
         self.objects["serviceaccounts"][(name, "default")] = {
             "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": name}}
         self.objects["configmaps"][(name, "kube-root-ca.crt")] = {

@@ -57,6 +57,7 @@ _DEFINITIONS = {
     ("v1", "LimitRange"): "io.k8s.api.core.v1.LimitRange",
     ("batch/v1", "Job"): "io.k8s.api.batch.v1.Job",
     ("storage.k8s.io/v1", "StorageClass"): "io.k8s.api.storage.v1.StorageClass",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "io.k8s.api.networking.v1.NetworkPolicy",
 }
 
 

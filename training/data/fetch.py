@@ -37,6 +37,23 @@ class FetchError(RuntimeError):
     """A download that cannot succeed as asked (bad URL, 404, wrong checksum, ...)."""
 
 
+#: The largest download ``fetch`` takes unless told otherwise: far above any lane dataset's archive (TuSimple's
+#: train_set.zip is ~10 GB, CULane's largest part ~40 GB), low enough that a server streaming without end stops.
+MAX_DOWNLOAD_BYTES = 256 * 2**30
+
+
+class DownloadTooLarge(FetchError):
+    """A download larger than the limit it was allowed (announced, or seen as it streamed); its bytes are removed."""
+
+    def __init__(self, url: str, limit: int, size: int, announced: bool):
+        how = "announces" if announced else "sent more than"
+        super().__init__(
+            f"{url} {how} {size:,} bytes, over the download limit of {limit:,} bytes; nothing of it is kept. If the "
+            f"file really is that large, raise the limit (python -m training.data.prepare --max-download-gib); "
+            f"otherwise check the URL: a server that streams without end (no Content-Length) is cut off here")
+        self.limit, self.size = limit, size
+
+
 class TransientFetchError(FetchError):
     """A failure worth retrying: connection reset, timeout, HTTP 429 or 5xx."""
 
@@ -50,9 +67,12 @@ class ChecksumMismatch(FetchError):
 
     def __init__(self, url: str, expected: str, actual: str, kept_at: Path):
         super().__init__(
-            f"sha256 mismatch for {url}: expected {expected}, actual {actual}. "
-            f"The file is kept at {kept_at}; if the source is right, pass its checksum "
-            f"({actual}) and it is adopted without downloading again."
+            f"sha256 mismatch for {url}: expected {expected}, actual {actual}. The download is corrupt or not "
+            f"the file meant; it is set aside at {kept_at} for inspection only. Do not pin its checksum: a "
+            f"download resumed after a cut, or written by two preparations at once, holds bytes no published "
+            f"file has, and nothing here proves this one was not. Delete {kept_at} and run again to download "
+            f"it afresh; if the mismatch repeats, check the source URL and the checksum its publisher lists "
+            f"(pass theirs, never the actual one above)."
         )
         self.expected = expected
         self.actual = actual
@@ -144,11 +164,14 @@ def fetch(
     progress_interval: float = 10.0,
     sleep: Callable[[float], None] = time.sleep,
     volume: Path | None = None,
+    max_bytes: int = MAX_DOWNLOAD_BYTES,
 ) -> FetchResult:
     """Fetch ``url`` to ``dest`` and verify its sha256; reuse ``dest`` when it already verifies.
 
     A download whose size is announced is refused before it writes when ``volume`` (the folder errors
-    name; default: ``dest``'s) lacks the space; one that fills it anyway fails naming the file.
+    name; default: ``dest``'s) lacks the space; one that fills it anyway fails naming the file. One larger than
+    ``max_bytes`` (announced, or as it streams) fails and leaves nothing; so does one of unannounced size that
+    fills the volume (the volume is shared: its other users need the space back more than a resume does).
     """
     expected = validate_sha256(sha256)
     parts = validate_url(url)
@@ -172,10 +195,13 @@ def fetch(
         attempt += 1
         try:
             if parts.scheme == "file":
-                _copy_file(parts, partial, progress_interval, volume)
+                _copy_file(url, parts, partial, progress_interval, volume, max_bytes)
             else:
-                _download_http(url, partial, timeout, progress_interval, volume)
+                _download_http(url, partial, timeout, progress_interval, volume, max_bytes)
             break
+        except DownloadTooLarge:
+            partial.unlink(missing_ok=True)
+            raise
         except TransientFetchError as exc:
             if attempt >= max_attempts:
                 raise FetchError(
@@ -215,15 +241,22 @@ def _make_room(partial: Path, total: int, volume: Path) -> str:
     return step
 
 
-def _copy_file(parts: urllib.parse.SplitResult, partial: Path, progress_interval: float, volume: Path) -> None:
+def _copy_file(url: str, parts: urllib.parse.SplitResult, partial: Path, progress_interval: float, volume: Path,
+               max_bytes: int) -> None:
+    """A ``file://`` source copied, under the same download limit as HTTP (a file that grows while it is read
+    is cut off at the limit too)."""
     source = Path(urllib.request.url2pathname(parts.path))
     if not source.is_file():
         raise FetchError(f"source file {source} does not exist")
     total = source.stat().st_size
+    if total > max_bytes:
+        raise DownloadTooLarge(url, max_bytes, total, announced=True)
     step = _make_room(partial, total, volume)
     with names_a_full_volume(step, volume, partial), source.open("rb") as src, partial.open("wb") as out, \
             _Progress(f"copying {source.name}", progress_interval, total, 0) as progress:
         while chunk := src.read(CHUNK_BYTES):
+            if progress.done + len(chunk) > max_bytes:
+                raise DownloadTooLarge(url, max_bytes, progress.done + len(chunk), announced=False)
             out.write(chunk)
             progress.done += len(chunk)
 
@@ -244,7 +277,8 @@ def _classified_errors() -> Iterator[None]:
         raise TransientFetchError(f"{type(exc).__name__}: {exc or 'connection lost'}") from exc
 
 
-def _download_http(url: str, partial: Path, timeout: float, progress_interval: float, volume: Path) -> None:
+def _download_http(url: str, partial: Path, timeout: float, progress_interval: float, volume: Path,
+                   max_bytes: int) -> None:
     """One attempt: stream ``url`` into ``partial``, resuming from its current size."""
     offset = partial.stat().st_size if partial.exists() else 0
     # Identity encoding: byte offsets in Range must mean the same bytes the checksum covers.
@@ -269,13 +303,17 @@ def _download_http(url: str, partial: Path, timeout: float, progress_interval: f
             log.info("server ignored the Range request for %s; downloading from the start", url)
             offset = 0
         total = _total_size(response, offset)
+        if total is not None and total > max_bytes:
+            raise DownloadTooLarge(url, max_bytes, total, announced=True)
         step = _make_room(partial, total, volume) if total is not None else _step(partial)
         mode = "ab" if status == 206 else "wb"
-        with names_a_full_volume(step, volume, partial), partial.open(mode) as out, _Progress(
-            f"downloading {partial.name.removesuffix('.part')}", progress_interval, total, offset
-        ) as progress:
+        with names_a_full_volume(step, volume, partial, keep=total is not None), partial.open(mode) as out, \
+                _Progress(f"downloading {partial.name.removesuffix('.part')}", progress_interval, total,
+                          offset) as progress:
             # iter_raw hands over every byte as it arrives, so a cut loses nothing already received.
             for chunk in response.iter_raw():
+                if offset + received + len(chunk) > max_bytes:
+                    raise DownloadTooLarge(url, max_bytes, offset + received + len(chunk), announced=False)
                 out.write(chunk)
                 received += len(chunk)
                 progress.done += len(chunk)

@@ -41,6 +41,7 @@ class QuarantineReason:
     """Why a label record was set aside; stable strings that end up in manifest.json."""
 
     INVALID_JSON = "invalid_json"
+    LINE_TOO_LONG = "line_too_long"
     INVALID_RECORD = "invalid_record"
     LENGTH_MISMATCH = "length_mismatch"
     X_OUT_OF_RANGE = "x_out_of_range"
@@ -72,15 +73,33 @@ class LabelRecord:
 Point = tuple[float, float]
 
 
+#: A TuSimple label line is ~1-2 KB (56 h_samples, up to 5 lanes); a longer one is not a label, and is not parsed.
+MAX_LABEL_LINE_CHARS = 64 * 1024
+
+
+def load_json_line(line: str) -> object:
+    """``json.loads`` of one label line that never fails but with :class:`LabelError`: a line past
+    ``MAX_LABEL_LINE_CHARS``, nested past the parser's recursion limit, or holding an integer of more digits
+    than Python converts, is a bad line like any other (quarantined), never the end of the preparation."""
+    if len(line) > MAX_LABEL_LINE_CHARS:
+        raise LabelError(QuarantineReason.LINE_TOO_LONG,
+                         f"{len(line)} characters; a label line has at most {MAX_LABEL_LINE_CHARS}")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise LabelError(QuarantineReason.INVALID_JSON, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise LabelError(QuarantineReason.INVALID_JSON, "not valid JSON (nested too deeply to parse)") from None
+    except ValueError as exc:  # e.g. an integer past sys.get_int_max_str_digits()
+        raise LabelError(QuarantineReason.INVALID_JSON, f"not valid JSON ({str(exc)[:120]})") from None
+
+
 def parse_label_line(line: str) -> LabelRecord:
     """Parse one JSON line of a label file, checking its shape (not yet against the image).
 
     Raises :class:`LabelError` naming what is wrong.
     """
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise LabelError(QuarantineReason.INVALID_JSON, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    obj = load_json_line(line)
     if not isinstance(obj, dict):
         raise LabelError(QuarantineReason.INVALID_RECORD, "a label line must be a JSON object")
     for key in ("raw_file", "h_samples", "lanes"):

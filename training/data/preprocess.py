@@ -127,8 +127,8 @@ def read_label_lines(root: Path) -> tuple[list[Located], dict[str, dict]]:
 def peek_raw_file(text: str) -> str | None:
     """The line's ``raw_file`` if it has a usable one; full validation happens in the workers."""
     try:
-        raw_file = json.loads(text).get("raw_file")
-    except (json.JSONDecodeError, AttributeError):
+        raw_file = labels.load_json_line(text).get("raw_file")
+    except (LabelError, AttributeError):
         return None
     return raw_file if isinstance(raw_file, str) and labels.is_safe_relative_path(raw_file) else None
 

@@ -10,6 +10,7 @@ folder, or a file, placed there as it is. One archive on its own — the usual m
 from __future__ import annotations
 
 import hashlib
+import json
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -93,3 +94,30 @@ def dataset_key(artifacts: list[Artifact]) -> str:
         return artifacts[0].sha256[:16]
     parts = sorted(f"{a.kind}:{a.sha256}:{a.name}" for a in artifacts)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+#: The variable the dataset stage passes its artifacts in, never its command line: a URL may carry a credential
+#: (an Azure SAS, a presigned signature), and a command line is public (``ps``, ``/proc/<pid>/cmdline``, a pod
+#: spec kept in etcd). Locally only the user's own processes read another's environment; on a cluster the
+#: value comes from a Secret the pod spec only names.
+SOURCES_ENV = "LANEFLOW_DATASET_SOURCES"
+
+
+def sources_json(artifacts: Iterable[Artifact]) -> str:
+    """The artifacts as the dataset stage passes them (``SOURCES_ENV``): a JSON list of kind, url, sha256."""
+    return json.dumps([{"kind": a.kind, "url": a.url, "sha256": a.sha256} for a in artifacts])
+
+
+def artifacts_from_json(text: str) -> list[Artifact]:
+    """The artifacts ``sources_json`` wrote, or a ``SourceError`` saying what is wrong (never the URLs)."""
+    try:
+        items = json.loads(text)
+    except ValueError as exc:
+        raise SourceError(f"{SOURCES_ENV} is not JSON ({exc.msg} at character {exc.pos}); laneflow writes it as a "
+                          "list of {kind, url, sha256}") from None
+    fields = {"kind", "url", "sha256"}
+    if not isinstance(items, list) or not all(isinstance(item, dict) and set(item) == fields
+                                              and all(isinstance(item[f], str) for f in fields) for item in items):
+        raise SourceError(f"{SOURCES_ENV} must be a JSON list of objects with exactly the string fields kind, url "
+                          "and sha256")
+    return [Artifact(item["url"], item["sha256"], item["kind"]) for item in items]

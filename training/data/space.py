@@ -34,27 +34,32 @@ def format_bytes(count: int) -> str:
 class InsufficientSpace(OSError):
     """Not enough space on the volume for a step; says how much is needed, how much is free, what to do."""
 
-    def __init__(self, step: str, volume: Path, free: int, *, needed: int | None = None, path: Path | None = None):
-        self.step, self.volume, self.free, self.needed, self.path = step, volume, free, needed, path
+    def __init__(self, step: str, volume: Path, free: int, *, needed: int | None = None, path: Path | None = None,
+                 kept: bool = True):
+        self.step, self.volume, self.free, self.needed, self.path, self.kept = step, volume, free, needed, path, kept
         if needed is not None:
             message = (f"not enough space on volume {volume} to {step}: it needs {format_bytes(needed)}, "
                        f"{format_bytes(free)} are free. Free or grow the volume by at least "
                        f"{format_bytes(needed - free)}, then run again (verified downloads are reused)")
         else:
+            then = ("a partial download resumes, verified ones are reused" if kept else
+                    f"{path} was removed: the server did not say how large it is, so no size can be checked first; "
+                    "verified downloads are reused")
             message = (f"volume {volume} ran out of space while it was being used to {step} (writing {path}); "
-                       f"{format_bytes(free)} are free now. Free or grow the volume, then run again (a partial "
-                       "download resumes, verified ones are reused)")
+                       f"{format_bytes(free)} are free now. Free or grow the volume, then run again ({then})")
         super().__init__(errno.ENOSPC, message)
 
     def __str__(self) -> str:
         return self.strerror
 
     def __reduce__(self) -> tuple:  # raised in a worker process, re-raised in the parent
-        return _rebuild, (self.step, str(self.volume), self.free, self.needed, str(self.path) if self.path else None)
+        return _rebuild, (self.step, str(self.volume), self.free, self.needed, str(self.path) if self.path else None,
+                          self.kept)
 
 
-def _rebuild(step: str, volume: str, free: int, needed: int | None, path: str | None) -> InsufficientSpace:
-    return InsufficientSpace(step, Path(volume), free, needed=needed, path=Path(path) if path else None)
+def _rebuild(step: str, volume: str, free: int, needed: int | None, path: str | None,
+             kept: bool = True) -> InsufficientSpace:
+    return InsufficientSpace(step, Path(volume), free, needed=needed, path=Path(path) if path else None, kept=kept)
 
 
 def _existing(path: Path) -> Path:
@@ -111,8 +116,10 @@ def ensure_free(step: str, volume: Path, where: Path, needed: int) -> None:
 
 
 @contextmanager
-def names_a_full_volume(step: str, volume: Path, path: Path) -> Iterator[None]:
-    """A "no space left" error inside the block becomes one naming ``step``, the volume and ``path``."""
+def names_a_full_volume(step: str, volume: Path, path: Path, keep: bool = True) -> Iterator[None]:
+    """A "no space left" error inside the block becomes one naming ``step``, the volume and ``path``; without
+    ``keep``, ``path`` is removed first (a download whose size nobody announced: resuming it would fill the
+    volume again, and its other users need the space)."""
     try:
         yield
     except InsufficientSpace:
@@ -121,4 +128,7 @@ def names_a_full_volume(step: str, volume: Path, path: Path) -> Iterator[None]:
         if exc.errno not in _FULL:
             raise
         written = Path(exc.filename) if exc.filename else path
-        raise InsufficientSpace(step, volume, free_bytes(path), path=written) from exc
+        if not keep:
+            path.unlink(missing_ok=True)
+        raise InsufficientSpace(step, volume, free_bytes(path.parent), path=written,
+                                kept=keep) from exc

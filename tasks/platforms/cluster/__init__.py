@@ -128,6 +128,10 @@ class ClusterPlatform(Platform):
     anf: AnfVolume | None = Field(None, description="the Azure NetApp Files account and pools of the claims' volumes, "
                                                     "to change their service level around training (each claim's "
                                                     "own volume is read from its PV)")
+    adopt_claims: list[str] = Field(default_factory=list, description="claims made without laneflow (a hand-made "
+                                    "ReadWriteOnce claim, as the seed had) that runs may use by name: patched to "
+                                    "ReadWriteMany, written, snapshotted. Any other claim laneflow did not create is "
+                                    "refused, so a mistyped name never takes over another team's volume")
     _clients: _ClientCache = PrivateAttr(default_factory=lambda: _ClientCache())
     #: Each claim's ANF volume, by its Azure resource id (volumes.anf_volume_of).
     _anf_volumes: dict[str, AnfVolume] = PrivateAttr(default_factory=dict)
@@ -237,8 +241,8 @@ class ClusterPlatform(Platform):
                           timeout_s: float) -> TrainingOutcome:
         return training.wait(self, handle, on_event, on_log, timeout_s)
 
-    def cancel_training(self, job_name: str, volume: VolumeRef) -> bool:
-        return training.cancel(self, job_name, volume)
+    def cancel_training(self, job_name: str, volume: VolumeRef, owner: str | None = None) -> bool:
+        return training.cancel(self, job_name, volume, owner)
 
     # --- snapshots -----------------------------------------------------------------------------------
     def create_snapshot(self, volume: VolumeRef, name: str, data_dir: str, run_dir: str,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,13 @@ from kubernetes.client.exceptions import ApiException
 
 from tasks.k8s.diagnose import terminated_problems
 from tasks.k8s.logs import LogCursor
-from tasks.k8s.manifests import MOUNT_PATH, render_data_job
+from tasks.k8s.manifests import (
+    MOUNT_PATH,
+    render_claim_job,
+    render_data_job,
+    render_sources_secret,
+    sources_secret_name,
+)
 from tasks.launch import LOG_TAIL, parse_output_line
 from tasks.names import validate_name
 from tasks.platforms.base import (
@@ -138,13 +145,79 @@ def stays_on(volume: VolumeRef, relative_path: str) -> None:
 # --- the dataset ------------------------------------------------------------------------------------
 def prepare_dataset(platform: ClusterPlatform, volume: VolumeRef, artifacts: list[Artifact],
                     log: LogSink) -> dict[str, Any]:
-    # One Job per volume and dataset: a retry adopts it; another volume (a restore) gets its own.
-    key = dataset_key(validate_artifacts(artifacts))
-    name = validate_name(f"prepare-{volume.name[:36].rstrip('-')}-{key}", "job")
-    body = render_data_job(name, platform.layout(), volume.name, artifacts,
-                           platform.job_labels(name, {"volume": volume.name}))
-    lines = run_job(platform, body, log, timeout_s=platform.prepare_deadline_s)
+    name = dataset_job_name(volume.name, artifacts)
+    labels = platform.job_labels(name, {"volume": volume.name})
+    put_sources(platform, render_sources_secret(name, platform.layout(), artifacts, labels))
+    try:
+        lines = run_job(platform, render_data_job(name, platform.layout(), volume.name, labels), log,
+                        timeout_s=platform.prepare_deadline_s)
+    except Exception:
+        # Only when the Job is over: one still running (the flow's side failed) may not have started its pod
+        # yet, and a retry adopts it and puts the Secret again. Tidying never hides the stage's own error.
+        try:
+            if job_ended(platform, name):
+                drop_sources(platform, name)
+        except Exception as cleanup:
+            logging.getLogger(__name__).warning("could not remove the sources Secret of job %s: %s", name, cleanup)
+        raise
+    # Not on an interruption (a drain of the flow's pod): the rescheduled run adopts the Job, whose pod may not
+    # have started yet, and puts the Secret again.
+    drop_sources(platform, name)
     return last_event(lines, "prepared", f"dataset job {name}")
+
+
+def dataset_job_name(volume: str, artifacts: list[Artifact]) -> str:
+    """One Job per volume and dataset: a retry adopts it; another volume (a restore) gets its own."""
+    return validate_name(f"prepare-{volume[:36].rstrip('-')}-{dataset_key(validate_artifacts(artifacts))}", "job")
+
+
+def put_sources(platform: ClusterPlatform, secret: dict) -> None:
+    """Create the dataset Job's sources Secret, or replace the data of ours left by an earlier try (a SAS may have
+    been renewed since). The flows' account may create, patch and delete Secrets (no get or list): a Secret of
+    that name that laneflow did not make is refused by the patch's test, never overwritten."""
+    core, _, _ = apis(platform)
+    namespace, name = platform.effective_namespace(), secret["metadata"]["name"]
+    try:
+        call(platform, "create", "secrets", core.create_namespaced_secret, namespace, secret,
+             field_validation=STRICT)
+        return
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    ours = [{"op": "test", "path": "/metadata/labels/app.kubernetes.io~1managed-by", "value": "laneflow"},
+            {"op": "replace", "path": "/data", "value": secret["data"]}]
+    try:
+        call(platform, "patch", "secrets", core.patch_namespaced_secret, name, namespace, ours)
+    except ApiException as exc:
+        if exc.status != 422:
+            raise
+        raise FileExistsError(f"secret '{name}' already exists in namespace '{namespace}' and was not created by "
+                              "laneflow; refusing to touch it (delete it or prepare the dataset on another volume)"
+                              ) from None
+
+
+def job_ended(platform: ClusterPlatform, name: str) -> bool:
+    """Whether the Job is gone, being deleted, or finished: nothing of it will start a pod any more."""
+    _, batch, _ = apis(platform)
+    try:
+        job = call(platform, "get", "jobs", batch.read_namespaced_job, name, platform.effective_namespace())
+    except ApiException as exc:
+        if exc.status == 404:
+            return True
+        raise
+    status = job.status
+    return bool(job.metadata.deletion_timestamp or (status and (status.succeeded or status.failed)))
+
+
+def drop_sources(platform: ClusterPlatform, job: str) -> None:
+    """The sources Secret is needed only until the Job's pod has started: gone once the Job ended (or never ran)."""
+    core, _, _ = apis(platform)
+    try:
+        call(platform, "delete", "secrets", core.delete_namespaced_secret, sources_secret_name(job),
+             platform.effective_namespace())
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
 
 
 # --- files on the claim -----------------------------------------------------------------------------
@@ -153,9 +226,8 @@ def file_job(platform: ClusterPlatform, kind: str, volume: VolumeRef, relative_p
     """Run ``python -c script /data/<relative_path> *args`` in a throwaway Job on the claim; its log lines."""
     stays_on(volume, relative_path)
     name = f"{kind}-{hashlib.sha256(relative_path.encode()).hexdigest()[:8]}-{uuid.uuid4().hex[:8]}"
-    body = render_data_job(name, platform.layout(), volume.name, [], platform.job_labels(name))
-    body["spec"]["template"]["spec"]["containers"][0]["command"] = [
-        "python", "-c", script, f"{MOUNT_PATH}/{relative_path}", *args]
+    body = render_claim_job(name, platform.layout(), volume.name,
+                            ["python", "-c", script, f"{MOUNT_PATH}/{relative_path}", *args], platform.job_labels(name))
     return run_job(platform, body, lambda _: None, timeout_s=1800, delete_after=True)
 
 
@@ -241,10 +313,10 @@ def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, 
     block's tolerations, node selector, affinity, priority class and requests): on AKS the GPU pools are
     tainted, and a pod asking for a GPU without the pool's tolerations is never scheduled anywhere."""
     name = validate_name(name[:63].rstrip("-"), "job")
-    body = render_data_job(name, platform.layout(), volume.name, [], platform.job_labels(run, labels))
+    body = render_claim_job(name, platform.layout(), volume.name, ["python", "-m", *args],
+                            platform.job_labels(run, labels))
     container = body["spec"]["template"]["spec"]["containers"][0]
     container["image"] = platform.image
-    container["command"] = ["python", "-m", *args]
     if gpus:  # on the GPU pools, as the training workers are: the block's tolerations, selector, priority, requests
         scheduling = platform.layout().scheduling
         container["resources"] = scheduling.resources(gpus)

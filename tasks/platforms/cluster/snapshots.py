@@ -20,7 +20,7 @@ from tasks.anf import AnfVolume
 from tasks.k8s.manifests import MANAGED_BY, render_pvc, render_snapshot
 from tasks.k8s.quantity import larger_size
 from tasks.names import validate_name
-from tasks.platforms.base import SnapshotRef, StageDeadlineExceeded, VolumeRef
+from tasks.platforms.base import SnapshotRef, StageDeadlineExceeded, VolumeRef, refuse_other_data
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt
 from tasks.platforms.cluster.jobs import file_job, last_event
 from tasks.platforms.cluster.volumes import anf_volume_of
@@ -37,6 +37,10 @@ _ANF_SNAPSHOT_NAME = re.compile(r"^(?P<volume>.+)-(?P<run>[a-z]+-[0-9a-f]{12})$"
 def create(platform: ClusterPlatform, volume: VolumeRef, name: str, data_dir: str, run_dir: str,
            lineage: dict[str, Any]) -> SnapshotRef:
     if platform.snapshotter == "anf":
+        # A retry adopts the snapshot of its name, but only one of the same data: its record on the volume says
+        # (read by a Job only when Azure has a snapshot of that name).
+        for existing in _anf_snapshots(platform, only=name):
+            refuse_other_data(name, existing.lineage.get("dataset_version"), lineage.get("dataset_version"))
         # ANF snapshots carry no labels: the lineage goes into the run's record, inside the snapshot.
         # Written before the snapshot, so inside it: what it was made from, never whether it is ready
         # (that is Azure's to say: list_snapshots and find_lineage read it from the snapshot).
@@ -55,13 +59,16 @@ def create(platform: ClusterPlatform, volume: VolumeRef, name: str, data_dir: st
     record = {**lineage, "data_dir": data_dir, "run_dir": run_dir, "volume": volume.name}
     body = render_snapshot(name, platform.layout(), volume.name, labels,
                            {LINEAGE_ANNOTATION: json.dumps(record, sort_keys=True)})
-    snapshot, _ = create_or_adopt(
+    snapshot, created = create_or_adopt(
         platform, "volumesnapshots",
         lambda: custom.create_namespaced_custom_object(group, version, namespace, plural, body,
                                                        field_validation=STRICT),
         lambda: custom.get_namespaced_custom_object(group, version, namespace, plural, name),
         lambda found: found["metadata"].get("labels", {}).get("laneflow.io/run") == labels["laneflow.io/run"],
         name)
+    if not created:
+        refuse_other_data(name, snapshot["metadata"].get("labels", {}).get("laneflow.io/dataset-version"),
+                          labels.get("laneflow.io/dataset-version"))
     return _snapshot_ref(snapshot)
 
 

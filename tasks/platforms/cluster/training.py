@@ -3,8 +3,9 @@
 Separate because the MPIJob has a life of its own: named after the flow run, so a retry adopts it (or
 replaces it when an earlier attempt failed); its launcher's log carries the run's events; the operator
 refuses an invalid job only with a Warning event; its failure is read as resumable (preempted, a worker
-lost: the task's retry resumes from the newest checkpoint) or not; and anything that interrupts the wait
-deletes it, so nothing keeps running.
+lost: the task's retry resumes from the newest checkpoint) or not (tasks/platforms/cluster/mpijob_ends.py);
+a launcher removed from outside (a drain of its node) is replaced in the same MPIJob by its launcher Job and
+the wait follows the replacement; and anything that interrupts the wait deletes it, so nothing keeps running.
 """
 
 from __future__ import annotations
@@ -17,22 +18,17 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from tasks.handover import handed_over
-from tasks.k8s.diagnose import node_silent, pod_ends
+from tasks.k8s.diagnose import node_silent
 from tasks.k8s.logs import LogCursor
-from tasks.k8s.manifests import render_mpijob
+from tasks.k8s.manifests import another_owner, render_mpijob
 from tasks.launch import (
-    DEADLINE,
-    OUT_OF_MEMORY,
-    PREEMPTED,
-    REFUSED,
     START_FAILED,
-    ExitReading,
     JobOutput,
-    read_mpijob_failure,
 )
 from tasks.platforms.base import (
     EventSink,
     LogSink,
+    NotOurJob,
     StageBlocked,
     TrainingFailed,
     TrainingHandle,
@@ -45,6 +41,13 @@ from tasks.platforms.base import (
     outcome_from_events,
 )
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt, wait_deleted
+from tasks.platforms.cluster.isolation import isolate
+from tasks.platforms.cluster.mpijob_ends import (
+    launcher_failed_on_its_own,
+    mpijob_state,
+    read_failure,
+    say_launcher_replacements,
+)
 from tasks.platforms.cluster.pod_logs import follow_log
 from tasks.platforms.cluster.problems import check_pods, list_pods, problem_clock
 
@@ -86,12 +89,21 @@ def submit(platform: ClusterPlatform, spec: TrainingSpec) -> TrainingHandle:
                                                        field_validation=STRICT),
         lambda: custom.get_namespaced_custom_object(group, version, namespace, plural, spec.job_name),
         ours, spec.job_name)
-    state = _mpijob_state(job)
-    if not created and (state == "failed" or job["metadata"].get("deletionTimestamp")):
+    state = mpijob_state(job)
+    other = None if created else another_owner(job, spec.labels.get("flow-run"))
+    if other is not None and state not in ("succeeded", "failed") and not job["metadata"].get("deletionTimestamp"):
+        raise NotOurJob(f"MPIJob {spec.job_name} is still training for flow run {other}, another run of the same "
+                        "run key: this run neither adopts nor stops it. Wait for that run to end or cancel it, or "
+                        "give this run another run_key")
+    if other is not None:  # an earlier run of the same key left it finished: not this run's result to report
+        job = _replace(platform, spec, body)
+        created, state = True, mpijob_state(job)
+    elif not created and (state == "failed" or job["metadata"].get("deletionTimestamp")):
         # An earlier attempt stopped (preempted, a worker lost), or its job is being deleted (a cancel, a
         # replacement that did not finish): wait it out and create it afresh; the trainer resumes.
         job = _replace(platform, spec, body)
-        created, state = True, _mpijob_state(job)
+        created, state = True, mpijob_state(job)
+    isolate(platform, job)
     return TrainingHandle(job_name=spec.job_name, spec=spec, state=state, adopted=not created,
                           details={"namespace": namespace, "uid": job["metadata"].get("uid")})
 
@@ -158,10 +170,10 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
         output.finish()
         if not resubmitted:
             remove_expired(platform, on_log)  # once a run ends: earlier runs' finished MPIJobs past their TTL
-        if _mpijob_state(job) == "succeeded":
+        if mpijob_state(job) == "succeeded":
             return outcome_from_events(handle.job_name, _all_events(platform, handle, output, cursor, on_log),
                                        time.monotonic() - started, list(output.tail))
-        reading, detail = _read_failure(platform, handle.job_name, job, output, silent)
+        reading, detail = read_failure(platform, handle.job_name, job, output, silent)
         if reading.kind != START_FAILED or resubmitted:
             break
         on_log(f"laneflow: MPIJob {handle.job_name} {reading.reason}; submitting it once more")
@@ -180,7 +192,8 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
 START_ADVICE = ("The launcher reaches each worker over ssh by its name in the MPIJob's headless Service, starts "
                 "OpenMPI's orted there, and horovodrun's services then talk over ports of their own: check that the "
                 "workers run and keep sshd listening (kubectl logs <job>-worker-0), that the image has the "
-                "operator's ssh settings and orted on its PATH (README, 'What the training image must contain'), "
+                "operator's ssh settings and orted on its PATH (docs/getting-started/cluster.md, 'What the training "
+                "image must contain'), "
                 "and that no NetworkPolicy blocks traffic between the job's pods")
 
 
@@ -191,12 +204,14 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
     gets each of the job's pods seen on a node that stopped reporting (how, by pod name)."""
     core, _, custom = apis(platform)
     group, version, plural = MPI
-    name = handle.job_name
+    name, owner = handle.job_name, handle.spec.labels.get("flow-run")
     selector = f"training.kubeflow.org/job-name={name},training.kubeflow.org/job-role=launcher"
     warnings_seen: dict[str, tuple[float, int]] = {}
     clock = problem_clock(platform)
     followed_since = time.monotonic()
     last_line_at = float("-inf")  # when the launcher's log last advanced
+    launchers_seen: dict[str, bool] = {}  # launcher pod -> whether its removal was said
+    replacements_stopped = False
 
     def feed(text: str) -> None:
         nonlocal last_line_at
@@ -207,13 +222,13 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
         while True:
             job = call(platform, "get", "mpijobs", custom.get_namespaced_custom_object, group, version,
                        platform.effective_namespace(), plural, name)
-            state = _mpijob_state(job)
+            state = mpijob_state(job)
             if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
                 try:
                     _check_warnings(platform, core, job, warnings_seen, output.on_log)
                     _check_operator_answers(platform, job, time.monotonic() - followed_since, bool(warnings_seen))
                 except StageBlocked:
-                    platform.cancel_training(name, handle.spec.volume)
+                    platform.cancel_training(name, handle.spec.volume, owner)
                     raise
             if state in ("pending", "running"):  # a pod that cannot run (a worker can fail alone)
                 try:
@@ -225,13 +240,18 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
                                       if handle.spec.elastic else None)
                     silent.update({pod["metadata"]["name"]: how for pod in pods if (how := node_silent(pod))})
                 except (StageBlocked, TrainingInterrupted):
-                    platform.cancel_training(name, handle.spec.volume)  # a retry submits a fresh one
+                    platform.cancel_training(name, handle.spec.volume, owner)  # a retry submits a fresh one
                     raise
+                say_launcher_replacements(pods, launchers_seen, output.on_log)
+                if not replacements_stopped and launcher_failed_on_its_own(pods):
+                    replacements_stopped = stop_launcher_replacements(platform, name)
+                    output.on_log(f"laneflow: MPIJob {name}'s launcher failed on its own: its launcher Job starts no "
+                                  "other (backoffLimit 0), and the job ends failed")
             streamed = follow_log(platform, core, selector, cursor, feed, deadline)
             if state in ("succeeded", "failed"):
                 return job
             if time.monotonic() > deadline:
-                platform.cancel_training(name, handle.spec.volume)
+                platform.cancel_training(name, handle.spec.volume, owner)
                 raise TrainingFailed(f"MPIJob {name} did not finish within {timeout_s:.0f} s; it was deleted",
                                      list(output.tail))
             if not streamed:
@@ -244,65 +264,42 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
                           f"told to stop: a drain of its node); MPIJob {name} trains on, and the next attempt "
                           "adopts it")
             raise
-        platform.cancel_training(name, handle.spec.volume)
+        platform.cancel_training(name, handle.spec.volume, owner)
         raise
 
 
-#: Seconds beyond the pods' grace period that a failure read from mpirun's words alone (a rank killed by a
-#: signal, a daemon lost, a daemon that failed at start) waits for the job's pods that still run to end,
-#: before it is judged: the pods' own ends say more. The kernel's OOM killer is behind such words, and a worker
-#: shows OOMKilled only once its container has ended: on cgroup v2 the whole container dies with the rank
-#: (mpirun then loses the daemon), but the kubelet may report it after the launcher's failure; on cgroup v1
-#: only the rank dies, and the container ends when the operator deletes the job's running workers
-#: (cleanPodPolicy Running), within their grace period (containerd keeps the OOM as the container's reason,
-#: whatever its exit code). A pod on a node that stopped reporting never ends: it is not waited for.
-SETTLE_EXTRA_S = 15.0
+def stop_launcher_replacements(platform: ClusterPlatform, name: str) -> bool:
+    """Tell MPIJob ``name``'s launcher Job to replace no more launchers (``backoffLimit`` 0, a mutable field the
+    operator leaves alone once the Job exists): its launcher failed on its own, so the Job fails now, the operator
+    marks the MPIJob failed and removes its running workers, and its pods stay for ``kubectl logs`` until the
+    block's TTL — as with no replacements at all. False when there is no such Job (any more)."""
+    _, batch, _ = apis(platform)
+    try:
+        call(platform, "patch", "jobs", batch.patch_namespaced_job, f"{name}-launcher", platform.effective_namespace(),
+             {"spec": {"backoffLimit": 0}})
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
 
 
-def _read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOutput,
-                  silent: dict[str, str] | None = None) -> tuple[ExitReading, str]:
-    """How a failed MPIJob ended — from its pods' ends, the operator's reason, the launcher's exit code and
-    output — and the detail a message shows (the condition and every pod that exited non-zero). A job that
-    failed after some of its pods were seen on a node that stopped reporting (``silent``) lost that node: the
-    launcher's, say, whose pod the pod GC removed with it before it could say a word — it can resume, unless
-    its pods say otherwise (out of memory) or it was refused or ran out of time."""
-    core, _, _ = apis(platform)
-    condition = _failed_condition(job)
-    reason = condition.get("reason", "")
-    settle_until = time.monotonic() + platform.termination_grace_s + SETTLE_EXTRA_S
-    while True:
-        pods = list_pods(platform, core, f"training.kubeflow.org/job-name={name}")
-        ends = pod_ends(sorted(pods, key=lambda pod: pod["metadata"].get("creationTimestamp") or ""))  # oldest first
-        launchers = [end for end in ends if end.role == "launcher" and end.exit_code is not None]
-        reading = read_mpijob_failure(reason, launchers[-1].exit_code if launchers else None, output.exit_lines,
-                                      output.events, ends)
-        from_pods = any(end.out_of_memory or end.disruption for end in ends)
-        still_running = any((pod.get("status") or {}).get("phase") in ("Pending", "Running") and not node_silent(pod)
-                            for pod in pods)
-        if not (reading.kind in (PREEMPTED, START_FAILED) and not from_pods and still_running) \
-                or time.monotonic() >= settle_until:
-            break
-        time.sleep(platform.poll_interval_s)
-    if silent and not reading.resumable and reading.kind not in (OUT_OF_MEMORY, REFUSED, DEADLINE):
-        lost = ", ".join(f"{pod} ({how})" for pod, how in sorted(silent.items()))
-        reading = ExitReading(False, True, f"its pods were on nodes that stopped reporting: {lost}; it failed "
-                                           f"without them ({reading.reason}) and can resume", PREEMPTED)
-    elif reason.startswith("BackoffLimitExceeded") and not any(end.role == "launcher" for end in ends) and \
-            not reading.resumable and reading.kind not in (OUT_OF_MEMORY, REFUSED, DEADLINE):
-        # The launcher Job failed with no launcher pod left: one that ended on its own is kept (restartPolicy
-        # Never, and cleanPodPolicy removes only running pods), so this one was removed from outside — evicted by a
-        # drain of its node, deleted — before its end could be read (the flow that followed it may have been
-        # stopped by the same drain). Its ranks were told to checkpoint: it resumes.
-        reading = ExitReading(False, True, f"its launcher pod was removed before it reported its end (evicted by "
-                                           f"a drain of its node, or deleted; {reading.reason}) and can resume from "
-                                           "its last checkpoint", PREEMPTED)
-    exited = ", ".join(f"{end.name} {end.container_reason} (exit {end.exit_code})" for end in ends if end.exit_code)
-    return reading, f"{reason}: {condition.get('message', '')}; pods: {exited or 'none found'}"
-
-
-def cancel(platform: ClusterPlatform, job_name: str, volume: VolumeRef) -> bool:
+def cancel(platform: ClusterPlatform, job_name: str, volume: VolumeRef, owner: str | None = None) -> bool:
     _, _, custom = apis(platform)
     group, version, plural = MPI
+    if owner is not None:
+        try:
+            job = call(platform, "get", "mpijobs", custom.get_namespaced_custom_object, group, version,
+                       platform.effective_namespace(), plural, job_name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        if (other := another_owner(job, owner)) is not None:
+            if mpijob_state(job) in ("succeeded", "failed"):  # that run's training is over: nothing of ours to stop
+                return False
+            raise NotOurJob(f"MPIJob {job_name} was started by flow run {other}, not {owner} (another run of the "
+                            "same run key): left running")
     try:
         call(platform, "delete", "mpijobs", custom.delete_namespaced_custom_object, group, version,
              platform.effective_namespace(), plural, job_name, propagation_policy="Foreground")
@@ -388,7 +385,7 @@ def expired(jobs: list[dict], now: datetime, ttl_s: float) -> list[str]:
     names = []
     for job in jobs:
         finished = (job.get("status") or {}).get("completionTime")
-        if not finished or _mpijob_state(job) not in ("succeeded", "failed") or \
+        if not finished or mpijob_state(job) not in ("succeeded", "failed") or \
                 job["metadata"].get("deletionTimestamp"):
             continue
         at = datetime.strptime(finished, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
@@ -421,19 +418,3 @@ def remove_expired(platform: ClusterPlatform, on_log: LogSink) -> list[str]:
         on_log(f"laneflow: removed {len(names)} finished MPIJob(s) older than {platform.finished_ttl_s} s: "
                f"{', '.join(names)}")
     return names
-
-
-def _mpijob_state(job: dict) -> str:
-    """succeeded, failed, running, or pending (refused, waiting for its workers, or not seen by the operator)."""
-    types = {c["type"] for c in (job.get("status") or {}).get("conditions", []) if c.get("status") == "True"}
-    if "Succeeded" in types:
-        return "succeeded"
-    if "Failed" in types:
-        return "failed"
-    return "running" if "Running" in types else "pending"
-
-
-def _failed_condition(job: dict) -> dict:
-    """The job's ``Failed`` condition that holds (the operator flips earlier ones to False)."""
-    conditions = (job.get("status") or {}).get("conditions", [])
-    return next((c for c in reversed(conditions) if c.get("type") == "Failed" and c.get("status") == "True"), {})

@@ -1,13 +1,14 @@
-"""The volume: a PVC created ReadWriteMany or adopted, and its bound PV made ReadWriteMany for the workers.
+"""The volume: a PVC created ReadWriteMany or adopted, and its bound PV ReadWriteMany for the workers.
 
 Separate because it is the one stage that waits on a claim rather than on pods: until the claim is bound
-(failing early when the provisioner refuses it), then patching and verifying the PV a claim made by hand
-(ReadWriteOnce, as the seed had it) is bound to.
+(failing early when the provisioner refuses it). A claim laneflow makes is ReadWriteMany from the start; only a
+claim made by hand (ReadWriteOnce, as the seed had it) needs its PV patched and verified, which takes the opt-in
+rule of ``deployments/rwo-claims``: by default the flows may read PVs, never change one.
 
-The PV also says which Azure NetApp Files volume a claim is (``anf_volume_of``: Trident provisions one ANF
-volume per claim), and carries the record of the runs holding that volume's service level
-(``tasks.level_holds``): the API server replaces an object only at the ``resourceVersion`` it was read at,
-which makes the record a compare-and-swap.
+The PV says which Azure NetApp Files volume a claim is (``anf_volume_of``: Trident provisions one ANF volume per
+claim). The claim carries laneflow's records as annotations — the runs holding the volume's service level
+(``tasks.level_holds``), a sweep's study lock: the API server replaces an object only at the ``resourceVersion``
+it was read at, which makes each record a compare-and-swap, within the namespace's own rights.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.exceptions import ApiException
 
@@ -26,6 +27,7 @@ from tasks.level_holds import LevelRecord
 from tasks.names import validate_name
 from tasks.platforms.base import (
     NoServiceLevel,
+    NotOurClaim,
     StageDeadlineExceeded,
     TransientPlatformError,
     VolumeNotBound,
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from tasks.platforms.cluster import ClusterPlatform
 
 _LOG = logging.getLogger("laneflow.cluster")
-#: The PV annotation holding the volume's service-level record (JSON of ``LevelRecord``).
+#: The claim's annotation holding the volume's service-level record (JSON of ``LevelRecord``).
 LEVEL_RECORD_ANNOTATION = "laneflow.io/service-level"
 #: How often a record update that lost a race (409 Conflict) is read and made again before giving up.
 _UPDATE_RACES = 50
@@ -63,17 +65,37 @@ def ensure_volume(platform: ClusterPlatform, name: str) -> VolumeRef:
     core, _, _ = apis(platform)
     namespace = platform.effective_namespace()
     try:
-        call(platform, "get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim, name, namespace)
+        claim = call(platform, "get", "persistentvolumeclaims", core.read_namespaced_persistent_volume_claim, name,
+                     namespace)
+        _check_adoptable(platform, claim)
         return VolumeRef(name=name, location=f"{namespace}/{name}", created=False)
     except ApiException as exc:
         if exc.status != 404:
             raise
     body = render_pvc(name, platform.layout(), {**MANAGED_BY})
-    _, created = create_or_adopt(
+    claim, created = create_or_adopt(
         platform, "persistentvolumeclaims",
         lambda: core.create_namespaced_persistent_volume_claim(namespace, body, field_validation=STRICT),
         lambda: core.read_namespaced_persistent_volume_claim(name, namespace), lambda _: True, name)
+    if not created:  # made by someone else between the read and the create
+        _check_adoptable(platform, claim)
     return VolumeRef(name=name, location=f"{namespace}/{name}", created=created)
+
+
+def _check_adoptable(platform: ClusterPlatform, claim: Any) -> None:
+    """A claim laneflow made (its managed-by label), or one the block names in ``adopt_claims``; else
+    ``NotOurClaim``: a name typed by mistake must not take over another team's volume (patched to RWX, written,
+    snapshotted, moved between ANF pools)."""
+    name, labels = claim.metadata.name, claim.metadata.labels or {}
+    if labels.get("app.kubernetes.io/managed-by") == MANAGED_BY["app.kubernetes.io/managed-by"]:
+        return
+    if name in platform.adopt_claims:
+        return
+    raise NotOurClaim(
+        f"PVC {platform.effective_namespace()}/{name} exists but laneflow did not create it (it has no label "
+        "app.kubernetes.io/managed-by=laneflow): a run on it would write to it, patch its volume to ReadWriteMany, "
+        f"snapshot it and may move it between service levels. If it is yours (a hand-made claim, as the seed had), "
+        f"add '{name}' to the platform block's adopt_claims and run again; otherwise choose another volume name")
 
 
 def ensure_shared_access(platform: ClusterPlatform, volume: VolumeRef) -> str:
@@ -97,11 +119,20 @@ def ensure_shared_access(platform: ClusterPlatform, volume: VolumeRef) -> str:
                                         "why; check its storage class and provisioner")
         time.sleep(platform.poll_interval_s)
     pv_name = claim.spec.volume_name
+    if "ReadWriteMany" in ((claim.status.access_modes if claim.status else None) or []):
+        return f"PV {pv_name} of {volume.location} is ReadWriteMany"  # the claim's status says what its PV has
     pv = call(platform, "get", "persistentvolumes", core.read_persistent_volume, pv_name)
     if "ReadWriteMany" in (pv.spec.access_modes or []):
         return f"PV {pv_name} of {volume.location} is already ReadWriteMany"
-    call(platform, "patch", "persistentvolumes", core.patch_persistent_volume, pv_name,
-         {"spec": {"accessModes": ["ReadWriteMany"]}}, field_validation=STRICT)
+    try:
+        call(platform, "patch", "persistentvolumes", core.patch_persistent_volume, pv_name,
+             {"spec": {"accessModes": ["ReadWriteMany"]}}, field_validation=STRICT)
+    except PermissionError as exc:
+        raise PermissionError(
+            f"{exc}. PV {pv_name} of {volume.location} is {', '.join(pv.spec.access_modes or ['of no access mode'])}"
+            " and the workers need ReadWriteMany; by default laneflow's flows may not change PVs. Either recreate "
+            "the claim ReadWriteMany (laneflow makes its own so), or let the flows patch the PVs of such claims: "
+            "kubectl apply -k deployments/rwo-claims") from None
     pv = call(platform, "get", "persistentvolumes", core.read_persistent_volume, pv_name)
     if "ReadWriteMany" not in (pv.spec.access_modes or []):
         raise RuntimeError(f"patched PV {pv_name} to ReadWriteMany but it reports {pv.spec.access_modes}; "
@@ -111,16 +142,16 @@ def ensure_shared_access(platform: ClusterPlatform, volume: VolumeRef) -> str:
 
 def update_level_record(platform: ClusterPlatform, volume: VolumeRef,
                         change: Callable[[LevelRecord | None], LevelRecord | None]) -> LevelRecord | None:
-    """Read the record on the claim's PV, apply ``change``, and write the result only if nobody wrote the PV in
-    between (``_update_pv_annotation``). A change that changes nothing writes nothing."""
-    def change_text(raw: str | None, pv_name: str) -> str | None:
-        record = _record_of(pv_name, raw)
+    """Read the record on the claim, apply ``change``, and write the result only if nobody wrote the claim in
+    between (``_update_claim_annotation``). A change that changes nothing writes nothing."""
+    def change_text(raw: str | None, claim: str) -> str | None:
+        record = _record_of(claim, raw)
         updated = change(record)
         if updated == record:
             return raw
         return updated.model_dump_json() if updated is not None else None
 
-    written = _update_pv_annotation(platform, volume, LEVEL_RECORD_ANNOTATION, change_text,
+    written = _update_claim_annotation(platform, volume, LEVEL_RECORD_ANNOTATION, change_text,
                                     "it has no service level to hold", "the service-level record")
     return _record_of("", written)
 
@@ -136,21 +167,19 @@ def record_annotation(key: str) -> str:
 
 def update_volume_record(platform: ClusterPlatform, volume: VolumeRef, key: str,
                          change: Callable[[str | None], str | None]) -> str | None:
-    """Record ``key`` as an annotation of the claim's PV (``_update_pv_annotation``): on the PV, whose patch
-    the flows' service account already has (deployments/workloads/rbac.yaml grants no more than the calls
-    made)."""
+    """Record ``key`` as an annotation of the claim (``_update_claim_annotation``)."""
     annotation = record_annotation(key)
-    return _update_pv_annotation(platform, volume, annotation, lambda raw, _: change(raw), "it keeps no records",
-                                 f"annotation {annotation}")
+    return _update_claim_annotation(platform, volume, annotation, lambda raw, _: change(raw), "it keeps no records",
+                                    f"annotation {annotation}")
 
 
-def _update_pv_annotation(platform: ClusterPlatform, volume: VolumeRef, annotation: str,
-                          change: Callable[[str | None, str], str | None], unbound: str, what: str) -> str | None:
-    """Replace annotation ``annotation`` of the claim's PV by ``change(value, pv name)``, only if nobody wrote
-    the PV since it was read: the patch carries the ``resourceVersion`` it was read at, which the API server
-    checks before it applies a patch (409 Conflict otherwise; Kubernetes API concepts, "Resource versions" /
-    conflicts: every update and patch that names a resourceVersion is a precondition on it). A lost race
-    reads again. Returns the value as written (None: no annotation)."""
+def _update_claim_annotation(platform: ClusterPlatform, volume: VolumeRef, annotation: str,
+                             change: Callable[[str | None, str], str | None], unbound: str, what: str) -> str | None:
+    """Replace annotation ``annotation`` of the bound claim by ``change(value, claim's location)``, only if nobody
+    wrote the claim since it was read: the patch carries the ``resourceVersion`` it was read at, which the API
+    server checks before it applies a patch (409 Conflict otherwise; Kubernetes API concepts, "Resource versions"
+    / conflicts: every update and patch that names a resourceVersion is a precondition on it). A lost race reads
+    again. Returns the value as written (None: no annotation)."""
     core, _, _ = apis(platform)
     namespace = platform.effective_namespace()
     for _ in range(_UPDATE_RACES):
@@ -158,34 +187,36 @@ def _update_pv_annotation(platform: ClusterPlatform, volume: VolumeRef, annotati
                      volume.name, namespace)
         if not claim.spec.volume_name:
             raise VolumeNotBound(f"PVC {namespace}/{volume.name} is not bound to a volume yet: {unbound}")
-        pv = call(platform, "get", "persistentvolumes", core.read_persistent_volume, claim.spec.volume_name)
-        current = (pv.metadata.annotations or {}).get(annotation)
-        updated = change(current, pv.metadata.name)
+        current = (claim.metadata.annotations or {}).get(annotation)
+        updated = change(current, f"{namespace}/{volume.name}")
         if updated == current:
             return current
-        patch = {"metadata": {"resourceVersion": pv.metadata.resource_version, "annotations": {annotation: updated}}}
+        patch = {"metadata": {"resourceVersion": claim.metadata.resource_version,
+                              "annotations": {annotation: updated}}}
         try:
-            call(platform, "patch", "persistentvolumes", core.patch_persistent_volume, pv.metadata.name, patch,
-                 field_validation=STRICT)
+            call(platform, "patch", "persistentvolumeclaims", core.patch_namespaced_persistent_volume_claim,
+                 volume.name, namespace, patch, field_validation=STRICT)
         except ApiException as exc:
             if exc.status == 409:  # written since it was read: read it again and redo the change
                 continue
             raise
         return updated
-    raise TransientPlatformError(f"{what} on the PV of {namespace}/{volume.name} kept changing under laneflow "
+    raise TransientPlatformError(f"{what} on PVC {namespace}/{volume.name} kept changing under laneflow "
                                  f"({_UPDATE_RACES} conflicts in a row)")
 
 
-def _record_of(pv_name: str, raw: str | None) -> LevelRecord | None:
+def _record_of(claim: str, raw: str | None) -> LevelRecord | None:
+    """The record in annotation text ``raw`` of claim ``claim`` (namespace/name)."""
     if not raw:
         return None
     try:
         return LevelRecord.model_validate_json(raw)
     except ValueError as exc:
-        raise ValueError(f"PV {pv_name}'s annotation {LEVEL_RECORD_ANNOTATION} is not a laneflow service-level "
+        namespace, _, name = claim.partition("/")
+        raise ValueError(f"PVC {claim}'s annotation {LEVEL_RECORD_ANNOTATION} is not a laneflow service-level "
                          f"record ({exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}); check who wrote "
-                         f"it, then remove it (kubectl annotate pv {pv_name} {LEVEL_RECORD_ANNOTATION}-): the next "
-                         "run records the volume's level afresh") from None
+                         f"it, then remove it (kubectl annotate pvc -n {namespace} {name} {LEVEL_RECORD_ANNOTATION}-): "
+                         "the next run records the volume's level afresh") from None
 
 
 def anf_volume_of(platform: ClusterPlatform, volume: VolumeRef) -> AnfVolume:

@@ -42,7 +42,7 @@ from tasks.platforms.base import (
 )
 from tasks.platforms.local import processes, snapshots
 from tasks.platforms.local.files import within
-from training.data.sources import Artifact
+from training.data.sources import SOURCES_ENV, Artifact, sources_json
 
 __all__ = ["LocalPlatform"]
 
@@ -109,8 +109,9 @@ class LocalPlatform(Platform):
     def prepare_dataset(self, volume: VolumeRef, artifacts: list[Artifact], log: LogSink) -> dict[str, Any]:
         # In its own process, as on a cluster: its worker pool then never depends on the caller's
         # ``__main__`` (a script that calls a flow without an ``if __name__ == "__main__"`` guard works).
-        return processes.run_module(self, prepare_args(artifacts, str(self.volume_path(volume))), log,
-                                    f"preparing the dataset on volume '{volume.name}'", timeout_s=PREPARE_TIMEOUT_S)
+        return processes.run_module(self, prepare_args(str(self.volume_path(volume))), log,
+                                    f"preparing the dataset on volume '{volume.name}'", timeout_s=PREPARE_TIMEOUT_S,
+                                    env={SOURCES_ENV: sources_json(artifacts)})
 
     def read_file(self, volume: VolumeRef, relative_path: str) -> bytes:
         path = self.inside(volume, relative_path)
@@ -172,8 +173,8 @@ class LocalPlatform(Platform):
                           timeout_s: float) -> TrainingOutcome:
         return processes.wait(self, handle, on_event, on_log, timeout_s)
 
-    def cancel_training(self, job_name: str, volume: VolumeRef) -> bool:
-        return processes.cancel(self, job_name, volume)
+    def cancel_training(self, job_name: str, volume: VolumeRef, owner: str | None = None) -> bool:
+        return processes.cancel(self, job_name, volume, owner)
 
     def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
         return processes.run_module(self, ["-m", "training.evaluate", "--run-dir", str(self.inside(volume, run_dir)),

@@ -34,6 +34,7 @@ from tasks.launch import (
 from tasks.platforms.base import (
     EventSink,
     LogSink,
+    NotOurJob,
     TrainingFailed,
     TrainingHandle,
     TrainingInterrupted,
@@ -75,6 +76,11 @@ def submit(platform: LocalPlatform, spec: TrainingSpec) -> TrainingHandle:
             return TrainingHandle(job_name=spec.job_name, spec=spec, state="succeeded", adopted=True,
                                   details=record)
         if record.get("exit_code") is None and record.get("pgid"):
+            other = _another_owner(record, spec.labels.get("flow-run"))
+            if other is not None and _is_our_group(int(record["pgid"]), str(run_dir)):
+                raise NotOurJob(f"training {spec.job_name} is still running for flow run {other}, another run of "
+                                "the same run key: this run neither adopts nor stops it. Wait for that run to end or "
+                                "cancel it, or give this run another run_key")
             # Started by an earlier process of this flow run that is gone: stop it before resuming.
             _stop_group(int(record["pgid"]), str(run_dir))
         python = platform.interpreter()
@@ -87,7 +93,8 @@ def submit(platform: LocalPlatform, spec: TrainingSpec) -> TrainingHandle:
         _jobs[spec.job_name] = process
         attempts = int(record.get("attempts", 0)) + 1
         details = {"job_name": spec.job_name, "pid": process.pid, "pgid": process.pid, "command": cmd,
-                   "started_at": now(), "attempts": attempts, "exit_code": None}
+                   "started_at": now(), "attempts": attempts, "exit_code": None,
+                   "owner": spec.labels.get("flow-run")}
         write_json(record_file, details)
     return TrainingHandle(job_name=spec.job_name, spec=spec, state="running", details=details)
 
@@ -129,10 +136,23 @@ def wait(platform: LocalPlatform, handle: TrainingHandle, on_event: EventSink, o
     raise TrainingFailed(f"training job {handle.job_name} failed: {reading.reason}", list(output.tail))
 
 
-def cancel(platform: LocalPlatform, job_name: str, volume: VolumeRef) -> bool:
+def _another_owner(record: dict, owner: str | None) -> str | None:
+    """The flow run that started the recorded training when it is not ``owner`` (None: ``owner``'s, or nobody to
+    compare: a record of a laneflow that did not write one)."""
+    started_by = record.get("owner")
+    return started_by if owner is not None and started_by and started_by != owner else None
+
+
+def cancel(platform: LocalPlatform, job_name: str, volume: VolumeRef, owner: str | None = None) -> bool:
+    run_dir = platform.volume_path(volume) / "runs" / job_name
+    record = read_json(run_dir / LAUNCHER_RECORD)
+    if (other := _another_owner(record, owner)) is not None:
+        if record.get("exit_code") is not None:  # that run's training is over: nothing of this run's to stop
+            return False
+        raise NotOurJob(f"training {job_name} was started by flow run {other}, not {owner} (another run of the same "
+                        "run key): left running")
     with _jobs_lock:
         process = _jobs.pop(job_name, None)
-    run_dir = platform.volume_path(volume) / "runs" / job_name
     pgid = process.pid if process else read_json(run_dir / LAUNCHER_RECORD).get("pgid")
     if not pgid:
         return False

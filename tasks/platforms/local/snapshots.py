@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.names import validate_name
-from tasks.platforms.base import SnapshotRef, VolumeRef
+from tasks.platforms.base import SnapshotRef, VolumeRef, refuse_other_data
 from tasks.platforms.local.files import now, within, write_json
 
 if TYPE_CHECKING:
@@ -34,7 +34,9 @@ def create(platform: LocalPlatform, volume: VolumeRef, name: str, data_dir: str,
     validate_name(name, "snapshot")
     final = platform.snapshots_dir() / name
     if (final / LINEAGE_FILE).is_file():
-        return _snapshot_ref(final)
+        existing = _snapshot_ref(final)
+        refuse_other_data(name, existing.lineage.get("dataset_version"), lineage.get("dataset_version"))
+        return existing
     partial = final.with_name(f".{name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     content = partial / "content"

@@ -1,0 +1,170 @@
+"""``laneflow doctor``: reads what a platform block needs (the cluster with the block's own credentials, or this
+machine) and prints one line per check. The reading is here; every verdict is a pure function of
+``tasks/doctor.py``.
+
+On a cluster, in order: the API server answers with the block's credentials (nothing else is asked when it does
+not); every verb laneflow uses is granted to the block's identity (one SelfSubjectAccessReview each, for the
+permissions the shipped RBAC manifests list); the MPI operator's API is served; with CSI snapshots, the snapshot
+API is served. Locally: Horovod's build, free disk where the volumes live. Both: the Prefect server.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import kubernetes
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from flows.local_server import DEFAULT_PORT, api_url, is_healthy
+from tasks.doctor import (
+    MPI_OPERATOR_FIX,
+    SNAPSHOT_API_FIX,
+    Check,
+    Permission,
+    api_served_verdict,
+    disk_verdict,
+    exit_code,
+    horovod_verdict,
+    permissions_verdict,
+    reachable_verdict,
+    required_permissions,
+    server_verdict,
+    shipped_rbac,
+)
+
+#: Below this much free space where the local platform keeps its volumes, a dataset and a few runs do not fit.
+MIN_FREE_BYTES = 10 * 2**30
+
+
+def _error(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        try:
+            message = json.loads(exc.body or "{}").get("message")
+        except (TypeError, ValueError, AttributeError):
+            message = None
+        return f"{exc.status} {exc.reason}" + (f": {message}" if message else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- the cluster -----------------------------------------------------------------------------------------------
+def cluster_checks(platform: object) -> list[Check]:
+    """The cluster platform's checks, read with the client the block itself makes (its credentials, else in-cluster
+    config, else the default kubeconfig)."""
+    from tasks.platforms.cluster.api import api_client
+
+    try:
+        client = api_client(platform)
+    except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
+        return [reachable_verdict("(none)", None, _error(exc))]
+    server = client.configuration.host
+    try:
+        version = kubernetes.client.VersionApi(client).get_code()
+        first = reachable_verdict(server, {"gitVersion": version.git_version}, None)
+    except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+        return [reachable_verdict(server, None, _error(exc))]
+    checks = [first, permission_check(client, platform)]
+    checks.append(served_check(client, "the MPI operator's API", "kubeflow.org", "v2beta1", "mpijobs",
+                               MPI_OPERATOR_FIX))
+    if platform.snapshotter == "csi":
+        checks.append(served_check(client, "the snapshot API", "snapshot.storage.k8s.io", "v1", "volumesnapshots",
+                                   SNAPSHOT_API_FIX))
+    return checks
+
+
+def permission_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
+    """One SelfSubjectAccessReview per permission the shipped manifests grant laneflow's flows."""
+    namespace = platform.effective_namespace()
+    needed = required_permissions(shipped_rbac(bool(platform.adopt_claims)), namespace)
+    authorization = kubernetes.client.AuthorizationV1Api(client)
+    answers: list[tuple[Permission, bool]] = []
+    for permission in needed:
+        resource, _, subresource = permission.resource.partition("/")
+        review = kubernetes.client.V1SelfSubjectAccessReview(spec=kubernetes.client.V1SelfSubjectAccessReviewSpec(
+            resource_attributes=kubernetes.client.V1ResourceAttributes(
+                group=permission.group, resource=resource, subresource=subresource or None, verb=permission.verb,
+                namespace=permission.namespace)))
+        try:
+            answer = authorization.create_self_subject_access_review(review)
+        except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+            return Check(f"every verb laneflow uses granted (namespace {namespace})", False,
+                         f"cannot ask the API server (SelfSubjectAccessReview): {_error(exc)}",
+                         "the block's identity must be authenticated (the bootstrap ClusterRole system:basic-user "
+                         "lets every authenticated user ask)")
+        answers.append((permission, bool(answer.status and answer.status.allowed)))
+    return permissions_verdict(answers, f"the block's identity (namespace {namespace})",
+                               runai=platform.runai_project is not None)
+
+
+def served_check(client: kubernetes.client.ApiClient, what: str, group: str, version: str, resource: str,
+                 fix: str) -> Check:
+    """Whether API discovery lists ``resource`` in ``group/version`` (GET /apis/<group>/<version>)."""
+    try:
+        listed = kubernetes.client.CustomObjectsApi(client).get_api_resources(group, version)
+        served: list[str] | None = [item.name for item in listed.resources or []]
+    except ApiException as exc:
+        if exc.status != 404:
+            return Check(f"{what} ({resource}.{group}/{version}) served", False, _error(exc), fix)
+        served = None
+    return api_served_verdict(what, f"{group}/{version}", resource, served, fix)
+
+
+# --- this machine ----------------------------------------------------------------------------------------------
+def local_checks(platform: object) -> list[Check]:
+    return [horovod_check(), disk_check(platform.home_dir())]
+
+
+def horovod_check() -> Check:
+    try:
+        from training.horovodrun import recorded_build
+
+        return horovod_verdict(recorded_build(), None)
+    except Exception as exc:  # an import or extension failure is the answer to report
+        return horovod_verdict(None, _error(exc))
+
+
+def disk_check(home: Path, min_free_bytes: int = MIN_FREE_BYTES) -> Check:
+    existing = home
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return disk_verdict(str(home), shutil.disk_usage(existing).free, min_free_bytes)
+
+
+def server_check() -> Check:
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value() or api_url(DEFAULT_PORT)
+    return server_verdict(url, None if is_healthy(url) else "no answer at /health")
+
+
+# --- the command -----------------------------------------------------------------------------------------------
+def run_checks(platform_name: str) -> list[Check]:
+    """Every check for the platform block ``platform_name``."""
+    from tasks.platforms import DEFAULT_PLATFORM, ClusterPlatform, LocalPlatform, load_platform
+
+    checks = [server_check()]
+    try:
+        if not checks[0].ok:  # blocks live on the server (Prefect would start a throwaway one, without them)
+            if platform_name != DEFAULT_PLATFORM:
+                raise LookupError("cannot be read while the Prefect server does not answer")
+            platform = LocalPlatform()
+        else:
+            platform = load_platform(platform_name)
+    except (ValueError, LookupError, RuntimeError, OSError) as exc:
+        return [*checks, Check(f"platform block {platform_name}", False, str(exc),
+                               "save the block first (docs/getting-started/cluster.md), or pass --platform")]
+    if isinstance(platform, ClusterPlatform):
+        return checks + cluster_checks(platform)
+    return checks + local_checks(platform)
+
+
+def doctor_command(platform_name: str, as_json: bool) -> int:
+    checks = run_checks(platform_name)
+    if as_json:
+        print(json.dumps([check.as_dict() for check in checks], indent=2))
+    else:
+        for check in checks:
+            print(check.line())
+    return exit_code(checks)

@@ -1,0 +1,243 @@
+"""``laneflow doctor``'s verdicts: pure functions over what ``flows/doctor.py`` read from the cluster and this machine.
+
+Each verdict is one ``Check``: what was checked, whether it holds, what is wrong and the command or block field that
+fixes it. Nothing here calls an API, so each can be tested on its own; the shell reads, these judge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: The RBAC manifests whose Roles and ClusterRoles list every call the cluster platform makes (the tests of
+#: tests/test_cluster_pipeline.py hold the code to them): the namespaced Role, the cluster-scoped read of PVs,
+#: and the opt-in patch of hand-made claims' PVs (needed only when the block adopts claims).
+DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
+RBAC_FILES = ("workloads/rbac.yaml", "base/rbac.yaml")
+ADOPT_RBAC_FILE = "rwo-claims/rbac.yaml"
+#: The storage provisioner of Azure NetApp Files volumes (NetApp Trident's CSI driver).
+ANF_PROVISIONER = "csi.trident.netapp.io"
+GPU = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the doctor's report."""
+
+    check: str
+    ok: bool
+    detail: str = ""
+    fix: str = ""
+
+    def line(self) -> str:
+        if self.ok:
+            return f"✔ {self.check}" + (f" ({self.detail})" if self.detail else "")
+        return f"✘ {self.check}: {self.detail} — {self.fix}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Permission:
+    """One verb on one resource (``resource/subresource``) of one API group; ``namespace`` None: cluster scope."""
+
+    group: str
+    resource: str
+    verb: str
+    namespace: str | None
+
+    def text(self) -> str:
+        qualified = f"{self.resource}.{self.group}" if self.group else self.resource
+        return f"{self.verb} {qualified}" + (f" in {self.namespace}" if self.namespace else " (cluster)")
+
+
+# --- what laneflow needs ---------------------------------------------------------------------------------------
+def required_permissions(documents: Iterable[Mapping[str, Any]], namespace: str) -> list[Permission]:
+    """Every (group, resource, verb) the Roles (in ``namespace``) and ClusterRoles (cluster scope) of ``documents``
+    grant: what the cluster platform calls, as the shipped manifests list it."""
+    needed: dict[Permission, None] = {}
+    for doc in documents:
+        if doc.get("kind") not in ("Role", "ClusterRole"):
+            continue
+        scope = namespace if doc["kind"] == "Role" else None
+        for rule in doc.get("rules") or []:
+            for group in rule.get("apiGroups") or [""]:
+                for resource in rule.get("resources") or []:
+                    for verb in rule.get("verbs") or []:
+                        needed[Permission(group, resource, verb, scope)] = None
+    return list(needed)
+
+
+def shipped_rbac(adopts_claims: bool, deployments: Path = DEPLOYMENTS) -> list[dict[str, Any]]:
+    """The shipped RBAC documents laneflow's flows need (with deployments/rwo-claims when the block adopts claims)."""
+    files = RBAC_FILES + ((ADOPT_RBAC_FILE,) if adopts_claims else ())
+    return [doc for name in files for doc in yaml.safe_load_all((deployments / name).read_text()) if doc]
+
+
+# --- the cluster -----------------------------------------------------------------------------------------------
+def reachable_verdict(server: str, version: Mapping[str, Any] | None, error: str | None) -> Check:
+    what = f"Kubernetes API server {server} reachable with the block's credentials"
+    if version is not None and error is None:
+        return Check(what, True, f"Kubernetes {version.get('gitVersion', '?')}")
+    return Check(what, False, error or "no answer",
+                 "the block's credentials (KubernetesCredentials.cluster_config: kubeconfig and context), or, "
+                 "empty, the in-cluster service account / ~/.kube/config; `kubectl --context <context> version` "
+                 "must answer")
+
+
+def permissions_verdict(answers: Iterable[tuple[Permission, bool]], identity: str, runai: bool) -> Check:
+    """``answers``: each permission and whether a SelfSubjectAccessReview allowed it to the block's identity."""
+    answers = list(answers)
+    missing = [permission for permission, allowed in answers if not allowed]
+    what = f"every verb laneflow uses granted to {identity}"
+    if not missing:
+        return Check(what, True, f"{len(answers)} verbs")
+    apply = "kubectl apply -k deployments/runai (in the project's namespace)" if runai else \
+        "kubectl apply -k deployments/base"
+    return Check(what, False, "denied: " + ", ".join(p.text() for p in missing),
+                 f"{apply}; deployments/workloads/rbac.yaml and deployments/base/rbac.yaml list every permission "
+                 "(deployments/rwo-claims for adopt_claims)")
+
+
+def api_served_verdict(what: str, group_version: str, resource: str, served: Iterable[str] | None,
+                       fix: str) -> Check:
+    """``served``: the resources API discovery lists for ``group_version``; None when it is not served at all."""
+    check = f"{what} ({resource}.{group_version}) served"
+    if served is None:
+        return Check(check, False, f"the API server does not serve {group_version}", fix)
+    if resource not in set(served):
+        return Check(check, False, f"{group_version} is served without {resource}", fix)
+    return Check(check, True)
+
+
+MPI_OPERATOR_FIX = ("install the MPI operator v0.5 or later (its CRD kubeflow.org/v2beta1 MPIJob): kubectl apply "
+                    "--server-side -f https://raw.githubusercontent.com/kubeflow/mpi-operator/v0.6.0/deploy/"
+                    "v2beta1/mpi-operator.yaml")
+SNAPSHOT_API_FIX = ("install the external-snapshotter's CRDs and snapshot controller (kubernetes-csi/"
+                    "external-snapshotter: client/config/crd and deploy/kubernetes/snapshot-controller); AKS "
+                    "ships them")
+
+
+def storage_class_verdict(name: str, found: Mapping[str, Any] | None, anf: bool) -> Check:
+    """The block's StorageClass exists; with ANF settings on the block, its provisioner is ANF's (Trident)."""
+    what = f"storage class {name}"
+    if found is None:
+        return Check(what, False, "not found",
+                     "kubectl apply -f deployments/base/storageclass-anf.yaml, or set the block's storage_class to "
+                     "an existing RWX-capable class (kubectl get storageclass)")
+    provisioner = found.get("provisioner", "")
+    if anf and provisioner != ANF_PROVISIONER:
+        return Check(what, False, f"its provisioner is {provisioner}, not Azure NetApp Files' {ANF_PROVISIONER} "
+                                  "(the block's anf settings change its volumes' service level)",
+                     "set the block's storage_class to a Trident ANF class (deployments/base/storageclass-anf.yaml)"
+                     ", or clear the block's anf field")
+    return Check(what, True, f"provisioner {provisioner}")
+
+
+def snapshot_class_verdict(name: str, found: Mapping[str, Any] | None) -> Check:
+    what = f"volume snapshot class {name}"
+    if found is None:
+        return Check(what, False, "not found",
+                     "kubectl apply -f deployments/base/volumesnapshotclass.yaml, or set the block's snapshot_class "
+                     "(kubectl get volumesnapshotclass)")
+    return Check(what, True, f"driver {found.get('driver', '?')}")
+
+
+# --- GPU nodes -------------------------------------------------------------------------------------------------
+def tolerates(tolerations: Iterable[Mapping[str, Any]], taint: Mapping[str, Any]) -> bool:
+    """Whether a pod with ``tolerations`` tolerates ``taint`` (k8s.io/api core/v1 ``Toleration.ToleratesTaint``)."""
+    for toleration in tolerations:
+        if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+            continue
+        if toleration.get("key") and toleration["key"] != taint.get("key"):
+            continue
+        operator = toleration.get("operator") or "Equal"
+        if operator == "Exists" or (operator == "Equal" and (toleration.get("value") or "") ==
+                                    (taint.get("value") or "")):
+            return True
+    return False
+
+
+def _pool(node: Mapping[str, Any]) -> str:
+    labels = node.get("metadata", {}).get("labels") or {}
+    return labels.get("kubernetes.azure.com/agentpool") or labels.get("agentpool") or node["metadata"]["name"]
+
+
+def node_unsuitability(node: Mapping[str, Any], tolerations: Iterable[Mapping[str, Any]],
+                       node_selector: Mapping[str, str], gpus_per_worker: int) -> str | None:
+    """Why a training worker cannot land on ``node`` (a v1 Node as the API serves it), or None when it can."""
+    tolerations = list(tolerations)
+    labels = node.get("metadata", {}).get("labels") or {}
+    spec, status = node.get("spec") or {}, node.get("status") or {}
+    for taint in spec.get("taints") or []:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not tolerates(tolerations, taint):
+            value = f"={taint['value']}" if taint.get("value") else ""
+            return f"taint {taint['key']}{value}:{taint['effect']} not tolerated"
+    unmatched = {key: value for key, value in node_selector.items() if labels.get(key) != value}
+    if unmatched:
+        return "node selector " + ", ".join(f"{k}={v}" for k, v in unmatched.items()) + " not matched"
+    gpus = int(str((status.get("allocatable") or {}).get(GPU, "0")) or 0)
+    if gpus < gpus_per_worker:
+        return f"{gpus} allocatable {GPU} per node, {gpus_per_worker} asked"
+    return None
+
+
+def gpu_pool_verdict(nodes: Iterable[Mapping[str, Any]], tolerations: Iterable[Mapping[str, Any]],
+                     node_selector: Mapping[str, str], gpus_per_worker: int) -> Check:
+    """A node pool where the training workers fit: taints tolerated, node selector matched, enough GPUs; otherwise
+    each pool seen and why it is unsuitable."""
+    tolerations = list(tolerations)
+    why: dict[str, str] = {}
+    fit: list[str] = []
+    for node in nodes:
+        reason = node_unsuitability(node, tolerations, node_selector, gpus_per_worker)
+        pool = _pool(node)
+        if reason is None:
+            fit.append(pool) if pool not in fit else None
+        else:
+            why.setdefault(pool, reason)
+    what = f"a node pool for training workers ({gpus_per_worker} {GPU} each)"
+    if fit:
+        return Check(what, True, "pools " + ", ".join(fit))
+    seen = "; ".join(f"{pool}: {reason}" for pool, reason in why.items()) or "no nodes"
+    return Check(what, False, seen, "the block's tolerations, node_selector or gpus_per_worker, or a GPU pool "
+                                    "(az aks nodepool add --node-taints sku=gpu:NoSchedule ...)")
+
+
+# --- this machine ----------------------------------------------------------------------------------------------
+def horovod_verdict(built: Mapping[str, bool] | None, error: str | None) -> Check:
+    what = "Horovod built with Gloo and MPI"
+    if built is None:
+        return Check(what, False, error or "Horovod could not be imported",
+                     "make install (pip install horovod with HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1)")
+    lacking = [name for name, key in (("Gloo", "gloo"), ("MPI", "mpi")) if not built.get(key)]
+    if lacking:
+        return Check(what, False, "built without " + " and ".join(lacking),
+                     "reinstall Horovod: HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 pip install --no-cache-dir "
+                     "--force-reinstall horovod (make install does)")
+    return Check(what, True)
+
+
+def disk_verdict(path: str, free_bytes: int, min_free_bytes: int) -> Check:
+    what = f"free disk at {path}"
+    gib = free_bytes / 2**30
+    if free_bytes < min_free_bytes:
+        return Check(what, False, f"{gib:.1f} GiB free, {min_free_bytes / 2**30:.0f} GiB wanted",
+                     "free space there, or set the local block's home (or $LANEFLOW_HOME) to a larger disk")
+    return Check(what, True, f"{gib:.1f} GiB free")
+
+
+def server_verdict(url: str, error: str | None) -> Check:
+    what = f"Prefect server {url} reachable"
+    if error is None:
+        return Check(what, True)
+    return Check(what, False, error, "laneflow serve (the local server), or set PREFECT_API_URL to your server")
+
+
+def exit_code(checks: Iterable[Check]) -> int:
+    return 0 if all(check.ok for check in checks) else 1

