@@ -57,34 +57,75 @@ def ranks_on(cluster: Cluster, pod: str) -> list[int]:
     return found
 
 
+def sshd_listening(cluster: Cluster, pod: str) -> bool:
+    """Whether ``pod``'s sshd listens on port 22 in the pod's network namespace (``/proc/<pid>/net/tcp{,6}``, state
+    0A LISTEN): a pod Running is not yet an sshd horovodrun can reach, and a failed ssh keeps the host out for a
+    second, longer cooldown."""
+    for pid in cluster.container_pids("lanes", pod):
+        for table in ("tcp", "tcp6"):
+            try:
+                rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            except OSError:  # gone meanwhile
+                continue
+            if any(row.split()[1].endswith(":0016") and row.split()[3] == "0A" for row in rows):
+                return True
+    return False
+
+
+def launcher_log(cluster: Cluster, job: str, lines: int = 60) -> str:
+    """The last lines the launcher logged, with the kubelet's stamps: what horovodrun did, for a failing test."""
+    logs = [log for (namespace, name), log in cluster.logs.items()
+            if namespace == "lanes" and name.startswith(f"{job}-launcher-")]
+    return "\n".join(f"{stamp} {text[:300]}" for log in logs for stamp, text in log.lines[-lines:])
+
+
 def hold_until_listed(cluster: Cluster, job: str, held_pod: str, worker: str,
-                      ready: Callable[[], bool] = lambda: True, at_least_s: float = 0.0) -> None:
-    """Hold ``held_pod``'s ranks still (SIGSTOP) until ``worker`` is Running in the operator's list for horovodrun
-    (and ``ready()``), then the kubelet's sync and horovodrun's poll, and for ``at_least_s`` in any case: so that the
-    run cannot end before it could take the worker, however fast this machine trains. Returns at once; a thread
-    lets go."""
+                      ready: Callable[[], bool] = lambda: True, at_least_s: float = 0.0,
+                      said: list[str] | None = None) -> None:
+    """Hold ``held_pod``'s ranks still (SIGSTOP) until ``worker`` is in the ``discover_hosts.sh`` the launcher's
+    horovodrun runs — the operator's list of Running workers, as the kubelet's sync put it in the launcher pod —
+    (and ``ready()``), then for three of horovodrun's one-second polls, and for ``at_least_s`` in any case: so that
+    the run cannot end before it could take the worker, however fast this machine trains and however late the sync
+    comes on a loaded one. (A rank that ran on alone would be done in seconds: one worker trains ~20 steps a
+    second here.) Returns at once; a thread lets go. What it did goes to ``said``, for a failing test's message."""
+    said = [] if said is None else said
     held, since = ranks_on(cluster, held_pod), time.monotonic()
     for pid in held:
         os.kill(pid, signal.SIGSTOP)
+    said.append(f"{time.strftime('%H:%M:%S')} held ranks {held} of {held_pod}")
 
     def listed() -> bool:
-        config = cluster.objects["configmaps"].get(("lanes", f"{job}-config"), {})
-        return worker in config.get("data", {}).get("discover_hosts.sh", "") and ready()
+        """The operator lists the worker and the launcher's copy says the same (a stale copy that still names the
+        worker's previous pod says the same too: horovodrun then takes the name back once its cooldown is over)."""
+        listing = cluster.objects["configmaps"].get(("lanes", f"{job}-config"), {}).get("data", {}).get(
+            "discover_hosts.sh", "")
+        if worker not in listing or not ready():
+            return False
+        scripts = (cluster.root / "pods" / "lanes").glob(f"{job}-launcher-*/volumes/mpi-job-config/discover_hosts.sh")
+        for script in scripts:
+            with contextlib.suppress(OSError):  # the kubelet's atomic writer swaps the files
+                if script.read_text() == listing:
+                    return True
+        return False
 
     def let_go() -> None:
         try:
-            wait_until(f"{worker} listed for horovodrun", listed, timeout_s=120, every_s=0.2)
-            time.sleep(cluster.configmap_sync_s + 2)  # the kubelet's sync, then horovodrun's poll (1 s)
+            wait_until(f"{worker} listed in the launcher's discover_hosts.sh", listed, timeout_s=180, every_s=0.2)
+            said.append(f"{time.strftime('%H:%M:%S')} {worker} listed in the launcher pod")
+            time.sleep(3)  # horovodrun's polls (one a second)
             time.sleep(max(0.0, since + at_least_s - time.monotonic()))
+        except Exception as error:  # a thread's error, said in the test's message
+            said.append(f"{time.strftime('%H:%M:%S')} {error}")
         finally:
             for pid in held:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
+            said.append(f"{time.strftime('%H:%M:%S')} let go of {held}")
     threading.Thread(target=let_go, daemon=True).start()
 
 
 def delete_a_worker_at(cluster: Cluster, core: kubernetes.client.CoreV1Api, pod: str, step: int,
-                       deleted: list[dict], hold: str | None = None) -> None:
+                       deleted: list[dict], hold: str | None = None, said: list[str] | None = None) -> None:
     """Once the launcher logs a training step at ``step`` or later on two workers, delete worker pod ``pod`` as
     ``kubectl delete pod`` does (graceful), recording the step logged before and the pod's uid. With ``hold`` (the
     other worker), once the launcher says the run goes on without ``pod``, that worker's ranks are held until the
@@ -93,7 +134,8 @@ def delete_a_worker_at(cluster: Cluster, core: kubernetes.client.CoreV1Api, pod:
 
     def replacement_running() -> bool:
         new = cluster.objects["pods"].get(("lanes", pod))
-        return bool(new and new["metadata"]["uid"] != deleted[0]["uid"] and new["status"].get("phase") == "Running")
+        return bool(new and new["metadata"]["uid"] != deleted[0]["uid"] and new["status"].get("phase") == "Running"
+                    and sshd_listening(cluster, pod))
 
     def on_line(cluster: Cluster, namespace: str, name: str, line: str) -> None:
         if "-launcher-" not in name:
@@ -104,7 +146,8 @@ def delete_a_worker_at(cluster: Cluster, core: kubernetes.client.CoreV1Api, pod:
             # The worker that left exited non-zero: horovodrun keeps its host out for a cooldown, at most three times
             # the block's minimum the first time (horovod runner/elastic/discovery.py _set_cooldown_period:
             # min * 2 + U(0, min)); the replacement has the same name.
-            hold_until_listed(cluster, job, hold, pod, replacement_running, at_least_s=3 * COOLDOWN_MIN_S + 2)
+            hold_until_listed(cluster, job, hold, pod, replacement_running, at_least_s=3 * COOLDOWN_MIN_S + 2,
+                              said=said)
             return
         if '"event": "step"' not in line or deleted:
             return
@@ -129,7 +172,8 @@ def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_rep
     core, custom = client_apis(emu)
     deleted: list[dict] = []
     worker = f"{spec.job_name}-worker-1"
-    delete_a_worker_at(cluster, core, worker, 12, deleted, hold=f"{spec.job_name}-worker-0")
+    said: list[str] = []
+    delete_a_worker_at(cluster, core, worker, 12, deleted, hold=f"{spec.job_name}-worker-0", said=said)
     events: list[dict] = []
     handle = platform.submit_training(spec)
     uid = custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs",
@@ -139,7 +183,7 @@ def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_rep
     changes = [event for event in events if event["event"] == "workers"]
     assert changes and changes[0]["workers"] == 1 and changes[0]["lost"] == [f"{worker}.{spec.job_name}.lanes.svc"]
     rejoined = [change for change in changes[1:] if change["workers"] == 2 and change["joined"]]
-    assert rejoined, changes
+    assert rejoined, (changes, said, launcher_log(cluster, spec.job_name))
     # It trained on alone: steps were made between the worker leaving and its replacement joining (the step events,
     # every log_every steps, may fall on either side of so short a stretch).
     assert rejoined[0]["step"] > changes[0]["step"], changes
