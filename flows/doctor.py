@@ -5,14 +5,19 @@ machine) and prints one line per check. The reading is here; every verdict is a 
 On a cluster, in order: the API server answers with the block's credentials (nothing else is asked when it does
 not); every verb laneflow uses is granted to the block's identity (one SelfSubjectAccessReview each, for the
 permissions the shipped RBAC manifests list); the MPI operator's API is served; with CSI snapshots, the snapshot
-API is served. Locally: Horovod's build, free disk where the volumes live. Both: the Prefect server.
+API is served; the block's storage class (ANF's provisioner when the block moves ANF service levels) and snapshot
+class exist; a node pool takes the training workers (taints tolerated, node selector matched, GPUs enough). The last
+three read cluster-scoped objects the flows never need: ``deployments/doctor`` grants them, read-only. Locally:
+Horovod's build, free disk where the volumes live. Both: the Prefect server.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import kubernetes
 import urllib3
@@ -27,12 +32,17 @@ from tasks.doctor import (
     api_served_verdict,
     disk_verdict,
     exit_code,
+    gpu_pool_check_name,
+    gpu_pool_verdict,
     horovod_verdict,
     permissions_verdict,
     reachable_verdict,
     required_permissions,
     server_verdict,
     shipped_rbac,
+    snapshot_class_verdict,
+    storage_class_verdict,
+    unreadable_verdict,
 )
 
 #: Below this much free space where the local platform keeps its volumes, a dataset and a few runs do not fit.
@@ -68,10 +78,53 @@ def cluster_checks(platform: object) -> list[Check]:
     checks = [first, permission_check(client, platform)]
     checks.append(served_check(client, "the MPI operator's API", "kubeflow.org", "v2beta1", "mpijobs",
                                MPI_OPERATOR_FIX))
+    snapshot_api = None
     if platform.snapshotter == "csi":
-        checks.append(served_check(client, "the snapshot API", "snapshot.storage.k8s.io", "v1", "volumesnapshots",
-                                   SNAPSHOT_API_FIX))
+        snapshot_api = served_check(client, "the snapshot API", "snapshot.storage.k8s.io", "v1", "volumesnapshots",
+                                    SNAPSHOT_API_FIX)
+        checks.append(snapshot_api)
+    checks.append(storage_class_check(client, platform))
+    if snapshot_api is not None and snapshot_api.ok:  # without the API, its class cannot be read (nor be)
+        checks.append(snapshot_class_check(client, platform))
+    checks.append(gpu_pool_check(client, platform))
     return checks
+
+
+def _read(call: Callable[[], Any]) -> tuple[Any, str | None]:
+    """What ``call`` read (None when the API says 404), or the error that kept it from reading."""
+    try:
+        return call(), None
+    except ApiException as exc:
+        return (None, None) if exc.status == 404 else (None, _error(exc))
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        return None, _error(exc)
+
+
+def storage_class_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
+    """The block's StorageClass (GET storageclasses/<name>, cluster-scoped)."""
+    found, error = _read(lambda: kubernetes.client.StorageV1Api(client).read_storage_class(platform.storage_class))
+    if error:
+        return unreadable_verdict(f"storage class {platform.storage_class}", error)
+    return storage_class_verdict(platform.storage_class, client.sanitize_for_serialization(found) if found else None,
+                                 anf=platform.anf is not None)
+
+
+def snapshot_class_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
+    """The block's VolumeSnapshotClass (cluster-scoped custom object)."""
+    found, error = _read(lambda: kubernetes.client.CustomObjectsApi(client).get_cluster_custom_object(
+        "snapshot.storage.k8s.io", "v1", "volumesnapshotclasses", platform.snapshot_class))
+    if error:
+        return unreadable_verdict(f"volume snapshot class {platform.snapshot_class}", error)
+    return snapshot_class_verdict(platform.snapshot_class, found)
+
+
+def gpu_pool_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
+    """The nodes (list nodes) against the workers' tolerations, node selector and GPUs."""
+    found, error = _read(lambda: kubernetes.client.CoreV1Api(client).list_node())
+    if error:
+        return unreadable_verdict(gpu_pool_check_name(platform.gpus_per_worker), error)
+    nodes = client.sanitize_for_serialization(found)["items"] if found else []
+    return gpu_pool_verdict(nodes, platform.tolerations, platform.node_selector, platform.gpus_per_worker)
 
 
 def permission_check(client: kubernetes.client.ApiClient, platform: object) -> Check:

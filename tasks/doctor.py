@@ -123,6 +123,18 @@ SNAPSHOT_API_FIX = ("install the external-snapshotter's CRDs and snapshot contro
                     "ships them")
 
 
+#: What applying deployments/doctor grants (read-only): the cluster-scoped reads of the next three checks.
+DOCTOR_READS_FIX = ("kubectl apply -k deployments/doctor (a read-only ClusterRole that lets laneflow doctor read "
+                    "storage classes, snapshot classes and nodes), or run laneflow doctor as a user who may")
+
+
+def unreadable_verdict(what: str, error: str) -> Check:
+    """A check whose object the block's identity may not read (403) or the API would not give: not a pass."""
+    forbidden = error.startswith("403")
+    return Check(what, False, f"cannot read it: {error}",
+                 DOCTOR_READS_FIX if forbidden else "check the API server's health (kubectl get --raw /readyz)")
+
+
 def storage_class_verdict(name: str, found: Mapping[str, Any] | None, anf: bool) -> Check:
     """The block's StorageClass exists; with ANF settings on the block, its provisioner is ANF's (Trident)."""
     what = f"storage class {name}"
@@ -187,6 +199,10 @@ def node_unsuitability(node: Mapping[str, Any], tolerations: Iterable[Mapping[st
     return None
 
 
+def gpu_pool_check_name(gpus_per_worker: int) -> str:
+    return f"a node pool for training workers ({gpus_per_worker} {GPU} each)"
+
+
 def gpu_pool_verdict(nodes: Iterable[Mapping[str, Any]], tolerations: Iterable[Mapping[str, Any]],
                      node_selector: Mapping[str, str], gpus_per_worker: int) -> Check:
     """A node pool where the training workers fit: taints tolerated, node selector matched, enough GPUs; otherwise
@@ -201,7 +217,7 @@ def gpu_pool_verdict(nodes: Iterable[Mapping[str, Any]], tolerations: Iterable[M
             fit.append(pool) if pool not in fit else None
         else:
             why.setdefault(pool, reason)
-    what = f"a node pool for training workers ({gpus_per_worker} {GPU} each)"
+    what = gpu_pool_check_name(gpus_per_worker)
     if fit:
         return Check(what, True, "pools " + ", ".join(fit))
     seen = "; ".join(f"{pool}: {reason}" for pool, reason in why.items()) or "no nodes"

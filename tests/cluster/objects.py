@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # resource -> (group, version, kind, namespaced)
 RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "namespaces": ("", "v1", "Namespace", False),
+    "nodes": ("", "v1", "Node", False),  # read-only, rendered from Cluster.nodes (node_objects.py)
     "persistentvolumes": ("", "v1", "PersistentVolume", False),
     "persistentvolumeclaims": ("", "v1", "PersistentVolumeClaim", True),
     "pods": ("", "v1", "Pod", True),
