@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the platform block to check (default: local, this machine)")
     doctor.add_argument("--json", action="store_true",
                         help="print the checks as a JSON list of {check, ok, detail, fix} (for CI)")
+    doctor.add_argument("--work-pool", default=None,
+                        help="on a cluster, the Kubernetes work pool whose worker to check (default: laneflow-k8s, "
+                             "when it exists)")
     return parser
 
 
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from flows.doctor import doctor_command
 
-        return doctor_command(args.platform, args.json)
+        return doctor_command(args.platform, args.json, args.work_pool)
     if args.command == "lineage":
         try:
             print(lineage_text(args.name, args.platform), end="")

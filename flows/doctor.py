@@ -7,8 +7,9 @@ not); every verb laneflow uses is granted to the block's identity (one SelfSubje
 permissions the shipped RBAC manifests list); the MPI operator's API is served; with CSI snapshots, the snapshot
 API is served; the block's storage class (ANF's provisioner when the block moves ANF service levels) and snapshot
 class exist; a node pool takes the training workers (taints tolerated, node selector matched, GPUs enough). The last
-three read cluster-scoped objects the flows never need: ``deployments/doctor`` grants them, read-only. Locally:
-Horovod's build, free disk where the volumes live. Both: the Prefect server.
+three read cluster-scoped objects the flows never need: ``deployments/doctor`` grants them, read-only. Then the
+Kubernetes work pool, when it exists or is named: a worker online. Locally: Horovod's build, free disk where the
+volumes live. Both: the Prefect server.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from flows.local_server import DEFAULT_PORT, api_url, is_healthy
 from tasks.doctor import (
+    CLUSTER_WORK_POOL,
     MPI_OPERATOR_FIX,
     SNAPSHOT_API_FIX,
     Check,
@@ -43,6 +45,7 @@ from tasks.doctor import (
     snapshot_class_verdict,
     storage_class_verdict,
     unreadable_verdict,
+    work_pool_verdict,
 )
 
 #: Below this much free space where the local platform keeps its volumes, a dataset and a few runs do not fit.
@@ -185,6 +188,22 @@ def disk_check(home: Path, min_free_bytes: int = MIN_FREE_BYTES) -> Check:
     return disk_verdict(str(home), shutil.disk_usage(existing).free, min_free_bytes)
 
 
+def work_pool_check(name: str, required: bool) -> Check | None:
+    """The work pool ``name`` and its workers, as the Prefect server reports them; None when the pool does not exist
+    and was not asked for (flows may run where they are started, driving the cluster from there)."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            pool = client.read_work_pool(name)
+        except ObjectNotFound:
+            return work_pool_verdict(name, None, False, []) if required else None
+        workers = [(worker.name, str(getattr(worker.status, "value", worker.status)))
+                   for worker in client.read_workers_for_work_pool(name)]
+    return work_pool_verdict(name, pool.type, bool(pool.is_paused), workers)
+
+
 def server_check() -> Check:
     from prefect.settings import PREFECT_API_URL
 
@@ -193,8 +212,9 @@ def server_check() -> Check:
 
 
 # --- the command -----------------------------------------------------------------------------------------------
-def run_checks(platform_name: str) -> list[Check]:
-    """Every check for the platform block ``platform_name``."""
+def run_checks(platform_name: str, work_pool: str | None = None) -> list[Check]:
+    """Every check for the platform block ``platform_name`` (and, on a cluster, the work pool ``work_pool``, else
+    the shipped deployments' pool when it exists)."""
     from tasks.platforms import DEFAULT_PLATFORM, ClusterPlatform, LocalPlatform, load_platform
 
     checks = [server_check()]
@@ -209,12 +229,14 @@ def run_checks(platform_name: str) -> list[Check]:
         return [*checks, Check(f"platform block {platform_name}", False, str(exc),
                                "save the block first (docs/getting-started/cluster.md), or pass --platform")]
     if isinstance(platform, ClusterPlatform):
-        return checks + cluster_checks(platform)
+        checks += cluster_checks(platform)
+        pool = work_pool_check(work_pool or CLUSTER_WORK_POOL, required=work_pool is not None)
+        return checks + ([pool] if pool is not None else [])
     return checks + local_checks(platform)
 
 
-def doctor_command(platform_name: str, as_json: bool) -> int:
-    checks = run_checks(platform_name)
+def doctor_command(platform_name: str, as_json: bool, work_pool: str | None = None) -> int:
+    checks = run_checks(platform_name, work_pool)
     if as_json:
         print(json.dumps([check.as_dict() for check in checks], indent=2))
     else:

@@ -255,5 +255,32 @@ def server_verdict(url: str, error: str | None) -> Check:
     return Check(what, False, error, "laneflow serve (the local server), or set PREFECT_API_URL to your server")
 
 
+#: The Kubernetes work pool the shipped cluster deployments use (deployments/prefect-kubernetes.yaml).
+CLUSTER_WORK_POOL = "laneflow-k8s"
+
+
+def work_pool_verdict(name: str, pool_type: str | None, paused: bool, workers: Iterable[tuple[str, str]]) -> Check:
+    """The work pool the flow runs go to exists, is a Kubernetes pool, is not paused and has a worker ONLINE;
+    ``pool_type`` None: no such pool; ``workers``: (name, status) as the server reports them."""
+    what = f"work pool {name} with a worker online"
+    if pool_type is None:
+        return Check(what, False, "no such work pool",
+                     f"prefect work-pool create {name} --type kubernetes --base-job-template "
+                     "deployments/kubernetes-work-pool.json (docs/getting-started/cluster.md)")
+    if pool_type != "kubernetes":
+        return Check(what, False, f"a {pool_type} pool, not a kubernetes one: its flow runs would not run in the "
+                                  "cluster", "pass --work-pool with the Kubernetes pool's name")
+    if paused:
+        return Check(what, False, "the pool is paused: no worker takes its runs", f"prefect work-pool resume {name}")
+    workers = list(workers)
+    online = [worker for worker, status in workers if status == "ONLINE"]
+    if not online:
+        seen = ", ".join(f"{worker} {status.lower()}" for worker, status in workers) or "none has ever polled it"
+        return Check(what, False, f"no worker online ({seen})",
+                     "start the Prefect Kubernetes worker in the cluster as service account prefect-worker "
+                     f"(prefect worker start --pool {name} --type kubernetes; docs/getting-started/cluster.md)")
+    return Check(what, True, "workers " + ", ".join(online))
+
+
 def exit_code(checks: Iterable[Check]) -> int:
     return 0 if all(check.ok for check in checks) else 1

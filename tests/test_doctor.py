@@ -28,6 +28,7 @@ from tasks.doctor import (
     snapshot_class_verdict,
     storage_class_verdict,
     tolerates,
+    work_pool_verdict,
 )
 from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS, aks_nodes
 from tests.cluster.node_objects import node_object
@@ -117,6 +118,27 @@ def test_the_permissions_asked_are_exactly_those_the_shipped_manifests_grant_the
 
 
 # --- the command on the emulated cluster -----------------------------------------------------------------------
+def cluster_only(checks: list) -> list:
+    """The checks but the work pool's: the session's Prefect server is shared, and another test's
+    ``laneflow-k8s`` pool (tests/test_cluster_worker.py), its worker gone, would be a failure of its own."""
+    return [check for check in checks
+            if not (check["check"] if isinstance(check, dict) else check.check).startswith("work pool ")]
+
+
+def kubernetes_pool(name: str, worker: str | None = None) -> None:
+    """A Kubernetes work pool with the shipped base job template, and a worker's heartbeat on it (what a running
+    ``prefect worker start --type kubernetes`` sends) when ``worker`` is named."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    template = json.loads((Path(__file__).parents[1] / "deployments" / "kubernetes-work-pool.json").read_text())
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=name, type="kubernetes", base_job_template=template),
+                                overwrite=True)
+        if worker:
+            client.send_worker_heartbeat(name, worker, heartbeat_interval_seconds=30)
+
+
 def doctor(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     """``laneflow doctor`` as a user types it, pointed at the session's Prefect server."""
     return subprocess.run([str(LANEFLOW), "doctor", *args], env={**os.environ, **env}, capture_output=True,
@@ -140,7 +162,8 @@ def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests
         prefect_server: dict, shipped: tuple) -> None:
     emu, _ = shipped
     name = saved(emu, "doctor-ok", namespace="laneflow")
-    result = doctor(prefect_server, "--platform", name)
+    kubernetes_pool("doctor-ok-k8s", worker="prefect-worker-7d9f")
+    result = doctor(prefect_server, "--platform", name, "--work-pool", "doctor-ok-k8s")
     lines = result.stdout.splitlines()
     assert result.returncode == 0, result.stdout + result.stderr
     assert all(line.startswith("✔ ") for line in lines), lines
@@ -152,7 +175,8 @@ def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests
     assert "✔ storage class azure-netapp-files (provisioner csi.trident.netapp.io)" in lines
     assert "✔ volume snapshot class csi-anf-snapclass (driver csi.trident.netapp.io)" in lines
     assert "✔ a node pool for training workers (1 nvidia.com/gpu each) (pools gpu, gpuspot)" in lines
-    as_json = doctor(prefect_server, "--platform", name, "--json")
+    assert "✔ work pool doctor-ok-k8s with a worker online (workers prefect-worker-7d9f)" in lines
+    as_json = doctor(prefect_server, "--platform", name, "--json", "--work-pool", "doctor-ok-k8s")
     assert as_json.returncode == 0 and all(item["ok"] for item in json.loads(as_json.stdout))
 
 
@@ -167,7 +191,7 @@ def test_doctor_names_a_verb_the_role_lacks_and_how_to_grant_it(prefect_server: 
     name = saved(emu, "doctor-verb", namespace="laneflow")
     result = doctor(prefect_server, "--platform", name, "--json")
     assert result.returncode == 1, result.stdout + result.stderr
-    (failed,) = [item for item in json.loads(result.stdout) if not item["ok"]]
+    (failed,) = [item for item in cluster_only(json.loads(result.stdout)) if not item["ok"]]
     assert failed["detail"] == "denied: list mpijobs.kubeflow.org in laneflow", failed
     assert failed["fix"].startswith("kubectl apply -k deployments/base")
 
@@ -178,17 +202,17 @@ def test_doctor_says_when_the_mpi_operator_or_the_snapshot_api_is_not_served(
     emu, cluster = shipped
     name = saved(emu, "doctor-apis", namespace="laneflow")
     cluster.withheld_groups = {"kubeflow.org"}  # no MPI operator installed: its CRD's group is not served
-    lines = [check.line() for check in run_checks(name)]
+    lines = [check.line() for check in cluster_only(run_checks(name))]
     (failed,) = [line for line in lines if line.startswith("✘")]
     assert failed.startswith("✘ the MPI operator's API (mpijobs.kubeflow.org/v2beta1) served: the API server does "
                              "not serve kubeflow.org/v2beta1 — install the MPI operator"), failed
     cluster.withheld_groups = {"snapshot.storage.k8s.io"}  # no external-snapshotter CRDs
-    (failed,) = [check for check in run_checks(name) if not check.ok]
+    (failed,) = [check for check in cluster_only(run_checks(name)) if not check.ok]
     assert failed.check == "the snapshot API (volumesnapshots.snapshot.storage.k8s.io/v1) served"
     assert "external-snapshotter" in failed.fix
     # A block that snapshots through Azure (snapshotter anf) needs no snapshot API.
-    assert all(check.ok for check in run_checks(saved(emu, "doctor-anf-snaps", namespace="laneflow",
-                                                      snapshotter="anf")))
+    assert all(check.ok for check in cluster_only(run_checks(saved(emu, "doctor-anf-snaps", namespace="laneflow",
+                                                                   snapshotter="anf"))))
 
 
 @pytest.mark.slow
@@ -244,7 +268,7 @@ def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_
     emu, cluster = emulator
     cluster.load(rendered("base"))
     name = saved(emu, "doctor-reads", namespace="laneflow")
-    refused = [check for check in run_checks(name) if not check.ok]
+    refused = [check for check in cluster_only(run_checks(name)) if not check.ok]
     assert [check.check for check in refused] == [
         "storage class azure-netapp-files", "volume snapshot class csi-anf-snapclass",
         "a node pool for training workers (1 nvidia.com/gpu each)"], refused
@@ -256,7 +280,7 @@ def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_
         cluster.objects["storageclasses"].clear()
         cluster.objects["volumesnapshotclasses"].clear()
     untolerating = saved(emu, "doctor-untolerating", namespace="laneflow", tolerations=[])
-    failed = {check.check: check for check in run_checks(untolerating) if not check.ok}
+    failed = {check.check: check for check in cluster_only(run_checks(untolerating)) if not check.ok}
     assert failed.keys() == {"storage class azure-netapp-files", "volume snapshot class csi-anf-snapclass",
                              "a node pool for training workers (1 nvidia.com/gpu each)"}, failed
     assert failed["storage class azure-netapp-files"].detail == "not found"
@@ -271,3 +295,42 @@ def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_
             node.unschedulable = node.labels.get("agentpool") == "gpu"
     (pool,) = [check for check in run_checks(name) if check.check.startswith("a node pool")]
     assert pool.ok and pool.detail == "pools gpuspot", pool
+
+
+def test_the_work_pool_must_exist_be_kubernetes_unpaused_and_have_a_worker_online() -> None:
+    assert work_pool_verdict("laneflow-k8s", "kubernetes", False, [("w1", "OFFLINE"), ("w2", "ONLINE")]).detail == \
+        "workers w2"
+    missing = work_pool_verdict("laneflow-k8s", None, False, [])
+    assert not missing.ok and "prefect work-pool create laneflow-k8s --type kubernetes" in missing.fix
+    local = work_pool_verdict("laneflow-local", "process", False, [("w", "ONLINE")])
+    assert not local.ok and local.detail.startswith("a process pool, not a kubernetes one")
+    paused = work_pool_verdict("laneflow-k8s", "kubernetes", True, [("w", "ONLINE")])
+    assert not paused.ok and paused.fix == "prefect work-pool resume laneflow-k8s"
+    gone = work_pool_verdict("laneflow-k8s", "kubernetes", False, [("w1", "OFFLINE")])
+    assert not gone.ok and gone.detail == "no worker online (w1 offline)" and "prefect worker start" in gone.fix
+
+
+@pytest.mark.slow
+def test_doctor_says_when_the_work_pool_is_missing_paused_or_unserved(prefect_server: dict, emulator: tuple) -> None:
+    """Read from the session's real Prefect server: a pool named and absent, one nobody polls, a paused one."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    emu, _ = emulator
+    name = saved(emu, "doctor-pool")
+
+    def pool_line(pool: str) -> Check:
+        (line,) = [check for check in run_checks(name, pool) if check.check.startswith("work pool ")]
+        return line
+
+    missing = pool_line("doctor-absent-k8s")
+    assert not missing.ok and missing.detail == "no such work pool", missing
+    kubernetes_pool("doctor-unserved-k8s")
+    unserved = pool_line("doctor-unserved-k8s")
+    assert not unserved.ok and unserved.detail == "no worker online (none has ever polled it)", unserved
+    kubernetes_pool("doctor-paused-k8s", worker="prefect-worker-1")
+    assert pool_line("doctor-paused-k8s").ok
+    with get_client(sync_client=True) as client:
+        client.update_work_pool("doctor-paused-k8s", WorkPoolUpdate(is_paused=True))
+    paused = pool_line("doctor-paused-k8s")
+    assert not paused.ok and paused.fix == "prefect work-pool resume doctor-paused-k8s", paused
