@@ -7,7 +7,8 @@ not); every verb laneflow uses is granted to the block's identity (one SelfSubje
 permissions the shipped RBAC manifests list); the MPI operator's API is served; with CSI snapshots, the snapshot
 API is served; the block's storage class (ANF's provisioner when the block moves ANF service levels) and snapshot
 class exist; a node pool takes the training workers (taints tolerated, node selector matched, GPUs enough). The last
-three read cluster-scoped objects the flows never need: ``deployments/doctor`` grants them, read-only. Then the
+three read cluster-scoped objects the flows never need: ``deployments/doctor`` grants them, read-only. With ANF
+settings, each configured capacity pool is listed with the block's Azure credentials. Then the
 Kubernetes work pool, when it exists or is named: a worker online. Locally: Horovod's build, free disk where the
 volumes live. Both: the Prefect server.
 """
@@ -31,6 +32,7 @@ from tasks.doctor import (
     SNAPSHOT_API_FIX,
     Check,
     Permission,
+    anf_verdict,
     api_served_verdict,
     disk_verdict,
     exit_code,
@@ -90,7 +92,35 @@ def cluster_checks(platform: object) -> list[Check]:
     if snapshot_api is not None and snapshot_api.ok:  # without the API, its class cannot be read (nor be)
         checks.append(snapshot_class_check(client, platform))
     checks.append(gpu_pool_check(client, platform))
+    if platform.anf is not None:
+        checks.append(anf_check(platform.anf))
     return checks
+
+
+def anf_check(anf: object) -> Check:
+    """List the volumes of each configured capacity pool (``Volumes_List``: the role's volumes/read, nothing more)."""
+    from azure.core.exceptions import ClientAuthenticationError, HttpResponseError, ResourceNotFoundError
+
+    pools: dict[str, tuple[str, int | None]] = {}
+    try:
+        client = anf._client()
+        for level, pool_id in anf.pool_ids.items():
+            name = anf.pool_name(pool_id)
+            try:
+                pools[level] = (name, len(list(client.volumes.list(anf.resource_group, anf.account, name))))
+            except ResourceNotFoundError:
+                pools[level] = (name, None)
+    except ClientAuthenticationError as exc:
+        return anf_verdict(anf.account, pools, f"the credentials were refused: {_first_line(exc)}", 401)
+    except HttpResponseError as exc:
+        return anf_verdict(anf.account, pools, f"{exc.status_code} {_first_line(exc)}", exc.status_code)
+    except Exception as exc:  # no Azure at the endpoint, a bad CA bundle, an incomplete block: the answer to report
+        return anf_verdict(anf.account, pools, _error(exc))
+    return anf_verdict(anf.account, pools)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(getattr(exc, "message", None) or exc).splitlines() or [""])[0]
 
 
 def _read(call: Callable[[], Any]) -> tuple[Any, str | None]:

@@ -255,6 +255,28 @@ def server_verdict(url: str, error: str | None) -> Check:
     return Check(what, False, error, "laneflow serve (the local server), or set PREFECT_API_URL to your server")
 
 
+ANF_ROLE_FIX = ("assign the role deployments/azure/laneflow-anf-role.json to the block's identity (its client_id, "
+                "or the workload identity) on the NetApp account's resource group")
+
+
+def anf_verdict(account: str, pools: Mapping[str, tuple[str, int | None]], error: str | None = None,
+                status: int | None = None) -> Check:
+    """The block's capacity pools reachable with its credentials: ``pools`` maps each level to (pool name, the
+    number of volumes listed in it, None when Azure says the pool does not exist); ``error``/``status``: what
+    stopped the reading."""
+    what = f"Azure NetApp Files account {account}: its capacity pools readable with the block's credentials"
+    if error is not None:
+        if status in (401, 403):
+            return Check(what, False, error, ANF_ROLE_FIX)
+        return Check(what, False, error, "the block's anf fields: tenant_id, client_id and client_secret (or the "
+                                         "workload identity), arm_endpoint, ca_bundle")
+    missing = [f"{level} pool {name}" for level, (name, count) in pools.items() if count is None]
+    if missing:
+        return Check(what, False, "not found: " + ", ".join(missing),
+                     "set the block's anf.pool_ids to the account's capacity pools (az netappfiles pool list)")
+    return Check(what, True, ", ".join(f"{level} {name}: {count} volumes" for level, (name, count) in pools.items()))
+
+
 #: The Kubernetes work pool the shipped cluster deployments use (deployments/prefect-kubernetes.yaml).
 CLUSTER_WORK_POOL = "laneflow-k8s"
 

@@ -19,6 +19,7 @@ from tasks.doctor import (
     DOCTOR_READS_FIX,
     Check,
     Permission,
+    anf_verdict,
     disk_verdict,
     exit_code,
     gpu_pool_verdict,
@@ -334,3 +335,39 @@ def test_doctor_says_when_the_work_pool_is_missing_paused_or_unserved(prefect_se
         client.update_work_pool("doctor-paused-k8s", WorkPoolUpdate(is_paused=True))
     paused = pool_line("doctor-paused-k8s")
     assert not paused.ok and paused.fix == "prefect work-pool resume doctor-paused-k8s", paused
+
+
+@pytest.mark.slow
+def test_doctor_lists_the_anf_pools_with_the_blocks_azure_credentials(
+        prefect_server: dict, emulator: tuple, arm: tuple) -> None:
+    """Against the emulated Azure Resource Manager: each configured capacity pool listed (Volumes_List, the one
+    read the shipped Azure role grants); a pool the account does not have, and an endpoint where no Azure answers,
+    each turn the line with what to set."""
+    from tests.test_anf import anf_volume
+
+    emu, _ = emulator
+    arm_emulator, state = arm
+
+    def anf_line(block: str) -> Check:
+        (line,) = [check for check in run_checks(block) if check.check.startswith("Azure NetApp Files")]
+        return line
+
+    name = saved(emu, "doctor-anf", anf=anf_volume(arm_emulator, volume=None))
+    found = anf_line(name)
+    assert found.ok, found
+    assert found.detail == "Standard pool-standard: 1 volumes, Premium pool-premium: 0 volumes, " \
+                           "Ultra pool-ultra: 0 volumes", found
+    with state.lock:
+        del state.pools["pool-ultra"]  # the account's Ultra pool was deleted (or never made)
+    missing = anf_line(name)
+    assert not missing.ok and missing.detail == "not found: Ultra pool pool-ultra", missing
+    assert "anf.pool_ids" in missing.fix
+    nowhere = anf_line(saved(emu, "doctor-anf-nowhere", anf=anf_volume(
+        arm_emulator, volume=None, arm_endpoint="https://127.0.0.1:9")))
+    assert not nowhere.ok and "arm_endpoint" in nowhere.fix, nowhere
+
+
+def test_anf_refusals_point_at_the_shipped_azure_role() -> None:
+    refused = anf_verdict("anf-lanes", {}, "403 AuthorizationFailed: the client does not have authorization", 403)
+    assert not refused.ok and "deployments/azure/laneflow-anf-role.json" in refused.fix
+    assert anf_verdict("anf-lanes", {"Standard": ("pool-standard", 2)}).detail == "Standard pool-standard: 2 volumes"
