@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--work-pool", default=None,
                         help="on a cluster, the Kubernetes work pool whose worker to check (default: laneflow-k8s, "
                              "when it exists)")
+    doctor.add_argument("--pull-images", action="store_true",
+                        help="on a cluster, also start a short Job per image of the block to see that the nodes can "
+                             "pull it (minutes for a multi-GB image the first time)")
     return parser
 
 
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from flows.doctor import doctor_command
 
-        return doctor_command(args.platform, args.json, args.work_pool)
+        return doctor_command(args.platform, args.json, args.work_pool, args.pull_images)
     if args.command == "lineage":
         try:
             print(lineage_text(args.name, args.platform), end="")

@@ -8,15 +8,19 @@ permissions the shipped RBAC manifests list); the MPI operator's API is served; 
 API is served; the block's storage class (ANF's provisioner when the block moves ANF service levels) and snapshot
 class exist; a node pool takes the training workers (taints tolerated, node selector matched, GPUs enough). The last
 three read cluster-scoped objects the flows never need: ``deployments/doctor`` grants them, read-only. With ANF
-settings, each configured capacity pool is listed with the block's Azure credentials. Then the
+settings, each configured capacity pool is listed with the block's Azure credentials. With ``--pull-images``, a
+probe Job per image shows whether the nodes can pull it. Then the
 Kubernetes work pool, when it exists or is named: a worker online. Locally: Horovod's build, free disk where the
 volumes live. Both: the Prefect server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import secrets
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,9 @@ from tasks.doctor import (
     gpu_pool_check_name,
     gpu_pool_verdict,
     horovod_verdict,
+    image_verdict,
     permissions_verdict,
+    pull_state,
     reachable_verdict,
     required_permissions,
     server_verdict,
@@ -65,7 +71,7 @@ def _error(exc: BaseException) -> str:
 
 
 # --- the cluster -----------------------------------------------------------------------------------------------
-def cluster_checks(platform: object) -> list[Check]:
+def cluster_checks(platform: object, pull_images: bool = False) -> list[Check]:
     """The cluster platform's checks, read with the client the block itself makes (its credentials, else in-cluster
     config, else the default kubeconfig)."""
     from tasks.platforms.cluster.api import api_client
@@ -94,6 +100,43 @@ def cluster_checks(platform: object) -> list[Check]:
     checks.append(gpu_pool_check(client, platform))
     if platform.anf is not None:
         checks.append(anf_check(platform.anf))
+    if pull_images:
+        checks += image_checks(client, platform)
+    return checks
+
+
+def image_checks(client: kubernetes.client.ApiClient, platform: object, timeout_s: float = 600) -> list[Check]:
+    """Each image of the block pulled by a node, through a probe Job (``render_pull_probe``) deleted afterwards."""
+    from tasks.k8s.manifests import MANAGED_BY, render_pull_probe
+
+    batch, core = kubernetes.client.BatchV1Api(client), kubernetes.client.CoreV1Api(client)
+    namespace = platform.effective_namespace()
+    checks = []
+    for image in dict.fromkeys([platform.data_image, platform.image]):
+        name = f"laneflow-doctor-pull-{secrets.token_hex(4)}"
+        probe = render_pull_probe(name, platform.layout(), image, {**MANAGED_BY, "laneflow.io/doctor": "pull"})
+        try:
+            batch.create_namespaced_job(namespace, probe)
+        except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+            checks.append(image_verdict(image, False, f"cannot start a pull probe: {_error(exc)}"))
+            continue
+        pulled, detail = None, ""
+        try:
+            deadline = time.monotonic() + timeout_s
+            while pulled is None and time.monotonic() < deadline:
+                pods = core.list_namespaced_pod(namespace, label_selector=f"job-name={name}")
+                for pod in client.sanitize_for_serialization(pods)["items"]:
+                    pulled, detail = pull_state(pod)
+                    if pulled is not None:
+                        break
+                else:
+                    time.sleep(1.0)
+            if pulled is None:
+                detail = f"not pulled within {timeout_s:.0f} s (kubectl get events -n {namespace})"
+        finally:
+            with contextlib.suppress(ApiException, urllib3.exceptions.HTTPError, OSError):
+                batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+        checks.append(image_verdict(image, pulled, detail))
     return checks
 
 
@@ -242,7 +285,7 @@ def server_check() -> Check:
 
 
 # --- the command -----------------------------------------------------------------------------------------------
-def run_checks(platform_name: str, work_pool: str | None = None) -> list[Check]:
+def run_checks(platform_name: str, work_pool: str | None = None, pull_images: bool = False) -> list[Check]:
     """Every check for the platform block ``platform_name`` (and, on a cluster, the work pool ``work_pool``, else
     the shipped deployments' pool when it exists)."""
     from tasks.platforms import DEFAULT_PLATFORM, ClusterPlatform, LocalPlatform, load_platform
@@ -259,14 +302,14 @@ def run_checks(platform_name: str, work_pool: str | None = None) -> list[Check]:
         return [*checks, Check(f"platform block {platform_name}", False, str(exc),
                                "save the block first (docs/getting-started/cluster.md), or pass --platform")]
     if isinstance(platform, ClusterPlatform):
-        checks += cluster_checks(platform)
+        checks += cluster_checks(platform, pull_images)
         pool = work_pool_check(work_pool or CLUSTER_WORK_POOL, required=work_pool is not None)
         return checks + ([pool] if pool is not None else [])
     return checks + local_checks(platform)
 
 
-def doctor_command(platform_name: str, as_json: bool, work_pool: str | None = None) -> int:
-    checks = run_checks(platform_name, work_pool)
+def doctor_command(platform_name: str, as_json: bool, work_pool: str | None = None, pull_images: bool = False) -> int:
+    checks = run_checks(platform_name, work_pool, pull_images)
     if as_json:
         print(json.dumps([check.as_dict() for check in checks], indent=2))
     else:

@@ -277,6 +277,36 @@ def anf_verdict(account: str, pools: Mapping[str, tuple[str, int | None]], error
     return Check(what, True, ", ".join(f"{level} {name}: {count} volumes" for level, (name, count) in pools.items()))
 
 
+#: A container waiting for these never gets its image (kubelet pkg/kubelet/images: ErrImagePull, then
+#: ImagePullBackOff; InvalidImageName for a reference it cannot parse; ErrImageNeverPull under pullPolicy Never).
+PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+
+
+def pull_state(pod: Mapping[str, Any]) -> tuple[bool | None, str]:
+    """From a pull probe's pod (as the API serves it): True once its container started or ended (the image is on the
+    node), False when the kubelet gave up on the pull for now (with its reason and message), None while pending."""
+    status = pod.get("status") or {}
+    if status.get("phase") in ("Running", "Succeeded"):
+        return True, ""
+    for container in status.get("containerStatuses") or []:
+        state = container.get("state") or {}
+        if "running" in state or "terminated" in state:
+            return True, ""
+        waiting = state.get("waiting") or {}
+        if waiting.get("reason") in PULL_FAILURES:
+            return False, f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+    return None, ""
+
+
+def image_verdict(image: str, pulled: bool | None, detail: str) -> Check:
+    what = f"image {image} pullable by the nodes"
+    if pulled:
+        return Check(what, True)
+    return Check(what, False, detail or "not pulled in time",
+                 "push the image (make image; docs/getting-started/images.md) and let the nodes read the registry "
+                 "(az aks update --attach-acr <registry>), or set the block's image/data_image")
+
+
 #: The Kubernetes work pool the shipped cluster deployments use (deployments/prefect-kubernetes.yaml).
 CLUSTER_WORK_POOL = "laneflow-k8s"
 

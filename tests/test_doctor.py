@@ -34,6 +34,7 @@ from tasks.doctor import (
 from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS, aks_nodes
 from tests.cluster.node_objects import node_object
 from tests.cluster_platform_helpers import saved
+from tests.waiting import wait_until
 
 LANEFLOW = Path(sys.executable).parent / "laneflow"
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -371,3 +372,30 @@ def test_anf_refusals_point_at_the_shipped_azure_role() -> None:
     refused = anf_verdict("anf-lanes", {}, "403 AuthorizationFailed: the client does not have authorization", 403)
     assert not refused.ok and "deployments/azure/laneflow-anf-role.json" in refused.fix
     assert anf_verdict("anf-lanes", {"Standard": ("pool-standard", 2)}).detail == "Standard pool-standard: 2 volumes"
+
+
+@pytest.mark.slow
+def test_doctor_pulls_each_image_through_a_probe_job_and_names_one_the_nodes_cannot_pull(
+        prefect_server: dict, shipped: tuple) -> None:
+    """Under the flows' own Role: a probe Job per image on the system pool, its pod's state read, the Job deleted. An
+    image the registry does not have is the kubelet's ErrImagePull, named with its message."""
+    emu, cluster = shipped
+    name = saved(emu, "doctor-pull", namespace="laneflow")
+
+    def image_lines(block: str) -> list[Check]:
+        return [check for check in run_checks(block, pull_images=True) if check.check.startswith("image ")]
+
+    pulled = image_lines(name)
+    assert [check.check for check in pulled] == [
+        "image registry.example.org/laneflow-data:0.1.0 pullable by the nodes",
+        "image registry.example.org/laneflow-train:0.1.0 pullable by the nodes"], pulled
+    assert all(check.ok for check in pulled), pulled
+    (missing,) = image_lines(saved(emu, "doctor-nopull", namespace="laneflow",
+                                   image="registry.example.org/laneflow-train:9.9.9",
+                                   data_image="registry.example.org/laneflow-train:9.9.9"))
+    assert not missing.ok and missing.detail.startswith("ErrImagePull: "), missing
+    assert "--attach-acr" in missing.fix
+    with cluster.lock:  # every probe is deleted, and its pod with it
+        assert not [key for key in cluster.objects["jobs"] if key[1].startswith("laneflow-doctor-pull-")]
+    wait_until("the probes' pods gone", lambda: not [
+        key for key in cluster.objects["pods"] if key[1].startswith("laneflow-doctor-pull-")], timeout_s=60)

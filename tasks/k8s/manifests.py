@@ -166,6 +166,25 @@ def render_claim_job(name: str, layout: ClusterLayout, claim: str, command: list
 SOURCES_KEY = "sources"
 
 
+#: How long a pull probe (``render_pull_probe``) may run before the Job controller stops it: a multi-GB image over a
+#: slow link still gets there, a stuck probe does not stay.
+PULL_PROBE_DEADLINE_S = 900
+
+
+def render_pull_probe(name: str, layout: ClusterLayout, image: str, labels: dict[str, str]) -> dict:
+    """A Job whose one pod only starts ``image`` (``true``, as laneflow's user): the kubelet pulls it with the nodes'
+    own registry credentials, as for a run's pods. No GPU, no claim, no service-account token, so it lands on the
+    system pool and can touch nothing; ``laneflow doctor --pull-images`` reads its pod's state and deletes it."""
+    validate_name(name, "job")
+    container = {"name": "pull", "image": image, "command": ["true"]}
+    spec = _pod_spec(layout, container, [], restart="Never")
+    spec["automountServiceAccountToken"] = False
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "namespace": layout.effective_namespace(), "labels": labels},
+            "spec": {"backoffLimit": 0, "ttlSecondsAfterFinished": 60, "activeDeadlineSeconds": PULL_PROBE_DEADLINE_S,
+                     "template": {"metadata": {"labels": labels}, "spec": spec}}}
+
+
 def sources_secret_name(job: str) -> str:
     """The Secret a dataset Job reads its artifacts from: named after the Job, so a retry finds its own."""
     return f"{validate_name(job, 'job')}-sources"
