@@ -4,14 +4,14 @@ machine) and prints one line per check. The reading is here; every verdict is a 
 
 On a cluster, in order: the API server answers with the block's credentials (nothing else is asked when it does
 not); every verb laneflow uses is granted to the block's identity (one SelfSubjectAccessReview each, for the
-permissions the shipped RBAC manifests list); the MPI operator's API is served; with CSI snapshots, the snapshot
-API is served; the block's storage class (ANF's provisioner when the block moves ANF service levels) and snapshot
-class exist; a node pool takes the training workers (taints tolerated, node selector matched, GPUs enough). The last
-three read cluster-scoped objects the flows never need: ``deployments/doctor`` grants them, read-only. With ANF
-settings, each configured capacity pool is listed with the block's Azure credentials. With ``--pull-images``, a
-probe Job per image shows whether the nodes can pull it. Then the
-Kubernetes work pool, when it exists or is named: a worker online. Locally: Horovod's build, free disk where the
-volumes live. Both: the Prefect server.
+permissions the shipped RBAC manifests list); the MPI operator's API is served and its controller runs (its
+leader Lease renewed); with CSI snapshots, the snapshot API is served; the block's storage class (ANF's
+provisioner when the block moves ANF service levels) and snapshot class exist; a node pool takes the training
+workers (taints tolerated, node selector matched, GPUs enough). The lease, the classes and the nodes are reads the
+flows never need: ``deployments/doctor`` grants them, read-only. With ANF settings, each configured capacity pool
+is listed with the block's Azure credentials. With ``--pull-images``, a probe Job per image shows whether the
+nodes can pull it. Then the Kubernetes work pool, when it exists or is named: a worker online. Locally: Horovod's
+build, free disk where the volumes live. Both: the Prefect server.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from flows.local_server import DEFAULT_PORT, api_url, is_healthy
 from tasks.doctor import (
     CLUSTER_WORK_POOL,
     MPI_OPERATOR_FIX,
+    OPERATOR_LEASE,
     SNAPSHOT_API_FIX,
     Check,
     Permission,
@@ -44,6 +45,7 @@ from tasks.doctor import (
     gpu_pool_verdict,
     horovod_verdict,
     image_verdict,
+    operator_lease_verdict,
     permissions_verdict,
     pull_state,
     reachable_verdict,
@@ -87,8 +89,10 @@ def cluster_checks(platform: object, pull_images: bool = False) -> list[Check]:
     except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
         return [reachable_verdict(server, None, _error(exc))]
     checks = [first, permission_check(client, platform)]
-    checks.append(served_check(client, "the MPI operator's API", "kubeflow.org", "v2beta1", "mpijobs",
-                               MPI_OPERATOR_FIX))
+    mpi_api = served_check(client, "the MPI operator's API", "kubeflow.org", "v2beta1", "mpijobs", MPI_OPERATOR_FIX)
+    checks.append(mpi_api)
+    if mpi_api.ok:
+        checks.append(operator_check(client))
     snapshot_api = None
     if platform.snapshotter == "csi":
         snapshot_api = served_check(client, "the snapshot API", "snapshot.storage.k8s.io", "v1", "volumesnapshots",
@@ -174,6 +178,13 @@ def _read(call: Callable[[], Any]) -> tuple[Any, str | None]:
         return (None, None) if exc.status == 404 else (None, _error(exc))
     except (urllib3.exceptions.HTTPError, OSError) as exc:
         return None, _error(exc)
+
+
+def operator_check(client: kubernetes.client.ApiClient) -> Check:
+    """The MPI operator's leader Lease (GET leases/mpi-operator in its namespace)."""
+    namespace, name = OPERATOR_LEASE
+    found, error = _read(lambda: kubernetes.client.CoordinationV1Api(client).read_namespaced_lease(name, namespace))
+    return operator_lease_verdict(client.sanitize_for_serialization(found) if found else None, time.time(), error)
 
 
 def storage_class_check(client: kubernetes.client.ApiClient, platform: object) -> Check:

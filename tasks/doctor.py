@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +125,8 @@ SNAPSHOT_API_FIX = ("install the external-snapshotter's CRDs and snapshot contro
 
 
 #: What applying deployments/doctor grants (read-only): the cluster-scoped reads of the next three checks.
-DOCTOR_READS_FIX = ("kubectl apply -k deployments/doctor (a read-only ClusterRole that lets laneflow doctor read "
-                    "storage classes, snapshot classes and nodes), or run laneflow doctor as a user who may")
+DOCTOR_READS_FIX = ("kubectl apply -k deployments/doctor (read-only: lets laneflow doctor read storage classes, "
+                    "snapshot classes, nodes and the MPI operator's lease), or run laneflow doctor as a user who may")
 
 
 def unreadable_verdict(what: str, error: str) -> Check:
@@ -133,6 +134,36 @@ def unreadable_verdict(what: str, error: str) -> Check:
     forbidden = error.startswith("403")
     return Check(what, False, f"cannot read it: {error}",
                  DOCTOR_READS_FIX if forbidden else "check the API server's health (kubectl get --raw /readyz)")
+
+
+#: The MPI operator's leader election Lease (kubeflow/mpi-operator cmd/mpi-operator/app/server.go: a LeaseLock named
+#: mpi-operator in --lock-namespace, default mpi-operator; lease 15 s, renewed every 3 s while the controller runs).
+OPERATOR_LEASE = ("mpi-operator", "mpi-operator")
+
+
+def operator_lease_verdict(lease: Mapping[str, Any] | None, now: float, error: str | None = None) -> Check:
+    """Whether the MPI operator's controller runs: its leader Lease held and renewed within twice its duration (a
+    controller that stopped leaves the Lease with an old ``renewTime``); ``lease`` None: there is none."""
+    namespace, name = OPERATOR_LEASE
+    what = f"the MPI operator's controller running (its leader lease {namespace}/{name})"
+    logs = f"kubectl -n {namespace} get pods; kubectl -n {namespace} logs deploy/mpi-operator"
+    if error is not None:
+        return unreadable_verdict(what, error)
+    if lease is None:
+        return Check(what, False, "no such lease: the operator has never run here, or runs with another "
+                                  "--lock-namespace", f"{logs}; or {MPI_OPERATOR_FIX}")
+    spec = lease.get("spec") or {}
+    holder, renewed = spec.get("holderIdentity"), spec.get("renewTime")
+    if not holder or not renewed:
+        return Check(what, False, "the lease has no holder: the operator lost its leadership", logs)
+    age = now - datetime.fromisoformat(str(renewed).replace("Z", "+00:00")).timestamp()
+    duration = int(spec.get("leaseDurationSeconds") or 15)
+    who = str(holder).split("_")[0]
+    if age > 2 * duration:
+        return Check(what, False, f"its leader {who} last renewed it {age:.0f} s ago ({duration} s lease): the "
+                                  "controller is not running, and MPIJobs would be stored with nothing acting on them",
+                     logs)
+    return Check(what, True, f"leader {who}, renewed {max(age, 0):.0f} s ago")
 
 
 def storage_class_verdict(name: str, found: Mapping[str, Any] | None, anf: bool) -> Check:

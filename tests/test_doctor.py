@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import kubernetes
@@ -24,6 +27,7 @@ from tasks.doctor import (
     exit_code,
     gpu_pool_verdict,
     horovod_verdict,
+    operator_lease_verdict,
     required_permissions,
     shipped_rbac,
     snapshot_class_verdict,
@@ -33,6 +37,7 @@ from tasks.doctor import (
 )
 from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS, aks_nodes
 from tests.cluster.node_objects import node_object
+from tests.cluster.operator_lease import micro_time
 from tests.cluster_platform_helpers import saved
 from tests.waiting import wait_until
 
@@ -173,6 +178,8 @@ def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests
     verbs = len(required_permissions(shipped_rbac(adopts_claims=False), "laneflow"))
     assert f"✔ every verb laneflow uses granted to the block's identity (namespace laneflow) ({verbs} verbs)" in lines
     assert "✔ the MPI operator's API (mpijobs.kubeflow.org/v2beta1) served" in lines
+    assert any(line.startswith("✔ the MPI operator's controller running (its leader lease mpi-operator/mpi-operator) "
+                               "(leader mpi-operator-7f5c9d8b6-x2kqp, renewed ") for line in lines), lines
     assert "✔ the snapshot API (volumesnapshots.snapshot.storage.k8s.io/v1) served" in lines
     assert "✔ storage class azure-netapp-files (provisioner csi.trident.netapp.io)" in lines
     assert "✔ volume snapshot class csi-anf-snapclass (driver csi.trident.netapp.io)" in lines
@@ -272,6 +279,7 @@ def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_
     name = saved(emu, "doctor-reads", namespace="laneflow")
     refused = [check for check in cluster_only(run_checks(name)) if not check.ok]
     assert [check.check for check in refused] == [
+        "the MPI operator's controller running (its leader lease mpi-operator/mpi-operator)",
         "storage class azure-netapp-files", "volume snapshot class csi-anf-snapclass",
         "a node pool for training workers (1 nvidia.com/gpu each)"], refused
     assert all(check.detail.startswith("cannot read it: 403 Forbidden") and check.fix == DOCTOR_READS_FIX
@@ -399,3 +407,42 @@ def test_doctor_pulls_each_image_through_a_probe_job_and_names_one_the_nodes_can
         assert not [key for key in cluster.objects["jobs"] if key[1].startswith("laneflow-doctor-pull-")]
     wait_until("the probes' pods gone", lambda: not [
         key for key in cluster.objects["pods"] if key[1].startswith("laneflow-doctor-pull-")], timeout_s=60)
+
+
+@pytest.mark.slow
+def test_doctor_tells_a_stopped_mpi_operator_by_its_leader_lease(prefect_server: dict, shipped: tuple) -> None:
+    """The CRD alone serves MPIJobs that nothing acts on: what tells a running controller is its leader Lease,
+    renewed every few seconds while it runs and left to age when it stops."""
+    emu, cluster = shipped
+    name = saved(emu, "doctor-operator", namespace="laneflow")
+
+    def operator_line() -> Check:
+        (line,) = [check for check in run_checks(name) if check.check.startswith("the MPI operator's controller")]
+        return line
+
+    assert operator_line().ok
+    with cluster.lock:  # the operator's pod crashed a minute ago: it renews no more
+        cluster.mpi_operator_installed = False
+        lease = cluster.objects["leases"][("mpi-operator", "mpi-operator")]
+        lease["spec"]["renewTime"] = micro_time(time.time() - 60)
+    stopped = operator_line()
+    assert not stopped.ok and re.search(r"last renewed it 6\d s ago \(15 s lease\)", stopped.detail), stopped
+    assert "kubectl -n mpi-operator logs deploy/mpi-operator" in stopped.fix
+    with cluster.lock:  # never installed (or another --lock-namespace): no lease at all
+        del cluster.objects["leases"][("mpi-operator", "mpi-operator")]
+    missing = operator_line()
+    assert not missing.ok and missing.detail.startswith("no such lease"), missing
+    with cluster.lock:  # started again: it takes the lease back within its retry period
+        cluster.mpi_operator_installed = True
+    wait_until("the operator's lease renewed", lambda: operator_line().ok, timeout_s=30)
+
+
+def test_the_operator_lease_verdict_reads_the_holder_and_its_age() -> None:
+    lease = {"spec": {"holderIdentity": "mpi-operator-abc_1234", "leaseDurationSeconds": 15,
+                      "renewTime": "2026-12-06T02:00:00.000000Z"}}
+    at = datetime(2026, 12, 6, 2, 0, 5, tzinfo=UTC).timestamp()
+    assert operator_lease_verdict(lease, at).detail == "leader mpi-operator-abc, renewed 5 s ago"
+    assert not operator_lease_verdict(lease, at + 60).ok
+    assert not operator_lease_verdict({"spec": {"leaseDurationSeconds": 15}}, at).ok  # no holder
+    refused = operator_lease_verdict(None, at, "403 Forbidden: leases.coordination.k8s.io is forbidden")
+    assert not refused.ok and refused.fix == DOCTOR_READS_FIX

@@ -80,10 +80,14 @@ def test_rbac_grants_no_wildcards_and_nothing_cluster_wide_but_reading_volumes_u
 def test_the_doctor_overlay_binds_its_reads_to_the_flows_account() -> None:
     objects, warnings = kustomize("doctor")
     assert warnings == ""
-    assert sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects) == [
-        "ClusterRole/laneflow-doctor", "ClusterRoleBinding/laneflow-doctor"]
-    binding = next(o for o in objects if o["kind"] == "ClusterRoleBinding")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "laneflow-flows", "namespace": "laneflow"}]
+    assert sorted(f"{o['kind']}/{o['metadata'].get('namespace', '')}/{o['metadata']['name']}" for o in objects) == [
+        "ClusterRole//laneflow-doctor", "ClusterRoleBinding//laneflow-doctor", "Role/mpi-operator/laneflow-doctor",
+        "RoleBinding/mpi-operator/laneflow-doctor"]
+    for binding in (o for o in objects if o["kind"].endswith("Binding")):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "laneflow-flows", "namespace": "laneflow"}]
+    (role,) = [o for o in objects if o["kind"] == "Role"]  # the operator's Lease, that one object, read only
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "resourceNames": ["mpi-operator"], "verbs": ["get"]}]
     for obj in objects:
         check(obj, "Strict")
 

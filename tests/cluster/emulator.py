@@ -19,6 +19,7 @@ from tests.cluster.authentication import KUBECONFIG_TOKEN, issue_token
 from tests.cluster.dns import ClusterDNS
 from tests.cluster.kubelet import release_network
 from tests.cluster.network import node_address
+from tests.cluster.operator_lease import renew_leader_lease
 from tests.cluster.runtime import KUBERNETES_SERVICE
 from tests.cluster.scheduler import retry_unschedulable
 from tests.cluster.state import Cluster
@@ -55,13 +56,14 @@ class KubernetesEmulator:
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="k8s-controllers")
 
     def _tick(self) -> None:
-        """The controllers that act on time alone, once a second: the TTL-after-finished controller, and the
-        scheduler's second try of the pods it could not place."""
+        """The controllers that act on time alone, once a second: the TTL-after-finished controller, the
+        scheduler's second try of the pods it could not place, and the MPI operator's leader lease."""
         while not self._stopping.wait(1.0):
             with self.cluster.lock:
                 try:
                     ttl_sweep(self.cluster)
                     retry_unschedulable(self.cluster)
+                    renew_leader_lease(self.cluster)
                 except Exception as exc:  # kept, and raised when the emulator stops: never lost silently
                     self.cluster.controller_errors.append(exc)
                     return
@@ -86,6 +88,8 @@ class KubernetesEmulator:
                                                               "namespace": namespace}}]}
 
     def __enter__(self) -> Cluster:
+        with self.cluster.lock:  # an installed operator has taken its lease before anyone looks
+            renew_leader_lease(self.cluster)
         self.thread.start()
         self.secure_thread.start()
         self._ticker.start()

@@ -37,6 +37,7 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "volumesnapshots": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshot", True),
     "volumesnapshotclasses": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshotClass", False),
     "storageclasses": ("storage.k8s.io", "v1", "StorageClass", False),
+    "leases": ("coordination.k8s.io", "v1", "Lease", True),
 }
 
 

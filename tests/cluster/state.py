@@ -119,6 +119,8 @@ class Cluster:
     pending_deletions: dict[tuple[str, str, str], str] = field(default_factory=dict)
     #: Whether the MPI operator runs: without it an MPIJob is stored and nothing ever acts on it.
     mpi_operator_installed: bool = True
+    #: When each Lease was last renewed by its holder (operator_lease.py), by (namespace, name).
+    lease_renewed_at: dict[tuple[str, str], float] = field(default_factory=dict)
     #: Pods of each Job (by uid) removed before they finished: the Job controller counts them as failed.
     lost_job_pods: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lock: threading.RLock = field(default_factory=threading.RLock)
