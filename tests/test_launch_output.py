@@ -20,6 +20,7 @@ from tasks.launch import (
     read_mpijob_failure,
 )
 from tasks.platforms import TrainingFailed, TrainingInterrupted, TrainingSpec, VolumeRef
+from tasks.platforms.cluster.mpijob_ends import SeenPods, workers_replaced_under
 from tasks.processes import run_to_end
 from tasks.retry import is_transient
 from tests.conftest import PROJECT_ROOT
@@ -296,6 +297,34 @@ def test_a_failed_mpijob_is_read_from_its_pods_first_oom_then_disruption_then_th
     assert (reading.kind, reading.resumable) == ("refused", False)
     assert [end.name for end in pod_ends([launcher, running])] == ["train-x-launcher-abc"]  # a running pod says nothing
 
+
+
+def created_at(pod_dict: dict, second: int) -> dict:
+    pod_dict["metadata"]["creationTimestamp"] = f"2026-12-06T03:06:{second:02d}+00:00"
+    return pod_dict
+
+
+def test_workers_created_again_while_a_launcher_ran_are_seen_before_the_jobs_end_removes_them() -> None:
+    """The operator creates every worker before the launcher, and afterwards only in place of one that is gone:
+    a worker younger than the launcher that failed was taken from under it (a drain, an eviction), though neither
+    its end nor horovodrun's words (exit 255 from a replacement still starting sshd) say so. The job's end
+    removes the running replacements, so what a listing showed while it ran is kept per launcher."""
+    first = created_at(pod("train-x-launcher-abc", "launcher", {"exitCode": 1, "reason": "Error",
+                                                                "finishedAt": "2026-12-06T03:06:20+00:00"}), 10)
+    second = created_at(pod("train-x-launcher-def", "launcher"), 30)
+    kept = created_at(pod("train-x-worker-1", "worker"), 5)
+    again = created_at(pod("train-x-worker-0", "worker"), 45)
+    assert workers_replaced_under([first, second, kept, again], "train-x-launcher-def") == ["train-x-worker-0"]
+    assert workers_replaced_under([first, kept, created_at(pod("train-x-worker-0", "worker"), 15)],
+                                  "train-x-launcher-abc") == ["train-x-worker-0"]
+    assert workers_replaced_under([kept, again], "train-x-launcher-gone") == []  # no such pod: nothing to say
+
+    seen = SeenPods()
+    seen.observe([first, second, kept, again])
+    seen.observe([first, kept])  # the job's end removed the running ones: what was seen stays
+    assert seen.replaced == {"train-x-launcher-def": {"train-x-worker-0"}}  # abc had ended when it came
+    seen.observe([created_at(pod("train-x-launcher-ghi", "launcher"), 50), again])
+    assert "train-x-launcher-ghi" not in seen.replaced  # created after the worker: it ran with that one
 
 # --- retries -----------------------------------------------------------------------------------------
 

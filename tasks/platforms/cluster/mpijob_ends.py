@@ -10,6 +10,7 @@ the failed training again.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tasks.k8s.diagnose import job_role, node_silent, pod_ends
@@ -42,13 +43,34 @@ if TYPE_CHECKING:
 SETTLE_EXTRA_S = 15.0
 
 
+@dataclass
+class SeenPods:
+    """What following an MPIJob saw of its pods that their listing at its end may no longer show: the job's end
+    removes its running pods (cleanPodPolicy Running), and the pod GC those on a node that is gone."""
+
+    #: each pod seen on a node that stopped reporting: how, by pod name
+    silent: dict[str, str] = field(default_factory=dict)
+    #: by launcher pod: the workers created again while it ran (``workers_replaced_under``)
+    replaced: dict[str, set[str]] = field(default_factory=dict)
+
+    def observe(self, pods: list[dict]) -> None:
+        """Take what one listing of the job's pods shows."""
+        self.silent.update({pod["metadata"]["name"]: how for pod in pods if (how := node_silent(pod))})
+        for launcher in (pod["metadata"]["name"] for pod in pods if job_role(pod) == "launcher"):
+            if found := workers_replaced_under(pods, launcher):
+                self.replaced.setdefault(launcher, set()).update(found)
+
+
 def read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOutput,
-                  silent: dict[str, str] | None = None) -> tuple[ExitReading, str]:
+                  seen: SeenPods | None = None) -> tuple[ExitReading, str]:
     """How a failed MPIJob ended — from its pods' ends, the operator's reason, the launcher's exit code and
     output — and the detail a message shows (the condition and every pod that exited non-zero). A job that
-    failed after some of its pods were seen on a node that stopped reporting (``silent``) lost that node: the
-    launcher's, say, whose pod the pod GC removed with it before it could say a word — it can resume, unless
-    its pods say otherwise (out of memory) or it was refused or ran out of time."""
+    failed after some of its pods were seen on a node that stopped reporting (``seen.silent``) lost that node:
+    the launcher's, say, whose pod the pod GC removed with it before it could say a word; one whose workers were
+    removed and created again while its launcher ran lost them — either can resume, unless its pods say otherwise
+    (out of memory) or it was refused or ran out of time."""
+    seen = seen or SeenPods()
+    silent = seen.silent
     core, _, _ = apis(platform)
     condition = failed_condition(job)
     reason = condition.get("reason", "")
@@ -66,10 +88,17 @@ def read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOut
                 or time.monotonic() >= settle_until:
             break
         time.sleep(platform.poll_interval_s)
+    replaced = sorted(seen.replaced.get(launchers[-1].name, set()).union(
+        workers_replaced_under(pods, launchers[-1].name))) if launchers else []
     if silent and not reading.resumable and reading.kind not in (OUT_OF_MEMORY, REFUSED, DEADLINE):
         lost = ", ".join(f"{pod} ({how})" for pod, how in sorted(silent.items()))
         reading = ExitReading(False, True, f"its pods were on nodes that stopped reporting: {lost}; it failed "
                                            f"without them ({reading.reason}) and can resume", PREEMPTED)
+    elif replaced and not reading.resumable and reading.kind not in (OUT_OF_MEMORY, REFUSED, DEADLINE):
+        reading = ExitReading(False, True, f"its workers {', '.join(replaced)} were removed while its launcher ran "
+                                           f"(a drain or scale-down of their node, an eviction, a preemption) and "
+                                           f"created again by the operator; it failed without them "
+                                           f"({reading.reason}) and can resume", PREEMPTED)
     elif reason.startswith("BackoffLimitExceeded") and not any(end.role == "launcher" for end in ends) and \
             not reading.resumable and reading.kind not in (OUT_OF_MEMORY, REFUSED, DEADLINE):
         # The launcher Job failed with no launcher pod left: one that ended on its own is kept (restartPolicy
@@ -81,6 +110,24 @@ def read_failure(platform: ClusterPlatform, name: str, job: dict, output: JobOut
                                            "its last checkpoint", PREEMPTED)
     exited = ", ".join(f"{end.name} {end.container_reason} (exit {end.exit_code})" for end in ends if end.exit_code)
     return reading, f"{reason}: {condition.get('message', '')}; pods: {exited or 'none found'}"
+
+
+def workers_replaced_under(pods: list[dict], launcher: str) -> list[str]:
+    """The workers of a job that were created after its launcher pod ``launcher`` was: the operator creates every
+    worker before the launcher (``getOrCreateWorker``, then the launcher Job, whose controller then creates the
+    pod), and afterwards only in place of one that is gone — removed from outside while that launcher ran. Such
+    a worker's own end (a DisruptionTarget) went with it, and horovodrun's words about it need not say so: an
+    elastic horovodrun that tries the replacement while its sshd starts reports exit 255."""
+    created = {pod["metadata"]["name"]: str(pod["metadata"].get("creationTimestamp") or "") for pod in pods}
+    since = created.get(launcher)
+    if not since:
+        return []
+    ended = [str(terminated["finishedAt"]) for pod in pods if pod["metadata"]["name"] == launcher
+             for status in (pod.get("status") or {}).get("containerStatuses") or []
+             if (terminated := (status.get("state") or {}).get("terminated")) and terminated.get("finishedAt")]
+    until = min(ended, default="\uffff")  # a worker created after the launcher ended replaced one after it
+    return sorted(name for pod in pods if job_role(pod) == "worker"
+                  and since < created[(name := pod["metadata"]["name"])] <= until)
 
 
 def launcher_failed_on_its_own(pods: list[dict]) -> bool:

@@ -43,6 +43,7 @@ from tasks.platforms.base import (
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt, wait_deleted
 from tasks.platforms.cluster.isolation import isolate
 from tasks.platforms.cluster.mpijob_ends import (
+    SeenPods,
     launcher_failed_on_its_own,
     mpijob_state,
     read_failure,
@@ -165,15 +166,15 @@ def wait(platform: ClusterPlatform, handle: TrainingHandle, on_event: EventSink,
     resubmitted = False
     while True:
         output, cursor = JobOutput(on_event, on_log, events_from_any_rank=handle.spec.elastic is not None), LogCursor()
-        silent: dict[str, str] = {}
-        job = _follow(platform, handle, output, cursor, deadline, timeout_s, silent)
+        seen = SeenPods()
+        job = _follow(platform, handle, output, cursor, deadline, timeout_s, seen)
         output.finish()
         if not resubmitted:
             remove_expired(platform, on_log)  # once a run ends: earlier runs' finished MPIJobs past their TTL
         if mpijob_state(job) == "succeeded":
             return outcome_from_events(handle.job_name, _all_events(platform, handle, output, cursor, on_log),
                                        time.monotonic() - started, list(output.tail))
-        reading, detail = read_failure(platform, handle.job_name, job, output, silent)
+        reading, detail = read_failure(platform, handle.job_name, job, output, seen)
         if reading.kind != START_FAILED or resubmitted:
             break
         on_log(f"laneflow: MPIJob {handle.job_name} {reading.reason}; submitting it once more")
@@ -198,10 +199,10 @@ START_ADVICE = ("The launcher reaches each worker over ssh by its name in the MP
 
 
 def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput, cursor: LogCursor,
-            deadline: float, timeout_s: float, silent: dict[str, str]) -> dict:
+            deadline: float, timeout_s: float, seen: SeenPods) -> dict:
     """Stream the launcher's log into ``output`` until the MPIJob succeeds or fails; return it then. A pod that
-    cannot run past its grace, the deadline, or anything that interrupts the wait deletes the job. ``silent``
-    gets each of the job's pods seen on a node that stopped reporting (how, by pod name)."""
+    cannot run past its grace, the deadline, or anything that interrupts the wait deletes the job. ``seen``
+    takes what each listing of the job's pods shows that its end may not (mpijob_ends.SeenPods)."""
     core, _, custom = apis(platform)
     group, version, plural = MPI
     name, owner = handle.job_name, handle.spec.labels.get("flow-run")
@@ -238,7 +239,7 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
                                       elastic=handle.spec.elastic is not None,
                                       elastic_min_pods=handle.spec.elastic.min_workers // platform.gpus_per_worker
                                       if handle.spec.elastic else None)
-                    silent.update({pod["metadata"]["name"]: how for pod in pods if (how := node_silent(pod))})
+                    seen.observe(pods)
                 except (StageBlocked, TrainingInterrupted):
                     platform.cancel_training(name, handle.spec.volume, owner)  # a retry submits a fresh one
                     raise
