@@ -189,7 +189,17 @@ def test_a_worker_evicted_a_node_drained_and_a_node_shutting_down_each_end_in_a_
             refusals.append(str(exc))
         drain(core, cluster, "gpu-a", delete_emptydir_data=True)
 
-    told = on_each_attempts_first_step(cluster, [evict_worker_1, drain_gpu_a, lambda: shut_down(cluster, "gpu-b")])
+    shut: list[dict] = []  # gpu-b's workers as the kubelet stopped them
+
+    def shut_down_gpu_b() -> None:
+        """The pods' objects are kept from here: the MPIJob's end may delete them (cleanPodPolicy Running) while
+        the kubelet still stops them, as it may on a real node, and they are gone once it has."""
+        with cluster.lock:
+            shut.extend(pod for (_, name), pod in cluster.objects["pods"].items()
+                        if "-worker-" in name and pod["spec"].get("nodeName") == "gpu-b")
+        shut_down(cluster, "gpu-b")
+
+    told = on_each_attempts_first_step(cluster, [evict_worker_1, drain_gpu_a, shut_down_gpu_b])
     attempts = []
     for attempt in range(3):
         with pytest.raises(TrainingInterrupted, match="preempted: it checkpointed and can resume"):
@@ -200,10 +210,12 @@ def test_a_worker_evicted_a_node_drained_and_a_node_shutting_down_each_end_in_a_
         assert after[-2]["step"] == after[-1]["step"], after
         attempts.append(after[-1]["step"])
         if attempt == 2:
-            workers = [pod for (_, name), pod in cluster.objects["pods"].items() if "-worker-" in name]
-            assert workers and all(pod["status"]["reason"] == "Terminated" and any(
+            assert len(shut) == 2, shut
+            wait_until("the kubelet reports gpu-b's workers stopped", lambda: all(
+                pod["status"].get("phase") == "Failed" for pod in shut), timeout_s=120, every_s=0.5)
+            assert all(pod["status"]["reason"] == "Terminated" and any(
                 c["type"] == "DisruptionTarget" and c["reason"] == "TerminationByKubelet"
-                for c in pod["status"]["conditions"]) for pod in workers), [p["status"] for p in workers]
+                for c in pod["status"]["conditions"]) for pod in shut), [p["status"] for p in shut]
     assert len(refusals) == 2 and refusals[0].startswith("429 "), refusals
     assert "Cannot evict pod as it would violate the pod's disruption budget." in refusals[0]
     assert "The disruption budget keep-both-workers needs 2 healthy pods and has 2 currently" in refusals[0]

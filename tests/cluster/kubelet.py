@@ -269,7 +269,15 @@ def kill(cluster: Cluster, namespace: str, pod: str, grace_s: float | None = Non
     if log:
         log.running = False
     if container is None:
-        if on_stopped is not None:
+        stopping = cluster.kubelet_stops.get((namespace, pod))
+        if on_stopped is not None and stopping is not None and stopping.is_alive():
+            def when_stopped() -> None:  # the kubelet is stopping it already (its node shuts down)
+                stopping.join()
+                with cluster.lock:
+                    on_stopped()
+                    cluster.changed.notify_all()
+            threading.Thread(target=when_stopped, daemon=True, name=f"stopped-{pod}").start()
+        elif on_stopped is not None:
             on_stopped()
         return
     cluster.terminating[:] = [c for c in cluster.terminating if c.process.poll() is None] + [container]

@@ -14,7 +14,8 @@
   ``node.kubernetes.io/not-ready:NoSchedule``), and every pod on it is stopped — SIGTERM to its PID 1, SIGKILL
   after ``min(its grace period, shutdownGracePeriod - shutdownGracePeriodCriticalPods)`` — and stays, Failed,
   with reason ``Terminated``, message ``Pod was terminated in response to imminent node shutdown.`` and the
-  ``DisruptionTarget`` condition (reason ``TerminationByKubelet``).
+  ``DisruptionTarget`` condition (reason ``TerminationByKubelet``). A pod deleted meanwhile (its job ended) is
+  removed once the kubelet has stopped it, as the kubelet confirms a deletion only then.
 - ``lose``: the node is gone without a word — power lost, a host failure, a VM deleted without notice, or cut
   off from the network. Every process on it dies at once and its pods' traffic is dropped silently (no reset
   reaches a peer, so an open connection to them just hangs). Its kubelet posts nothing more: the API still
@@ -145,7 +146,9 @@ def shut_down(cluster: Cluster, node: str, shutdown_grace_s: float = 30.0, criti
 
             if container is not None:
                 cluster.terminating[:] = [c for c in cluster.terminating if c.process.poll() is None] + [container]
-            threading.Thread(target=stopped, daemon=True, name=f"shutdown-{name}").start()
+            stop = cluster.kubelet_stops[(namespace, name)] = threading.Thread(target=stopped, daemon=True,
+                                                                                name=f"shutdown-{name}")
+            stop.start()
 
 
 def lose(cluster: Cluster, node: str, vm_gone: bool = True) -> None:

@@ -108,6 +108,9 @@ class Cluster:
     containers: dict[tuple[str, str], ContainerProcess] = field(default_factory=dict)
     #: Containers being stopped (in their grace period), so the node's shutdown can finish them.
     terminating: list[ContainerProcess] = field(default_factory=list)
+    #: The kubelet's own stop of a pod in progress (its node's graceful shutdown), by (namespace, pod): a DELETE
+    #: meanwhile removes the pod once that stop is done, not before (the kubelet confirms it then).
+    kubelet_stops: dict[tuple[str, str], threading.Thread] = field(default_factory=dict)
     #: Images that exist (by reference); any other cannot be pulled.
     images: ImageRegistry = field(default_factory=ImageRegistry)
     #: Each pod's network namespace and IP (from its first container start to its deletion), by (namespace, pod).
