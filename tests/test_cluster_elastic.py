@@ -18,7 +18,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from tasks.platforms import ClusterPlatform, TrainingSpec, VolumeRef
+from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingSpec, VolumeRef
 from tasks.platforms.base import ElasticWorkers
 from tests.cluster import Cluster
 from tests.cluster.aks import aks_nodes, gpu_node
@@ -222,6 +222,7 @@ def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_g
     platform = cluster_platform(emu, scheduling_grace_s=grace_s, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
     spec = elastic_spec(volume.name, data_dir, workers=1, epochs=8, log_every=2)
     grown: list[float] = []
+    held: list[str] = []  # what the hold did, for a failing test's message
     started = time.monotonic()
     worker_0, worker_1 = (f"{spec.job_name}-worker-{index}" for index in (0, 1))
 
@@ -232,14 +233,18 @@ def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_g
                 time.monotonic() - started <= 3 * grace_s:
             return
         grown.append(time.monotonic())
-        hold_until_listed(cluster, spec.job_name, worker_0, worker_1)
+        hold_until_listed(cluster, spec.job_name, worker_0, worker_1, said=held)
         with cluster.lock:
             cluster.nodes["gpu-b"] = gpu_node("gpu-b", gpus=1)
 
     cluster.on_log_line = grow_the_pool
     events: list[dict] = []
     logs: list[str] = []
-    outcome = platform.wait_for_training(platform.submit_training(spec), events.append, logs.append, timeout_s=900)
+    try:  # within the test's own timeout, so that a run that never ends says what it did
+        outcome = platform.wait_for_training(platform.submit_training(spec), events.append, logs.append,
+                                             timeout_s=420)
+    except TrainingFailed as exc:
+        raise AssertionError(f"{exc}\nhold: {held}\n{launcher_log(cluster, spec.job_name)}") from exc
     assert grown, "training never started on one worker"
     said = [line for line in logs if "worker-1 is not running (Unschedulable" in line]
     assert said and "trains on the workers it has meanwhile" in said[0], said
