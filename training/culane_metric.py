@@ -80,7 +80,7 @@ def parse_lines(text: str, source: str = "<lines>") -> list[Lane]:
 
 def format_lines(lanes: Iterable[Sequence[tuple[float, float]]]) -> str:
     """The ``.lines.txt`` text of ``lanes`` (what a prediction writes for the official tool)."""
-    return "".join(" ".join(f"{x:.5g} {y:.5g}" for x, y in lane) + "\n" for lane in lanes)
+    return "".join(" ".join(f"{x:.7g} {y:.7g}" for x, y in lane) + "\n" for lane in lanes)
 
 
 def interpolate(lane: Lane, steps: int = SPLINE_STEPS) -> Lane:
