@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import shutil
 import stat
 import tarfile
@@ -192,11 +193,18 @@ _ROOT_MARKERS = ("clips", "label_data_0313.json", "label_data_0601.json", "label
                  "test_label.json", "test_tasks_0627.json")
 
 
+#: Folders that say "this folder is a CULane root": a driver's frames (``driver_23_30frame``), the shipped
+#: segmentation labels, the lists. CULane ships each as an archive of its own that wraps just that folder.
+_CULANE_ROOT_FOLDER = re.compile(r"(driver_\d+_\d+frame|laneseg_label_w16|list)")  # see training.data.culane
+
+
 def content_root(folder: Path) -> Path:
     """Where an extracted archive's dataset content starts: the folder itself, or the single wrapping
-    folder(s) some mirrors add (``train_set/clips/...``) — never a ``clips`` folder itself."""
+    folder(s) some mirrors add (``train_set/clips/...``) — never a ``clips`` folder itself, nor one of
+    CULane's driver, label or list folders."""
     while True:
-        if any((folder / marker).exists() for marker in _ROOT_MARKERS):
+        if any((folder / marker).exists() for marker in _ROOT_MARKERS) or any(
+                child.is_dir() and _CULANE_ROOT_FOLDER.fullmatch(child.name) for child in folder.iterdir()):
             return folder
         children = [child for child in folder.iterdir() if child.name != MARKER]
         if len(children) == 1 and children[0].is_dir() and not children[0].is_symlink():

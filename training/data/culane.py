@@ -14,6 +14,7 @@ between consecutive points rounded to whole pixels, slots in order 1..4, a later
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ LIST_DIR = "list"
 GT_LISTS = {"train": "train_gt.txt", "val": "val_gt.txt"}
 TEST_LIST = "test.txt"
 TEST_SPLIT_DIR = "test_split"
+#: A driver's folder of frames, as the release names them (driver_<n>_<fps>frame).
+DRIVER_FOLDER = re.compile(r"driver_\d+_\d+frame")
 
 Point = tuple[float, float]
 

@@ -32,6 +32,7 @@ from training.data.archive import Part, assemble, extract, read_marker
 from training.data.fetch import MAX_DOWNLOAD_BYTES, fetch
 from training.data.lock import holding, lock_file
 from training.data.preprocess import PrepareReport, preprocess
+from training.data.preprocess_culane import is_culane, preprocess_culane
 from training.data.redact import RedactingFormatter, redact_text
 from training.data.sources import (
     SOURCES_ENV,
@@ -103,8 +104,8 @@ def prepare_dataset(artifacts: Sequence[Artifact], volume: str | Path, *, worker
                 downloaded, extracted = _fetch_and_extract(artifacts, volume, target, progress_interval,
                                                            max_download_bytes)
         records = [artifact.record() for artifact in artifacts]
-        report: PrepareReport = preprocess(target, workers=workers, sources_extra={"artifacts": records},
-                                           volume=volume)
+        prepare = preprocess_culane if is_culane(target) else preprocess  # CULane's lists, or TuSimple's labels
+        report: PrepareReport = prepare(target, workers=workers, sources_extra={"artifacts": records}, volume=volume)
     return PreparedDataset(report.root, report.dataset_version, report.counts, downloaded=downloaded,
                            extracted=extracted, preprocessed=not report.skipped, artifacts=records)
 

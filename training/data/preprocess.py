@@ -291,7 +291,7 @@ def preprocess(
         "inputs_fingerprint": fingerprint,
     }
     with names_a_full_volume("write the manifest", volume, root / MANIFEST):
-        _write_atomic(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        write_atomic(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     for q in quarantined:
         log.warning("quarantined %s:%d (%s): %s", q.label_file, q.line, q.reason, q.detail)
     log.info("prepared %s: read %d, kept %d, quarantined %d; dataset version %s",
@@ -325,7 +325,7 @@ def _write_lists(root: Path, kept: list[Kept]) -> dict[str, str]:
     for split in SPLITS:
         lines = [labels.list_line(k.raw_file, k.mask_file, k.existence) for k in kept if k.split == split]
         rel = f"seg_label/list/{split}_gt.txt"
-        _write_atomic(root / rel, "".join(line + "\n" for line in lines))
+        write_atomic(root / rel, "".join(line + "\n" for line in lines))
         lists[split] = rel
     return lists
 
@@ -341,7 +341,7 @@ def _run_jobs(jobs: list[Located], root: Path, workers: int | None) -> list[Kept
         return list(pool.map(_process_in_worker, jobs, chunksize=chunksize))
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)

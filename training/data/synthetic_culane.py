@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import logging
 import sys
+import tarfile
 from pathlib import Path
 
 import cv2
@@ -27,6 +29,7 @@ from training.culane_metric import SCENARIOS, format_lines
 from training.data.culane import (
     HEIGHT,
     LIST_DIR,
+    SEG_LABEL_DIR,
     TEST_LIST,
     TEST_SPLIT_DIR,
     WIDTH,
@@ -38,6 +41,7 @@ from training.data.culane import (
     seg_label,
     seg_label_path_for,
 )
+from training.data.fetch import sha256_of
 from training.data.synthetic import LANE_WIDTH_M, Scene, depth_at_row, lateral_to_column, make_scene, render
 
 log = logging.getLogger("laneflow.data.synthetic_culane")
@@ -191,6 +195,39 @@ def generate(out: str | Path, *, train: int, val: int, test: int, seed: int = 0,
     return {name: len(lines) for name, lines in lists.items() if name.endswith("_gt.txt") or name == TEST_LIST}
 
 
+def pack_tar(folder: Path, archive: Path) -> str:
+    """``folder`` (and everything under it, as ``<folder name>/...``) as a ``.tar.gz`` whose bytes depend on the
+    files alone: sorted entries, no owners, fixed times. Returns its sha256."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(archive.name + ".tmp")
+    with partial.open("wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as zipped, \
+            tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in [folder, *sorted(folder.rglob("*"))]:
+            info = tar.gettarinfo(str(path), arcname=path.relative_to(folder.parent).as_posix())
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            info.mode = 0o755 if path.is_dir() else 0o644
+            if path.is_dir():
+                tar.addfile(info)
+            else:
+                with path.open("rb") as handle:
+                    tar.addfile(info, handle)
+    partial.replace(archive)
+    return sha256_of(archive)
+
+
+def pack_artifacts(dataset_dir: str | Path, out: str | Path) -> list[dict[str, str]]:
+    """Pack a generated folder as CULane is shipped: a ``.tar.gz`` per driver folder (frames and lines files),
+    ``laneseg_label_w16.tar.gz`` and ``list.tar.gz``, each wrapping its one folder. Returns each archive's
+    path, sha256 and kind."""
+    dataset_dir, out = Path(dataset_dir), Path(out)
+    folders = sorted(path for path in dataset_dir.iterdir() if path.is_dir() and
+                     (path.name.startswith("driver_") or path.name in (SEG_LABEL_DIR, LIST_DIR)))
+    return [{"path": str(out / f"{folder.name}.tar.gz"), "sha256": pack_tar(folder, out / f"{folder.name}.tar.gz"),
+             "kind": "archive"} for folder in folders]
+
+
 def _jpeg(image: np.ndarray, quality: int) -> bytes:
     ok, encoded = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
@@ -211,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val", type=int, default=18)
     parser.add_argument("--test", type=int, default=27)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--archives", type=Path, help="also pack it here as CULane ships it (.tar.gz per folder)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     written = generate(args.out, train=args.train, val=args.val, test=args.test, seed=args.seed)
     print(" ".join(f"{name}={count}" for name, count in written.items()))
+    if args.archives:
+        for artifact in pack_artifacts(args.out, args.archives):
+            print(f"{artifact['path']} {artifact['sha256']}")
     return 0
 
 
