@@ -32,6 +32,7 @@ from training.culane_metric import (
     parse_lines,
     score_image,
 )
+from training.inference import culane_lanes
 
 HEIGHT, WIDTH = 590, 1640
 
@@ -211,3 +212,43 @@ def test_scoring_in_worker_processes_sums_to_the_same_counts(tmp_path: Path) -> 
     images = [image for entries in SCENES.values() for image, _, _ in entries] * 14  # 70 entries: pooled
     alone, pooled = (score_list(images, truth_root, predicted_root, workers) for workers in (1, 2))
     assert pooled == alone and alone.counts[0.5] == Counts(28, 28, 42)
+
+
+def get_lane(score: np.ndarray, threshold: float = 0.3) -> list[int]:
+    """SCNN's tools/prob2lines/getLane.m, line by line, with MATLAB's 1-based indices and uint16() rounding."""
+    def uint16(value: float) -> int:
+        return int(min(max(np.floor(value + 0.5), 0), 65535))
+
+    height = score.shape[0]
+    coordinate = [0] * 18
+    for i in range(1, 19):
+        line_id = uint16(height - (i - 1) * 20 / 590 * height)
+        line = score[line_id - 1, :]
+        if line.max() > threshold:
+            coordinate[i - 1] = int(np.argmax(line)) + 1
+    return coordinate if sum(1 for c in coordinate if c > 0) >= 2 else [0] * 18
+
+
+def test_lanes_decode_from_probability_maps_as_scnns_prob2lines_does_and_score_as_true_positives() -> None:
+    """main.m writes 'uint16(coordinates(j,m)*1640/800)-1 uint16(590-(m-1)*20)-1' for each point of each slot
+    that exists and has more than one point; the decoded lanes of a map drawn from a ground truth score it."""
+    truth = [curve(500, -30), curve(1100, 40), curve(150, -80)]
+    probs = np.zeros((5, 288, 800), np.float32)
+    for slot, lane in enumerate(truth, start=1):
+        scaled = [(x * 800 / 1640, y * 288 / 590) for x, y in lane]
+        for (x0, y0), (x1, y1) in itertools.pairwise(scaled):
+            cv2.line(probs[slot], (round(x0), round(y0)), (round(x1), round(y1)), 0.9, 3)
+    probs[4, 150:160, 300:305] = 0.8  # slot 4: one row only, so dropped
+    existence = np.array([0.9, 0.8, 0.2, 0.7])  # slot 3 drawn but said absent
+    decoded = culane_lanes(probs, existence)
+    expected = []
+    for slot in (0, 1, 3):
+        coordinate = get_lane(cv2.blur(probs[slot + 1], (3, 3)))
+        points = [(int(np.floor(c * 1640 / 800 + 0.5)) - 1, 590 - m * 20 - 1) for m, c in enumerate(coordinate)
+                  if c > 0]
+        if len(points) > 1:
+            expected.append((slot, points))
+    assert decoded == expected and [slot for slot, _ in decoded] == [0, 1]
+    predicted = [np.asarray(points, np.float32) for _, points in decoded]
+    scores = score_image([np.asarray(lane, np.float32) for lane in truth[:2]], predicted)
+    assert scores[0.5] == Counts(2, 0, 0)

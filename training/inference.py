@@ -12,6 +12,12 @@ and ONNX models — so they agree to the pixel:
   h_sample row the column of the slot's (3x3-smoothed) probability peak when it is over 0.3, mapped back
   to source pixels; -2 elsewhere; lanes with fewer than 2 points are dropped. h_samples are TuSimple's
   rows (160..710 step 10 at 720 px) scaled to the source image's height.
+- **CULane lanes** (``culane_lanes``, pure). SCNN's own post-processing for CULane (XingangPan/SCNN
+  ``tools/prob2lines/getLane.m`` and ``main.m``): for each slot whose existence is over 0.5, 18 points, one
+  every 20 rows of the 590-row frame from its bottom up, each at the column of the slot's probability peak on
+  the matching row of the map when the peak is over 0.3; a lane of fewer than 2 points is dropped; the points
+  go into a ``.lines.txt`` as ``x y`` in the frame's pixels. The maps are smoothed as above (SCNN read the
+  averaged maps it had saved as 8-bit images; here they stay floats).
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from torch import nn
 from training.data.labels import h_samples_for
 from training.dataset import IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["DeployedSCNN", "draw_lanes", "h_samples_for", "input_contract", "lanes_from_probabilities",
-           "resize_for_model", "slot_lanes"]
+__all__ = ["DeployedSCNN", "culane_lanes", "draw_lanes", "h_samples_for", "input_contract",
+           "lanes_from_probabilities", "resize_for_model", "slot_lanes"]
 
 PROB_THRESHOLD = 0.3
 EXIST_THRESHOLD = 0.5
@@ -103,6 +109,40 @@ def slot_lanes(probs: np.ndarray, existence: np.ndarray, h_samples: list[int], i
         xs = np.clip(xs, ABSENT, orig_w - 1)
         if (xs >= 0).sum() >= 2:
             lanes.append((slot, xs.tolist()))
+    return lanes
+
+
+#: CULane's frame, and SCNN's points for it: 18, one every 20 rows from the bottom (tools/prob2lines).
+CULANE_SIZE = (1640, 590)
+CULANE_POINTS, CULANE_ROW_STEP = 18, 20
+
+
+def _matlab_round(values: np.ndarray) -> np.ndarray:
+    """MATLAB's integer conversion: to the nearest, halves away from zero (as ``uint16()`` in getLane.m)."""
+    return np.sign(values) * np.floor(np.abs(values) + 0.5)
+
+
+def culane_lanes(probs: np.ndarray, existence: np.ndarray, threshold: float = PROB_THRESHOLD,
+                 exist_threshold: float = EXIST_THRESHOLD) -> list[tuple[int, list[tuple[int, int]]]]:
+    """``(slot, points)`` for each slot SCNN's CULane rule keeps: ``points`` are ``(x, y)`` in CULane's 1640×590
+    frame from the bottom up. ``probs`` is (5, H, W) softmax output of a frame resized whole to the network."""
+    _, height, width = probs.shape
+    frame_width, frame_height = CULANE_SIZE
+    steps = np.arange(CULANE_POINTS)
+    rows = _matlab_round(height - steps * CULANE_ROW_STEP / frame_height * height).astype(int) - 1  # 1-based there
+    rows = np.clip(rows, 0, height - 1)
+    ys = (_matlab_round(frame_height - steps * CULANE_ROW_STEP) - 1).astype(int)
+    lanes = []
+    for slot in range(4):
+        if existence[slot] <= exist_threshold:
+            continue
+        values = cv2.blur(probs[slot + 1].astype(np.float32), (3, 3))[rows]
+        peaks = values.argmax(axis=1)
+        present = values[np.arange(len(rows)), peaks] > threshold
+        xs = (_matlab_round((peaks + 1) * frame_width / width) - 1).astype(int)  # 1-based column there
+        points = [(int(x), int(y)) for x, y, keep in zip(xs, ys, present, strict=True) if keep]
+        if len(points) >= 2:
+            lanes.append((slot, points))
     return lanes
 
 
