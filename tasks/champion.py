@@ -61,6 +61,79 @@ def decide_champion(champion_accuracy: float | None, challenger_accuracy: float,
                     champion_accuracy, challenger_accuracy)
 
 
+@dataclass(frozen=True)
+class Gate:
+    """One figure a challenger may not lose by more than the margin: a CULane scenario's F1 (the crossroads'
+    false positives per frame), or TuSimple's accuracy, FP and FN rates."""
+
+    name: str
+    champion: float
+    challenger: float
+    higher_is_better: bool
+    margin: float
+
+    @property
+    def loss(self) -> float:
+        """How much worse the challenger is (negative when better)."""
+        change = self.challenger - self.champion
+        return -change if self.higher_is_better else change
+
+    @property
+    def passed(self) -> bool:
+        return self.loss <= self.margin
+
+
+#: CULane's crossroads have no lanes: their figure is false positives per frame, lower is better.
+FP_ONLY_SCENARIOS = ("cross",)
+
+
+def scenario_gates(champion: dict[str, dict[str, Any]], challenger: dict[str, dict[str, Any]],
+                   margin: float) -> list[Gate]:
+    """The gates of every scenario both models were scored on (CULane's per-list figures, ``culane_eval``'s
+    ``as_dict``): F1, or false positives per frame for the crossroads. A scenario with no F1 on either side is
+    left out (nothing to compare)."""
+    gates = []
+    for name in challenger:
+        if name == "all" or name not in champion:
+            continue
+        ours, theirs = challenger[name], champion[name]
+        if name in FP_ONLY_SCENARIOS:
+            per_frame = [figures["fp"] / max(1, figures["images"]) for figures in (theirs, ours)]
+            gates.append(Gate(f"{name} FP/frame", per_frame[0], per_frame[1], False, margin))
+        elif ours.get("f1") is not None and theirs.get("f1") is not None:
+            gates.append(Gate(f"{name} F1", float(theirs["f1"]), float(ours["f1"]), True, margin))
+    return gates
+
+
+def tusimple_gates(champion: dict[str, Any], challenger: dict[str, Any], margin: float) -> list[Gate]:
+    """TuSimple's gates: accuracy (the selection score) may not fall, FP and FN may not rise, by more than
+    ``margin``."""
+    def rate(metrics: dict[str, Any], key: str) -> float:  # without the run-time rule, as selection_accuracy
+        return float(metrics.get(f"untimed_{key}", metrics[key]))
+
+    return [Gate("accuracy", selection_accuracy(champion), selection_accuracy(challenger), True, margin),
+            *(Gate(key.upper(), rate(champion, key), rate(challenger, key), False, margin) for key in ("fp", "fn")
+              if key in champion and key in challenger)]
+
+
+def gated(decision: Decision, gates: list[Gate]) -> Decision:
+    """``decision``, refused when a challenger that would be promoted loses a gate by more than its margin; the
+    reason names every such gate."""
+    failed = [gate for gate in gates if not gate.passed]
+    if not decision.promote or not failed or decision.champion_accuracy is None:
+        return decision
+    named = ", ".join(f"{gate.name} {gate.champion:.4f} -> {gate.challenger:.4f} (worse by {gate.loss:.4f}, "
+                      f"margin {gate.margin:.4f})" for gate in failed)
+    return Decision(False, f"{decision.reason}, but it falls behind the champion on {named}: champion kept",
+                    decision.champion_accuracy, decision.challenger_accuracy)
+
+
+def gates_table(gates: list[Gate]) -> list[dict[str, Any]]:
+    """The gates as rows of a table artifact (Prefect's ``create_table_artifact``)."""
+    return [{"figure": gate.name, "champion": round(gate.champion, 4), "challenger": round(gate.challenger, 4),
+             "worse by": round(gate.loss, 4), "margin": gate.margin, "passed": gate.passed} for gate in gates]
+
+
 def champion_record(result: dict[str, Any], mlflow: dict[str, Any] | None = None) -> dict[str, Any]:
     """What is remembered about a champion: enough to find, re-score and restore it, and where MLflow has it
     (``mlflow``: its run and registered version, ``mlflow_record``), None when untracked."""

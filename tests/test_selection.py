@@ -8,7 +8,7 @@ import pytest
 
 from flows.params import TrainParams
 from flows.sweep import leaderboard
-from tasks.champion import decide_champion, selection_accuracy
+from tasks.champion import decide_champion, gated, gates_table, scenario_gates, selection_accuracy, tusimple_gates
 from tasks.platforms.base import outcome_from_events
 from tests.unit_helpers import source
 
@@ -19,6 +19,39 @@ def test_champion_decisions() -> None:
     assert not decide_champion(0.80, 0.80).promote  # equal is not better
     assert not decide_champion(0.80, 0.805, min_improvement=0.01).promote
     assert "champion kept" in decide_champion(0.9, 0.5).reason
+
+
+def culane_figures(f1: dict[str, float], cross_fp: int) -> dict[str, dict]:
+    return {**{name: {"images": 100, "f1": value, "fp": 5} for name, value in f1.items()},
+            "cross": {"images": 50, "f1": None, "fp": cross_fp}, "all": {"images": 350, "f1": 0.7, "fp": 0}}
+
+
+def test_a_challenger_better_on_average_is_refused_when_one_scenario_falls_behind_by_more_than_the_margin() -> None:
+    champion = culane_figures({"normal": 0.80, "night": 0.60, "curve": 0.50}, cross_fp=10)
+    better_but_blind_at_night = culane_figures({"normal": 0.90, "night": 0.54, "curve": 0.70}, cross_fp=10)
+    decision = decide_champion(0.63, 0.71)
+    gates = scenario_gates(champion, better_but_blind_at_night, margin=0.02)
+    refused = gated(decision, gates)
+    assert decision.promote and not refused.promote
+    assert "night F1 0.6000 -> 0.5400 (worse by 0.0600, margin 0.0200)" in refused.reason
+    assert refused.reason.endswith("champion kept") and "normal" not in refused.reason.split("behind")[1]
+    assert [row["figure"] for row in gates_table(gates) if not row["passed"]] == ["night F1"]
+    assert gated(decision, scenario_gates(champion, better_but_blind_at_night, margin=0.1)).promote
+    # The crossroads: false positives per frame may not rise by more than the margin either.
+    seeing_lanes_at_crossroads = culane_figures({"normal": 0.90, "night": 0.62, "curve": 0.70}, cross_fp=15)
+    refused = gated(decision, scenario_gates(champion, seeing_lanes_at_crossroads, margin=0.05))
+    assert not refused.promote and "cross FP/frame 0.2000 -> 0.3000" in refused.reason
+    assert gated(decide_champion(None, 0.2), gates).promote  # no champion: nothing to fall behind
+    assert gated(decide_champion(0.8, 0.7), gates) == decide_champion(0.8, 0.7)  # already kept: as it was
+
+
+def test_on_tusimple_the_gates_are_accuracy_fp_and_fn_without_the_run_time_rule() -> None:
+    champion = {"accuracy": 0.90, "fp": 0.10, "fn": 0.05, "untimed_accuracy": 0.90, "untimed_fp": 0.10,
+                "untimed_fn": 0.05}
+    missing_more = {"accuracy": 0.0, "fp": 0.0, "fn": 1.0, "untimed_accuracy": 0.93, "untimed_fp": 0.08,
+                    "untimed_fn": 0.12}
+    refused = gated(decide_champion(0.90, 0.93), tusimple_gates(champion, missing_more, margin=0.05))
+    assert not refused.promote and "FN 0.0500 -> 0.1200" in refused.reason and "FP" not in refused.reason
 
 
 def test_models_are_compared_without_the_run_time_rule() -> None:
