@@ -18,6 +18,7 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,19 +171,20 @@ def process_line(item: Located, root: Path) -> Kept | Quarantined:
                 labels.existence_flags(slots), hashlib.sha256(data).hexdigest())
 
 
-# Worker-process state: the dataset root is sent once per worker, not once per record.
+# Worker-process state: the dataset root and what to do with a line are sent once per worker, not per record.
 _worker_root: Path | None = None
+_worker_process: Callable[[Located, Path], Kept | Quarantined] = process_line
 
 
-def _init_worker(root: str) -> None:
-    global _worker_root
-    _worker_root = Path(root)
+def _init_worker(root: str, process: Callable[[Located, Path], Kept | Quarantined]) -> None:
+    global _worker_root, _worker_process
+    _worker_root, _worker_process = Path(root), process
     cv2.setNumThreads(1)
 
 
 def _process_in_worker(item: Located) -> Kept | Quarantined:
     assert _worker_root is not None
-    return process_line(item, _worker_root)
+    return _worker_process(item, _worker_root)
 
 
 def inputs_fingerprint(root: Path, sources: dict[str, dict], raw_files: list[str | None]) -> str:
@@ -271,7 +273,7 @@ def preprocess(
     step = "write the lane masks"
     ensure_free(step, volume, root, len(jobs) * block_bytes(root))  # each mask takes at least one block
     with names_a_full_volume(step, volume, root / "seg_label"):
-        outcomes.extend(_run_jobs(jobs, root, workers))
+        outcomes.extend(run_jobs(jobs, root, workers))
     outcomes.sort(key=lambda o: (list(LABEL_FILES).index(o.label_file), o.line))
     kept = [o for o in outcomes if isinstance(o, Kept)]
     quarantined = [o for o in outcomes if isinstance(o, Quarantined)]
@@ -330,14 +332,16 @@ def _write_lists(root: Path, kept: list[Kept]) -> dict[str, str]:
     return lists
 
 
-def _run_jobs(jobs: list[Located], root: Path, workers: int | None) -> list[Kept | Quarantined]:
-    """Process label lines in worker processes (``python -m training.data.prepare`` runs this, so the
-    pool never depends on a caller's ``__main__``)."""
+def run_jobs(jobs: list[Located], root: Path, workers: int | None,
+             process: Callable[[Located, Path], Kept | Quarantined] = process_line) -> list[Kept | Quarantined]:
+    """``process`` each located line in worker processes (``python -m training.data.prepare`` runs this, so
+    the pool never depends on a caller's ``__main__``); ``process`` is a module-level function."""
     workers = max(1, workers or os.cpu_count() or 1)
     if workers == 1 or len(jobs) < 2:
-        return [process_line(item, root) for item in jobs]
+        return [process(item, root) for item in jobs]
     chunksize = max(1, min(32, len(jobs) // (workers * 8)))
-    with process_pool(workers, preload=__name__, initializer=_init_worker, initargs=(str(root),)) as pool:
+    with process_pool(workers, preload=process.__module__, initializer=_init_worker,
+                      initargs=(str(root), process)) as pool:
         return list(pool.map(_process_in_worker, jobs, chunksize=chunksize))
 
 

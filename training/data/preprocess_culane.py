@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -54,11 +53,11 @@ from training.data.preprocess import (
     PrepareReport,
     Quarantined,
     load_manifest,
+    run_jobs,
     summarize_counts,
     write_atomic,
 )
 from training.data.space import block_bytes, ensure_free, names_a_full_volume
-from training.parallel import process_pool
 
 log = logging.getLogger("laneflow.data.preprocess_culane")
 
@@ -253,7 +252,7 @@ def preprocess_culane(dataset_dir: str | Path, *, workers: int | None = None, so
     step = "write the lane masks"
     ensure_free(step, volume or root, root, len(jobs) * block_bytes(root))
     with names_a_full_volume(step, volume or root, root / "seg_label"):
-        outcomes += _run(jobs, root, workers)
+        outcomes += run_jobs(jobs, root, workers, process_entry)
     outcomes.sort(key=lambda outcome: (list(LIST_FILES).index(outcome.label_file), outcome.line))
     kept = [outcome for outcome in outcomes if isinstance(outcome, Kept)]
     quarantined = [outcome for outcome in outcomes if isinstance(outcome, Quarantined)]
@@ -275,24 +274,3 @@ def preprocess_culane(dataset_dir: str | Path, *, workers: int | None = None, so
              counts["kept"], counts["quarantined"], dict(Counter(q.reason for q in quarantined)), version)
     return PrepareReport(root, version, counts, False, manifest)
 
-
-_worker_root: Path | None = None
-
-
-def _init_worker(root: str) -> None:
-    global _worker_root
-    _worker_root = Path(root)
-    cv2.setNumThreads(1)
-
-
-def _in_worker(item: Located) -> Kept | Quarantined:
-    assert _worker_root is not None
-    return process_entry(item, _worker_root)
-
-
-def _run(jobs: list[Located], root: Path, workers: int | None) -> list[Kept | Quarantined]:
-    workers = max(1, workers or os.cpu_count() or 1)
-    if workers == 1 or len(jobs) < 2:
-        return [process_entry(item, root) for item in jobs]
-    with process_pool(workers, preload=__name__, initializer=_init_worker, initargs=(str(root),)) as pool:
-        return list(pool.map(_in_worker, jobs, chunksize=max(1, min(32, len(jobs) // (workers * 8)))))
