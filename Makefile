@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.laneflow-installed
 DEMO_DIR ?= .laneflow/demo
+# tusimple or culane: the format of the demo's synthetic data (`make demo DATASET=culane`).
+DATASET ?= tusimple
 PORT ?= 4200
 
 .PHONY: demo serve stop-server test image image-gpu lint bench bench-accuracy bench-overhead bench-sweep soak install clean clean-work
@@ -16,7 +18,7 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py --workdir $(DEMO_DIR) --port $(PORT)
+	$(PY) scripts/demo.py --workdir $(DEMO_DIR) --port $(PORT) --dataset $(DATASET)
 
 serve: $(STAMP)
 	$(VENV)/bin/laneflow serve --home $(DEMO_DIR) --port $(PORT)

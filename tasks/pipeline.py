@@ -310,9 +310,16 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
 
 @task(name="evaluate", task_run_name="evaluate-{split}", **_TASK)
 def evaluate(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str, split: str) -> dict[str, Any]:
-    """TuSimple accuracy, FP and FN of the run's final model on ``split``."""
+    """TuSimple accuracy, FP and FN of the run's final model on ``split`` (CULane's F1, overall and per scenario,
+    on a CULane dataset: training.evaluate_culane)."""
     logger = get_run_logger()
     result = platform.evaluate(volume, run_dir, data_dir, split, logger.debug)
+    if result.get("metric") == "culane":
+        logger.info("%s: CULane F1 %.4f over %d frames; per scenario: %s", split, result["accuracy"], result["images"],
+                    ", ".join(f"{name} FP {figures['fp']}" if name == "cross" else
+                              f"{name} F1 {'—' if figures['f1'] is None else format(figures['f1'], '.4f')}"
+                              for name, figures in result.get("scenarios", {}).items()))
+        return result
     logger.info("%s: accuracy %.4f (official), %.4f without the 200 ms rule (%s of %d images over it); FP %.4f, "
                 "FN %.4f", split, result["accuracy"], result.get("untimed_accuracy", result["accuracy"]),
                 result.get("over_time_limit", "?"), result["images"], result["fp"], result["fn"])

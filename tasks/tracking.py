@@ -140,10 +140,15 @@ def step_metrics(events: Iterable[Mapping[str, Any]]) -> list[tuple[str, float, 
 
 
 def evaluation_metrics(evaluation: Mapping[str, Any], step: int) -> list[tuple[str, float, int]]:
-    """The evaluate stage's scores as ``<split>/<name>`` at the run's last step (as TensorBoard plots them)."""
+    """The evaluate stage's scores as ``<split>/<name>`` at the run's last step (as TensorBoard plots them); on
+    CULane also each scenario's F1 (``<split>/<scenario>/f1``; the crossroads' ``fp``, as they have no lanes)."""
     split = evaluation.get("split", "eval")
+    scenarios = [(f"{split}/{name}/{key}", number, step)
+                 for name, figures in (evaluation.get("scenarios") or {}).items()
+                 for key in (("fp",) if name == "cross" else ("f1",))
+                 if (number := _number(figures.get(key))) is not None]
     return [(f"{split}/{name}", number, step) for name in EVALUATION_METRICS
-            if (number := _number(evaluation.get(name))) is not None]
+            if (number := _number(evaluation.get(name))) is not None] + scenarios
 
 
 def training_metrics(training: Mapping[str, Any]) -> list[tuple[str, float, int]]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+import cv2
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from training.data.culane import lines_path_for
 from training.data.preprocess_culane import preprocess_culane
 from training.data.synthetic_culane import generate
 from training.dataset import read_list
+from training.evaluate import dataset_kind, score_split
 from training.evaluate_culane import evaluate_culane_run, split_lists
 from training.model import SCNN, model_config
 
@@ -38,8 +41,16 @@ def test_a_model_is_scored_per_scenario_on_the_frames_the_preparation_kept(prepa
     assert written == {lines_path_for(image) for image in kept}
     assert list(result["scenarios"]) == list(SCENARIOS) and result["metric"] == "culane"
     assert sum(figures["images"] for figures in result["scenarios"].values()) == result["images"] == 17
-    assert result["tp"] + result["fn"] == sum(figures["tp"] + figures["fn"] for figures in result["scenarios"].values())
-    assert (tmp_path / "eval_test.json").is_file()
+    counts = result["counts"]
+    assert counts["tp"] + counts["fn"] == sum(figures["tp"] + figures["fn"] for figures in result["scenarios"].values())
+    assert result["accuracy"] == result["untimed_accuracy"] == (counts["f1"] or 0.0)
+    assert 0.0 <= result["fp"] <= 1.0 and 0.0 <= result["fn"] <= 1.0
+    assert json.loads((tmp_path / "eval_test.json").read_text()) == result
+    assert cv2.imread(str(tmp_path / "overlay_test.png")).shape == (590, 1640, 3)  # 2x2 frames, as the UI shows
+    # The trainer's in-memory scoring: the same figures, nothing written in the run.
+    before = sorted(tmp_path.rglob("*"))
+    assert score_split(model, config, prepared, "test", torch.device("cpu")) == result
+    assert sorted(tmp_path.rglob("*")) == before and dataset_kind(prepared) == "culane"
 
 
 def test_predictions_equal_to_the_ground_truth_score_one_on_every_scenario(prepared: Path, tmp_path: Path) -> None:

@@ -188,7 +188,8 @@ def test_scenarios_sum_to_the_official_total_where_the_crossroads_add_false_posi
     as_counts = {name: score.counts[0.5] for name, score in scores.items()}
     assert as_counts == {"normal": Counts(2, 0, 0), "night": Counts(0, 1, 2), "cross": Counts(0, 1, 0),
                          "curve": Counts(0, 0, 1), "all": Counts(2, 2, 3)}
-    assert scores["cross"].f1 is None and scores["cross"].as_dict()["fp"] == 1  # no lanes: FP is its figure
+    assert scores["cross"].f1 == 0.0 and scores["cross"].as_dict()["fp"] == 1  # no lanes: FP is its figure
+    assert (Counts(0, 0, 3).f1, Counts(0, 2, 0).f1, Counts().f1) == (0.0, 0.0, None)  # the tool's -0, -0, NaN
     assert scores["all"].f1 == pytest.approx(2 * 0.5 * 0.4 / 0.9)
     assert scores["all"].images == 5
 

@@ -19,6 +19,9 @@ from flows.params import DataSource, TrainParams
 from flows.predict import predict as predict_flow
 from flows.train import train_pipeline
 from tasks.processes import run_to_end
+from tests.http_server import FileServer
+from training.culane_metric import SCENARIOS
+from training.data.synthetic_culane import generate, pack_artifacts
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +148,33 @@ def _kill_one_rank_after_checkpoint(run_dir: Path, killed: list[int]) -> None:
                     killed.append(int(cmdline.parent.name))
                     return
         time.sleep(0.2)
+
+
+def test_a_culane_release_trains_and_is_judged_per_scenario_by_the_official_metric(
+        prefect_server: dict, laneflow_home: Path, file_server: FileServer, tmp_path: Path) -> None:
+    """CULane's archives as it ships them, over HTTP: prepared, trained on by horovodrun, scored on its test
+    split per scenario list, packaged (parity on CULane frames) and snapshotted, as a TuSimple run is."""
+    generate(tmp_path / "culane", train=8, val=4, test=9, seed=2)
+    artifacts = []
+    for packed in pack_artifacts(tmp_path / "culane", tmp_path / "archives"):
+        name = Path(packed["path"]).name
+        file_server.files[name] = Path(packed["path"]).read_bytes()
+        artifacts.append({"url": file_server.url(name), "sha256": packed["sha256"], "kind": "archive"})
+    base = {"epochs": 1, "batch_size": 2, "workers": 2, "loader_workers": 0, "volume": "culane", "package": True}
+    state = train_pipeline(**TrainParams(source=DataSource(artifacts=artifacts), **base).flow_parameters(),
+                           return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    metrics = result["metrics"]
+    assert metrics["metric"] == "culane" and metrics["split"] == "test" and metrics["images"] == 9
+    assert list(metrics["scenarios"]) == list(SCENARIOS)
+    assert metrics["accuracy"] == (metrics["counts"]["f1"] or 0.0)  # what runs are selected by: F1
+    volume = laneflow_home / "volumes" / "culane"
+    predicted = sorted((volume / result["run_dir"] / "culane_test").rglob("*.lines.txt"))
+    assert len(predicted) == 9 and (volume / result["run_dir"] / "overlay_test.png").is_file()
+    assert (volume / result["package"] / "model.onnx").is_file()
+    assert json.loads((laneflow_home / "snapshots" / result["snapshot"] / "lineage.json").read_text())[
+        "metrics"]["scenarios"] == metrics["scenarios"]
 
 
 def test_transient_launcher_failure_is_retried_and_resumes_from_checkpoint(

@@ -88,6 +88,10 @@ def test_evaluation_and_training_metrics_sit_at_the_last_step_under_the_split() 
     assert evaluation_metrics(evaluation, 20) == [
         ("test/accuracy", 0.5, 20), ("test/untimed_accuracy", 0.75, 20), ("test/fp", 0.1, 20), ("test/fn", 0.2, 20),
         ("test/images", 3.0, 20), ("test/over_time_limit", 0.0, 20)]
+    culane = {"split": "test", "metric": "culane", "accuracy": 0.6, "images": 9,
+              "scenarios": {"night": {"f1": 0.4, "fp": 3}, "cross": {"f1": 0.0, "fp": 2}, "noline": {"f1": None}}}
+    assert evaluation_metrics(culane, 5) == [("test/accuracy", 0.6, 5), ("test/images", 9.0, 5),
+                                             ("test/night/f1", 0.4, 5), ("test/cross/fp", 2.0, 5)]
     assert training_metrics({"steps": 20, "duration_s": 12.5, "resumed_from": 0, "trainer_eval": {}}) == [
         ("training/duration_s", 12.5, 20), ("training/resumed_from", 0.0, 20)]
 

@@ -22,8 +22,9 @@ depend on the threshold, so one matching serves them all.
 
 Decided here, where the official tool has no rule or fails: consecutive repeated points of a lane are merged
 (the tool divides by their zero distance); two lanes with no pixel in the image have IoU 0 (the tool's 0/0);
-precision or recall with nothing to count is ``None`` (the tool prints -1), and so is F1 then; a token that is
-not a number is an error naming the file and line (the tool stops reading the line there).
+precision or recall with nothing to count is ``None`` (the tool prints -1), F1 then 0 as the tool's -0, and
+``None`` where there is nothing to count at all (the tool's NaN); a token that is not a number is an error
+naming the file and line (the tool stops reading the line there).
 """
 
 from __future__ import annotations
@@ -261,10 +262,10 @@ class Counts:
 
     @property
     def f1(self) -> float | None:
-        precision, recall = self.precision, self.recall
-        if precision is None or recall is None:
-            return None
-        return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        """2PR / (P + R), which is 2TP / (2TP + FP + FN); 0 when only one of P and R is defined (the tool's -0:
+        no prediction at all, or no lane to find), None when neither is (nothing to count)."""
+        counted = 2 * self.tp + self.fp + self.fn
+        return 2 * self.tp / counted if counted else None
 
 
 def score_image(truth: Sequence[Lane], predicted: Sequence[Lane],

@@ -1,5 +1,8 @@
 """Score a model on a split with the TuSimple metric, and draw predictions for the UI.
 
+A CULane root (its manifest says so) is scored by the official CULane metric instead
+(``training.evaluate_culane``), into the same keys: see there.
+
 Images go through the same input contract and deployable module as ``laneflow predict`` and the
 exported models (``training.inference``) -> lane x positions at the h_samples -> prediction JSON lines ->
 ``training.metric`` -> ``eval.json``; plus ``overlay.png`` with predicted (coloured per slot) and
@@ -22,6 +25,7 @@ import torch
 from training.checkpoints import UnsafeCheckpoint, load_weights
 from training.data.labels import LABEL_FILES
 from training.dataset import DataError, read_list
+from training.evaluate_culane import evaluate_culane_run, score_culane_split
 from training.inference import DeployedSCNN, draw_lanes, lanes_from_probabilities, resize_for_model, slot_lanes
 from training.metric import MAX_RUN_TIME_MS, parse_ground_truth, score_predictions
 from training.model import SCNN, ModelConfig
@@ -104,9 +108,19 @@ def draw_overlay(data_root: Path, predictions: list[dict], ground_truth: dict[st
     return out
 
 
+def dataset_kind(data_root: Path) -> str:
+    """``culane`` or ``tusimple``: what the preparation wrote in the root's manifest (TuSimple's has no name)."""
+    try:
+        return str(json.loads((Path(data_root) / "manifest.json").read_text()).get("dataset", "tusimple"))
+    except (OSError, ValueError, AttributeError):
+        return "tusimple"
+
+
 def score_split(model: SCNN, config: ModelConfig, data_root: Path, split: str, device: torch.device) -> dict:
-    """The TuSimple scores of ``model`` on ``split``, in memory: the trainer's periodic validation (a sweep's
-    pruner reads it), which must leave the run's files as they are. The model is left in eval mode."""
+    """The scores of ``model`` on ``split``, in memory: the trainer's periodic validation (a sweep's pruner
+    reads it), which must leave the run's files as they are. The model is left in eval mode."""
+    if dataset_kind(data_root) == "culane":
+        return score_culane_split(model, config, Path(data_root), split, device)
     predictions, ground_truth = predict(model, config, Path(data_root), split, device)
     score = score_predictions(prediction_lines(predictions), ground_truth, source=f"{split} predictions")
     return {"split": split, **score.as_dict()}
@@ -125,6 +139,8 @@ def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Pat
     stage scores a chosen split afterwards (suffix ``_<split>``) without touching the trainer's files.
     """
     data_root, run_dir = Path(data_root), Path(run_dir)
+    if dataset_kind(data_root) == "culane":
+        return evaluate_culane_run(model, config, data_root, run_dir, split, device, suffix)
     predictions, ground_truth = predict(model, config, data_root, split, device)
     prediction_file = run_dir / f"predictions_{split}.json"
     lines = prediction_lines(predictions)

@@ -42,7 +42,7 @@ import torch
 
 from training.data.fetch import sha256_of
 from training.dataset import DataError, read_list
-from training.inference import DeployedSCNN, input_contract, resize_for_model, slot_lanes
+from training.inference import DeployedSCNN, h_samples_for, input_contract, resize_for_model, slot_lanes
 from training.model import SCNN, ModelConfig
 from training.signals import exit_on_sigterm
 
@@ -106,17 +106,19 @@ class ParityImage:
 
 def parity_images(data_root: Path, split: str, config: ModelConfig, count: int = PARITY_IMAGES) -> list[ParityImage]:
     """The first ``count`` images of a prepared split, through the input contract."""
-    from training.evaluate import ground_truth_for
+    from training.evaluate import dataset_kind, ground_truth_for
 
     samples = read_list(data_root, split)[:count]
     gt = ground_truth_for(data_root, split, {s.image for s in samples})
     images = []
     for sample in samples:
         frame = cv2.imread(str(data_root / sample.image), cv2.IMREAD_COLOR)
-        if frame is None or sample.image not in gt:
+        if frame is None or (sample.image not in gt and dataset_kind(data_root) != "culane"):
             continue
+        # CULane has no h_samples: TuSimple's rows, scaled to the frame, are as good a place to compare lanes.
+        rows = gt[sample.image]["h_samples"] if sample.image in gt else h_samples_for(frame.shape[0])
         images.append(ParityImage(sample.image, resize_for_model(frame, config.input_width, config.input_height),
-                                  (frame.shape[1], frame.shape[0]), gt[sample.image]["h_samples"]))
+                                  (frame.shape[1], frame.shape[0]), rows))
     if not images:
         raise DataError(f"split '{split}' of {data_root} has no readable labelled images to check parity on")
     return images

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import json
 import logging
 import sys
 import tarfile
@@ -226,6 +227,19 @@ def pack_artifacts(dataset_dir: str | Path, out: str | Path) -> list[dict[str, s
                      (path.name.startswith("driver_") or path.name in (SEG_LABEL_DIR, LIST_DIR)))
     return [{"path": str(out / f"{folder.name}.tar.gz"), "sha256": pack_tar(folder, out / f"{folder.name}.tar.gz"),
              "kind": "archive"} for folder in folders]
+
+
+def cached_artifacts(directory: Path, train: int, val: int, test: int, seed: int = 0) -> list[dict[str, str]]:
+    """The synthetic CULane archives (``pack_artifacts``) in ``directory`` as ``url``/``sha256``/``kind`` dicts:
+    made once, then reused."""
+    folder = directory / f"culane-artifacts-seed{seed}-{train}-{val}-{test}"
+    index = folder / "artifacts.json"
+    if not index.exists():
+        source = directory / f"culane-seed{seed}-{train}-{val}-{test}"
+        generate(source, train=train, val=val, test=test, seed=seed)
+        index.write_text(json.dumps(pack_artifacts(source, folder)))
+    return [{"url": Path(item["path"]).resolve().as_uri(), "sha256": item["sha256"], "kind": item["kind"]}
+            for item in json.loads(index.read_text())]
 
 
 def _jpeg(image: np.ndarray, quality: int) -> bytes:
