@@ -63,6 +63,18 @@ def read_list(data_root: str | Path, split: str) -> list[Sample]:
     return samples
 
 
+def read_frames(data_root: Path, names: list[str]) -> list[np.ndarray]:
+    """The frames ``names`` (relative to ``data_root``) as OpenCV decodes them (BGR); one that cannot be read is
+    a clear error."""
+    frames = []
+    for name in names:
+        frame = cv2.imread(str(Path(data_root) / name), cv2.IMREAD_COLOR)
+        if frame is None:
+            raise DataError(f"cannot read {Path(data_root) / name}")
+        frames.append(frame)
+    return frames
+
+
 def reduced_read_flag(stored_width: int, target_width: int) -> tuple[int, int]:
     """The cheapest OpenCV colour read whose output is still at least ``target_width`` wide, and its factor."""
     for factor, flag in ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4),

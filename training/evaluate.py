@@ -24,7 +24,7 @@ import torch
 
 from training.checkpoints import UnsafeCheckpoint, load_weights
 from training.data.labels import LABEL_FILES
-from training.dataset import DataError, read_list
+from training.dataset import DataError, read_frames, read_list
 from training.evaluate_culane import evaluate_culane_run, score_culane_split
 from training.inference import DeployedSCNN, draw_lanes, lanes_from_probabilities, resize_for_model, slot_lanes
 from training.metric import MAX_RUN_TIME_MS, parse_ground_truth, score_predictions
@@ -67,12 +67,7 @@ def predict(model: SCNN, config: ModelConfig, data_root: Path, split: str, devic
     wanted = [s.image for s in samples if s.image in gt_lines]
     for start in range(0, len(wanted), batch_size):
         names = wanted[start:start + batch_size]
-        frames = []
-        for name in names:
-            frame = cv2.imread(str(data_root / name), cv2.IMREAD_COLOR)
-            if frame is None:
-                raise DataError(f"cannot read {data_root / name}")
-            frames.append(frame)
+        frames = read_frames(data_root, names)
         batch = np.stack([resize_for_model(f, config.input_width, config.input_height) for f in frames])
         began = time.perf_counter()
         with torch.autocast(device.type, enabled=False):  # the metric is always computed on fp32 outputs

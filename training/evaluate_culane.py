@@ -27,7 +27,7 @@ import torch
 from training.culane_eval import read_lanes, scenario_lists, score_lists
 from training.culane_metric import format_lines
 from training.data.culane import lines_path_for
-from training.dataset import DataError, read_list
+from training.dataset import read_frames, read_list
 from training.inference import SLOT_COLOURS, DeployedSCNN, culane_lanes, resize_for_model
 from training.model import SCNN, ModelConfig
 
@@ -41,12 +41,8 @@ def predict_lines(model: SCNN, config: ModelConfig, data_root: Path, images: lis
     deployed = DeployedSCNN(model).to(device).eval()
     for start in range(0, len(images), batch_size):
         names = images[start:start + batch_size]
-        frames = []
-        for name in names:
-            frame = cv2.imread(str(data_root / name), cv2.IMREAD_COLOR)
-            if frame is None:
-                raise DataError(f"cannot read {data_root / name}")
-            frames.append(resize_for_model(frame, config.input_width, config.input_height))
+        frames = [resize_for_model(frame, config.input_width, config.input_height)
+                  for frame in read_frames(data_root, names)]
         with torch.autocast(device.type, enabled=False):  # scored on fp32 outputs, as TuSimple's
             probs, existence = deployed(torch.from_numpy(np.stack(frames)).to(device))
         probs, existence = probs.cpu().numpy(), existence.cpu().numpy()
