@@ -30,12 +30,16 @@ naming the file and line (the tool stops reading the line there).
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import cv2
 import numpy as np
+
+from training.data.culane import SCENARIOS, Lane, LinesFileError, format_lines, parse_lines
+
+__all__ = ["SCENARIOS", "THRESHOLDS", "Counts", "Lane", "LinesFileError", "format_lines", "interpolate", "lane_mask",
+           "mask_iou", "match", "parse_lines", "score_image"]
 
 IMAGE_WIDTH, IMAGE_HEIGHT = 1640, 590
 LANE_WIDTH = 30
@@ -45,45 +49,6 @@ THRESHOLDS = tuple(round(0.5 + 0.05 * step, 2) for step in range(10))
 SPLINE_STEPS = 50
 #: The tool's edges count as tight within this (include/hungarianGraph.hpp).
 MATCH_TOLERANCE = 1e-2
-#: The test set's scenario lists, in the official order (list/test_split/test<k>_<name>.txt).
-SCENARIOS = ("normal", "crowd", "hlight", "shadow", "noline", "arrow", "curve", "cross", "night")
-
-Lane = np.ndarray  # (n, 2) float32 image coordinates, x then y
-
-
-class LinesFileError(ValueError):
-    """A ``.lines.txt`` file that cannot be read as lanes; the message names the file and the line."""
-
-
-def parse_lines(text: str, source: str = "<lines>") -> list[Lane]:
-    """The lanes of a ``.lines.txt``: one per text line, ``x y`` pairs in image pixels. As the official reader
-    (``read_lane_file``), a blank line inside the file is a lane without points, an odd last number is
-    ignored, and points outside the image are kept (drawing clips them)."""
-    lanes = []
-    rows = text.split("\n")
-    if rows and rows[-1] == "":  # the newline that ends the last line starts no lane
-        rows.pop()
-    for number, row in enumerate(rows, start=1):
-        values = []
-        for token in row.split():
-            try:
-                value = float(token)
-            except ValueError:
-                raise LinesFileError(f"{source}, line {number}: {token!r} is not a number; each line is one lane "
-                                     "as 'x y' pairs of image pixels") from None
-            if not math.isfinite(value):
-                raise LinesFileError(f"{source}, line {number}: {token!r} is not a finite number")
-            values.append(value)
-        pairs = len(values) // 2
-        lanes.append(np.asarray(values[:2 * pairs], dtype=np.float32).reshape(pairs, 2))
-    return lanes
-
-
-def format_lines(lanes: Iterable[Sequence[tuple[float, float]]]) -> str:
-    """The ``.lines.txt`` text of ``lanes`` (what a prediction writes for the official tool)."""
-    return "".join(" ".join(f"{x:.7g} {y:.7g}" for x, y in lane) + "\n" for lane in lanes)
-
-
 def interpolate(lane: Lane, steps: int = SPLINE_STEPS) -> Lane:
     """``lane`` as the official tool draws it: more than two points through a natural cubic spline in x and y
     over the chord length, ``steps`` samples per segment and the last point; two points as they are."""

@@ -14,8 +14,9 @@ between consecutive points rounded to whole pixels, slots in order 1..4, a later
 from __future__ import annotations
 
 import itertools
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import cv2
@@ -34,6 +35,44 @@ TEST_SPLIT_DIR = "test_split"
 DRIVER_FOLDER = re.compile(r"driver_\d+_\d+frame")
 
 Point = tuple[float, float]
+
+#: The test set's scenario lists, in the official order (list/test_split/test<k>_<name>.txt).
+SCENARIOS = ("normal", "crowd", "hlight", "shadow", "noline", "arrow", "curve", "cross", "night")
+
+Lane = np.ndarray  # (n, 2) float32 image coordinates, x then y
+
+
+class LinesFileError(ValueError):
+    """A ``.lines.txt`` file that cannot be read as lanes; the message names the file and the line."""
+
+
+def parse_lines(text: str, source: str = "<lines>") -> list[Lane]:
+    """The lanes of a ``.lines.txt``: one per text line, ``x y`` pairs in image pixels. As the official reader
+    (``read_lane_file``), a blank line inside the file is a lane without points, an odd last number is
+    ignored, and points outside the image are kept (drawing clips them)."""
+    lanes = []
+    rows = text.split("\n")
+    if rows and rows[-1] == "":  # the newline that ends the last line starts no lane
+        rows.pop()
+    for number, row in enumerate(rows, start=1):
+        values = []
+        for token in row.split():
+            try:
+                value = float(token)
+            except ValueError:
+                raise LinesFileError(f"{source}, line {number}: {token!r} is not a number; each line is one lane "
+                                     "as 'x y' pairs of image pixels") from None
+            if not math.isfinite(value):
+                raise LinesFileError(f"{source}, line {number}: {token!r} is not a finite number")
+            values.append(value)
+        pairs = len(values) // 2
+        lanes.append(np.asarray(values[:2 * pairs], dtype=np.float32).reshape(pairs, 2))
+    return lanes
+
+
+def format_lines(lanes: Iterable[Sequence[tuple[float, float]]]) -> str:
+    """The ``.lines.txt`` text of ``lanes`` (what a prediction writes for the official tool)."""
+    return "".join(" ".join(f"{x:.7g} {y:.7g}" for x, y in lane) + "\n" for lane in lanes)
 
 
 class CulaneListError(ValueError):

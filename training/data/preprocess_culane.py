@@ -25,7 +25,6 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from training.culane_metric import LinesFileError, parse_lines
 from training.data.culane import (
     DRIVER_FOLDER,
     GT_LISTS,
@@ -36,11 +35,13 @@ from training.data.culane import (
     TEST_LIST,
     WIDTH,
     CulaneListError,
+    LinesFileError,
     Point,
     existence_for,
     lanes_in_slots,
     lines_path_for,
     parse_gt_list_line,
+    parse_lines,
     seg_label,
 )
 from training.data.images import UnreadableImage, image_size

@@ -26,10 +26,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from training.culane_metric import SCENARIOS, format_lines
 from training.data.culane import (
     HEIGHT,
     LIST_DIR,
+    SCENARIOS,
     SEG_LABEL_DIR,
     TEST_LIST,
     TEST_SPLIT_DIR,
@@ -37,6 +37,7 @@ from training.data.culane import (
     GtEntry,
     Point,
     existence_for,
+    format_lines,
     gt_list_line,
     lines_path_for,
     seg_label,
