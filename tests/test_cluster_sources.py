@@ -4,7 +4,9 @@ deployments/base's RBAC enforced, whose pods really run and download over HTTP."
 
 from __future__ import annotations
 
+import base64
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,11 @@ import pytest
 from tasks.k8s.manifests import render_sources_secret, sources_secret_name
 from tasks.platforms.cluster.jobs import dataset_job_name, put_sources
 from tests.cluster.network import node_address
+from tests.cluster.state import Fault as ApiFault
 from tests.cluster_platform_helpers import admin_core, cluster_platform
 from tests.http_server import Fault, RunningServer
 from tests.test_cluster_pipeline import needs_kubectl, rendered
+from tests.waiting import wait_until
 from training.data.sources import Artifact
 
 SAS = "sv=2024-11-04&sr=b&sp=r&sig=c2VjcmV0LXNpZ25hdHVyZQ%3D%3D"
@@ -53,6 +57,44 @@ def test_a_sas_url_reaches_the_dataset_pod_from_a_secret_that_is_gone_when_the_j
     (env,) = pod["spec"]["containers"][0]["env"]
     assert env["valueFrom"]["secretKeyRef"]["name"] == sources_secret_name(job)
     assert not [key for key in cluster.objects["secrets"] if key[1] == sources_secret_name(job)]  # gone after
+
+
+@needs_kubectl
+def test_a_sources_secret_another_run_drops_between_the_conflict_and_the_patch_is_made_again(
+        emulator: tuple, served_archive: tuple[str, str]) -> None:
+    """Runs preparing one dataset on one volume share its Job and Secret, and a run whose Job has ended drops the
+    Secret: here it goes while this run's patch is on its way (held, then its connection reset), so the patch
+    the client sends again meets a 404 — the Secret is made again, with this run's sources (make soak SEED=4
+    ended a run on that 404)."""
+    emu, cluster = emulator
+    cluster.load(rendered("base"))
+    platform = cluster_platform(emu, namespace="laneflow")
+    volume = platform.ensure_volume("shared")
+    artifact = Artifact(*served_archive)
+    job = dataset_job_name(volume.name, [artifact])
+    labels = platform.job_labels(job, {"volume": volume.name})
+    put_sources(platform, render_sources_secret(job, platform.layout(), [Artifact(artifact.url + "?old=1",
+                                                                                  artifact.sha256)], labels))
+    held = threading.Event()
+    cluster.faults[("PATCH", "secrets")] = [ApiFault(hang=held)]
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            put_sources(platform, render_sources_secret(job, platform.layout(), [artifact], labels))
+        except BaseException as exc:
+            errors.append(exc)
+
+    putting = threading.Thread(target=put)
+    putting.start()
+    wait_until("the patch to arrive", lambda: any(r.method == "PATCH" and r.resource == "secrets"
+                                                  for r in cluster.requests), timeout_s=60, every_s=0.1)
+    admin_core(emu).delete_namespaced_secret(sources_secret_name(job), "laneflow")  # the other run's drop
+    held.set()
+    putting.join(timeout=120)
+    assert not putting.is_alive() and not errors, errors
+    stored = cluster.objects["secrets"][("laneflow", sources_secret_name(job))]
+    assert "old=1" not in base64.b64decode(stored["data"]["sources"]).decode()
 
 
 @needs_kubectl

@@ -171,29 +171,39 @@ def dataset_job_name(volume: str, artifacts: list[Artifact]) -> str:
     return validate_name(f"prepare-{volume[:36].rstrip('-')}-{dataset_key(validate_artifacts(artifacts))}", "job")
 
 
+#: How often the sources Secret is made again when it goes between the create's conflict and the patch.
+PUT_SOURCES_TRIES = 3
+
+
 def put_sources(platform: ClusterPlatform, secret: dict) -> None:
     """Create the dataset Job's sources Secret, or replace the data of ours left by an earlier try (a SAS may have
     been renewed since). The flows' account may create, patch and delete Secrets (no get or list): a Secret of
-    that name that laneflow did not make is refused by the patch's test, never overwritten."""
+    that name that laneflow did not make is refused by the patch's test, never overwritten. Runs preparing one
+    dataset on one volume share the Job and its Secret, and one whose Job has ended drops the Secret: when it goes
+    between this create's conflict and its patch (404), it is created again."""
     core, _, _ = apis(platform)
     namespace, name = platform.effective_namespace(), secret["metadata"]["name"]
-    try:
-        call(platform, "create", "secrets", core.create_namespaced_secret, namespace, secret,
-             field_validation=STRICT)
-        return
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
     ours = [{"op": "test", "path": "/metadata/labels/app.kubernetes.io~1managed-by", "value": "laneflow"},
             {"op": "replace", "path": "/data", "value": secret["data"]}]
-    try:
-        call(platform, "patch", "secrets", core.patch_namespaced_secret, name, namespace, ours)
-    except ApiException as exc:
-        if exc.status != 422:
-            raise
-        raise FileExistsError(f"secret '{name}' already exists in namespace '{namespace}' and was not created by "
-                              "laneflow; refusing to touch it (delete it or prepare the dataset on another volume)"
-                              ) from None
+    for attempt in range(PUT_SOURCES_TRIES):
+        try:
+            call(platform, "create", "secrets", core.create_namespaced_secret, namespace, secret,
+                 field_validation=STRICT)
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        try:
+            call(platform, "patch", "secrets", core.patch_namespaced_secret, name, namespace, ours)
+            return
+        except ApiException as exc:
+            if exc.status == 404 and attempt + 1 < PUT_SOURCES_TRIES:
+                continue  # removed meanwhile by a run whose Job ended: make it again
+            if exc.status != 422:
+                raise
+            raise FileExistsError(f"secret '{name}' already exists in namespace '{namespace}' and was not created "
+                                  "by laneflow; refusing to touch it (delete it or prepare the dataset on another "
+                                  "volume)") from None
 
 
 def job_ended(platform: ClusterPlatform, name: str) -> bool:
