@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.culane_metric import IOU_THRESHOLD, SCENARIOS, THRESHOLDS, Counts, Lane, parse_lines, score_image
+from training.data.culane import lines_path_for
 
 #: Where the lists are under a CULane root, as the dataset ships them.
 SPLIT_DIR = Path("list/test_split")
@@ -72,7 +73,7 @@ def read_lanes(path: Path) -> list[Lane]:
 def lines_path(root: Path, image: str) -> Path:
     """Where the ``.lines.txt`` of list entry ``image`` (``/driver_…/00000.jpg``, the first field of a line) is
     under ``root``."""
-    return root / (image.split()[0].lstrip("/").rsplit(".", 1)[0] + ".lines.txt")
+    return root / lines_path_for(image.split()[0])
 
 
 def _score_images(images: Sequence[str], truth_root: Path, predicted_root: Path) -> ListScore:
