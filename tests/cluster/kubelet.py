@@ -271,7 +271,10 @@ def kill(cluster: Cluster, namespace: str, pod: str, grace_s: float | None = Non
     if container is None:
         stopping = cluster.kubelet_stops.get((namespace, pod))
         if on_stopped is not None and stopping is not None and stopping.is_alive():
-            def when_stopped() -> None:  # the kubelet is stopping it already (its node shuts down)
+            # The kubelet is stopping it already (its node shuts down): the API server only marks a graceful
+            # delete, and the kubelet's status manager removes the pod once its containers have stopped
+            # (pkg/kubelet/status/status_manager.go canBeDeleted / syncPod's final delete with grace 0).
+            def when_stopped() -> None:
                 stopping.join()
                 with cluster.lock:
                     on_stopped()
