@@ -28,7 +28,6 @@ from tests.cluster_platform_helpers import (
     prepared_claim,  # noqa: F401  (the fixture "prepared")
     spec_for,
 )
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -57,21 +56,6 @@ def ranks_on(cluster: Cluster, pod: str) -> list[int]:
     return found
 
 
-def sshd_listening(cluster: Cluster, pod: str) -> bool:
-    """Whether ``pod``'s sshd listens on port 22 in the pod's network namespace (``/proc/<pid>/net/tcp{,6}``, state
-    0A LISTEN): a pod Running is not yet an sshd horovodrun can reach, and a failed ssh keeps the host out for a
-    second, longer cooldown."""
-    for pid in cluster.container_pids("lanes", pod):
-        for table in ("tcp", "tcp6"):
-            try:
-                rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-            except OSError:  # gone meanwhile
-                continue
-            if any(row.split()[1].endswith(":0016") and row.split()[3] == "0A" for row in rows):
-                return True
-    return False
-
-
 def launcher_log(cluster: Cluster, job: str, lines: int = 60) -> str:
     """The last lines the launcher logged, with the kubelet's stamps: what horovodrun did, for a failing test."""
     logs = [log for (namespace, name), log in cluster.logs.items()
@@ -79,75 +63,65 @@ def launcher_log(cluster: Cluster, job: str, lines: int = 60) -> str:
     return "\n".join(f"{stamp} {text[:300]}" for log in logs for stamp, text in log.lines[-lines:])
 
 
-def hold_until_listed(cluster: Cluster, job: str, held_pod: str, worker: str,
-                      ready: Callable[[], bool] = lambda: True, at_least_s: float = 0.0,
-                      said: list[str] | None = None) -> None:
-    """Hold ``held_pod``'s ranks still (SIGSTOP) until ``worker`` is in the ``discover_hosts.sh`` the launcher's
-    horovodrun runs — the operator's list of Running workers, as the kubelet's sync put it in the launcher pod —
-    (and ``ready()``), then for three of horovodrun's one-second polls, and for ``at_least_s`` in any case: so that
-    the run cannot end before it could take the worker, however fast this machine trains and however late the sync
-    comes on a loaded one. (A rank that ran on alone would be done in seconds: one worker trains ~20 steps a
-    second here.) Returns at once; a thread lets go. What it did goes to ``said``, for a failing test's message."""
-    said = [] if said is None else said
-    held, since = ranks_on(cluster, held_pod), time.monotonic()
-    for pid in held:
-        os.kill(pid, signal.SIGSTOP)
-    said.append(f"{time.strftime('%H:%M:%S')} held ranks {held} of {held_pod}")
+def slow_until(cluster: Cluster, pod: str, done: Callable[[], bool], said: list[str],
+               longest_s: float = 180.0) -> None:
+    """Slow ``pod``'s training ranks to about a tenth of their pace — stopped (SIGSTOP) for most of every half
+    second — until ``done()`` (or ``longest_s``), so that the run cannot end before a newcomer could join, however
+    fast this machine trains (one worker trains ~20 steps a second here). The ranks still run a little each half
+    second: horovodrun's driver tells rank 0 of an added host once, when the host is listed or its cooldown ends
+    (horovod 0.28.1 runner/elastic/driver.py ``_notify_workers_host_changes``; a notice that fails is not sent
+    again), and rank 0 held stopped through that moment was seen to miss it here and end the run on one worker.
+    Returns at once; a thread lets go. What it did goes to ``said``, for a failing test's message."""
+    held, since = ranks_on(cluster, pod), time.monotonic()
+    said.append(f"{time.strftime('%H:%M:%S')} slowing ranks {held} of {pod}")
 
-    def listed() -> bool:
-        """The operator lists the worker and the launcher's copy says the same (a stale copy that still names the
-        worker's previous pod says the same too: horovodrun then takes the name back once its cooldown is over)."""
-        listing = cluster.objects["configmaps"].get(("lanes", f"{job}-config"), {}).get("data", {}).get(
-            "discover_hosts.sh", "")
-        if worker not in listing or not ready():
-            return False
-        scripts = (cluster.root / "pods" / "lanes").glob(f"{job}-launcher-*/volumes/mpi-job-config/discover_hosts.sh")
-        for script in scripts:
-            with contextlib.suppress(OSError):  # the kubelet's atomic writer swaps the files
-                if script.read_text() == listing:
-                    return True
-        return False
-
-    def let_go() -> None:
+    def slow() -> None:
         try:
-            wait_until(f"{worker} listed in the launcher's discover_hosts.sh", listed, timeout_s=180, every_s=0.2)
-            said.append(f"{time.strftime('%H:%M:%S')} {worker} listed in the launcher pod")
-            time.sleep(3)  # horovodrun's polls (one a second)
-            time.sleep(max(0.0, since + at_least_s - time.monotonic()))
+            while not done() and time.monotonic() - since < longest_s:
+                for pid in held:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.45)
+                for pid in held:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+                time.sleep(0.05)
+            said.append(f"{time.strftime('%H:%M:%S')} let go of {held} (done: {done()})")
         except Exception as error:  # a thread's error, said in the test's message
             said.append(f"{time.strftime('%H:%M:%S')} {error}")
         finally:
             for pid in held:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-            said.append(f"{time.strftime('%H:%M:%S')} let go of {held}")
-    threading.Thread(target=let_go, daemon=True).start()
+    threading.Thread(target=slow, daemon=True).start()
+
+
+def rank_started_in(cluster: Cluster, pod: str, not_uid: str | None = None) -> Callable[[], bool]:
+    """Whether horovodrun has started a rank in ``pod`` (one whose uid is not ``not_uid``): it does that only
+    once every rank there was has stopped training to take the newcomer in, so the run cannot end before it."""
+    def started() -> bool:
+        found = cluster.objects["pods"].get(("lanes", pod))
+        return bool(found and found["metadata"]["uid"] != not_uid and ranks_on(cluster, pod))
+    return started
 
 
 def delete_a_worker_at(cluster: Cluster, core: kubernetes.client.CoreV1Api, pod: str, step: int,
                        deleted: list[dict], hold: str | None = None, said: list[str] | None = None) -> None:
     """Once the launcher logs a training step at ``step`` or later on two workers, delete worker pod ``pod`` as
     ``kubectl delete pod`` does (graceful), recording the step logged before and the pod's uid. With ``hold`` (the
-    other worker), once the launcher says the run goes on without ``pod``, that worker's ranks are held until the
-    operator's replacement is listed (``hold_until_listed``)."""
-    held: list[bool] = []
-
-    def replacement_running() -> bool:
-        new = cluster.objects["pods"].get(("lanes", pod))
-        return bool(new and new["metadata"]["uid"] != deleted[0]["uid"] and new["status"].get("phase") == "Running"
-                    and sshd_listening(cluster, pod))
+    other worker), once the launcher says the run goes on without ``pod``, that worker's ranks are slowed until
+    horovodrun starts a rank in the operator's replacement (``slow_until``): the replacement has the same name,
+    and horovodrun takes it once the failed host's cooldown is over (at most three times the block's minimum the
+    first time: horovod runner/elastic/discovery.py ``_set_cooldown_period``, min * 2 + U(0, min))."""
+    slowed: list[bool] = []
 
     def on_line(cluster: Cluster, namespace: str, name: str, line: str) -> None:
         if "-launcher-" not in name:
             return
-        if deleted and hold and not held and '"event": "workers"' in line:
-            held.append(True)
-            job = name.split("-launcher-")[0]
-            # The worker that left exited non-zero: horovodrun keeps its host out for a cooldown, at most three times
-            # the block's minimum the first time (horovod runner/elastic/discovery.py _set_cooldown_period:
-            # min * 2 + U(0, min)); the replacement has the same name.
-            hold_until_listed(cluster, job, hold, pod, replacement_running, at_least_s=3 * COOLDOWN_MIN_S + 2,
-                              said=said)
+        if deleted and hold and not slowed and '"event": "workers"' in line:
+            slowed.append(True)
+            slow_until(cluster, hold, rank_started_in(cluster, pod, not_uid=deleted[0]["uid"]),
+                       said if said is not None else [])
             return
         if '"event": "step"' not in line or deleted:
             return
@@ -167,8 +141,8 @@ def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_rep
     cluster.configmap_sync_s = 2.0  # the kubelet's sync (1 min upstream), shortened
     _, volume, data_dir = prepared
     platform = cluster_platform(emu, elastic_cooldown_min_s=COOLDOWN_MIN_S, elastic_cooldown_max_s=30)
-    # 8 images, one per step: 4 steps an epoch on two workers, 8 on one; about 60 steps in all.
-    spec = elastic_spec(volume.name, data_dir, workers=2, epochs=13, log_every=2)
+    # 8 images, one per step: 4 steps an epoch on two workers, 8 on one; about 35 steps in all.
+    spec = elastic_spec(volume.name, data_dir, workers=2, epochs=8, log_every=2)
     core, custom = client_apis(emu)
     deleted: list[dict] = []
     worker = f"{spec.job_name}-worker-1"
@@ -183,7 +157,7 @@ def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_rep
     changes = [event for event in events if event["event"] == "workers"]
     assert changes and changes[0]["workers"] == 1 and changes[0]["lost"] == [f"{worker}.{spec.job_name}.lanes.svc"]
     rejoined = [change for change in changes[1:] if change["workers"] == 2 and change["joined"]]
-    assert rejoined, (changes, said, launcher_log(cluster, spec.job_name))
+    assert rejoined, f"{changes}\n{said}\n{launcher_log(cluster, spec.job_name)}"
     # It trained on alone: steps were made between the worker leaving and its replacement joining (the step events,
     # every log_every steps, may fall on either side of so short a stretch).
     assert rejoined[0]["step"] > changes[0]["step"], changes
@@ -228,12 +202,12 @@ def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_g
 
     def grow_the_pool(cluster: Cluster, namespace: str, name: str, line: str) -> None:
         """Once it has trained on one worker for well past the grace, a second GPU node joins the pool, while the
-        rank is held until the scheduler has placed worker-1 there and the operator listed it."""
+        rank is slowed until horovodrun has started a rank in worker-1, placed there."""
         if grown or "-launcher-" not in name or '"event": "step"' not in line or \
                 time.monotonic() - started <= 3 * grace_s:
             return
         grown.append(time.monotonic())
-        hold_until_listed(cluster, spec.job_name, worker_0, worker_1, said=held)
+        slow_until(cluster, worker_0, rank_started_in(cluster, worker_1), said=held)
         with cluster.lock:
             cluster.nodes["gpu-b"] = gpu_node("gpu-b", gpus=1)
 
