@@ -152,7 +152,7 @@ class TrainParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source: DataSource = Field(description="the dataset: its artifacts, each a URL, its sha256 and its kind")
-    preset: Literal["cpu-demo", "tusimple"] = Field("cpu-demo", description="model + training preset")
+    preset: Literal["cpu-demo", "tusimple", "culane"] = Field("cpu-demo", description="model + training preset")
     epochs: int = Field(3, ge=1, le=1000, description="passes over the training split")
     batch_size: int = Field(4, ge=1, le=1024, description="images per worker per step")
     workers: int = Field(2, ge=1, le=512, description="Horovod processes (one per GPU on a cluster)")

@@ -69,7 +69,7 @@ def test_prefect_yaml_creates_the_deployments(deployed: dict) -> None:
     form = schema["properties"]
     assert form["lr"]["type"] == "number" and form["lr"]["exclusiveMinimum"] == 0
     assert form["lr"]["description"].startswith("base learning rate")
-    assert form["epochs"]["type"] == "integer" and form["preset"]["enum"] == ["cpu-demo", "tusimple"]
+    assert form["epochs"]["type"] == "integer" and form["preset"]["enum"] == ["cpu-demo", "tusimple", "culane"]
     assert form["source"]["$ref"] == "#/definitions/DataSource" and schema["required"] == ["source"]
     assert schema["definitions"]["DatasetArtifact"]["properties"]["sha256"]["pattern"] == "^[0-9a-fA-F]{64}$"
     assert schema["definitions"]["DatasetArtifact"]["properties"]["kind"]["enum"] == ["archive", "file"]

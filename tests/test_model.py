@@ -37,6 +37,18 @@ def test_tusimple_preset_has_the_published_parameter_count():
     assert count_parameters(SCNN(model_config("tusimple"))) == 20_534_857
 
 
+def test_culane_preset_is_the_tusimple_network_at_the_official_culane_input():
+    """SCNN's CULane model reads 800x288 (XingangPan/SCNN datasets/lane.lua: ScaleWH(800, 288)); of the weights only
+    the existence branch's first FC grows with the input: 5 classes x 288/16 x 800/16 pooled values, not x 512/16."""
+    culane = model_config("culane")
+    assert (culane.input_width, culane.input_height) == (800, 288)
+    model = SCNN(culane)
+    assert count_parameters(model) == 20_534_857 + 5 * (288 // 16) * (800 // 16 - 512 // 16) * 128
+    with torch.no_grad():
+        logits, existence = model.eval()(torch.randn(1, 3, 288, 800))
+    assert logits.shape == (1, 5, 288, 800) and existence.shape == (1, 4)
+
+
 def test_cpu_demo_preset_is_small_and_shapes_are_right():
     model = SCNN(model_config("cpu-demo"))
     assert count_parameters(model) < 1_000_000

@@ -62,6 +62,11 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "tusimple": TrainConfig(preset="tusimple", epochs=30, batch_size=8, lr=0.15, warmup_steps=200,
                             checkpoint_every=500, num_workers=4, allreduce_groups=0, cycle_time_ms=0.0,
                             precision="auto"),
+    # SCNN's CULane recipe (XingangPan/SCNN experiments/train.sh): 12 images a step at LR 0.01 for 60,000
+    # steps — about 8 epochs of CULane's 88,880 training frames; here 12 a worker, the LR scaled by workers.
+    "culane": TrainConfig(preset="culane", epochs=8, batch_size=12, lr=0.01, warmup_steps=200,
+                          checkpoint_every=1000, num_workers=4, allreduce_groups=0, cycle_time_ms=0.0,
+                          precision="auto"),
     "cpu-demo": TrainConfig(),
 }
 

@@ -3,6 +3,8 @@ a 5-class segmentation head and a lane-existence branch.
 
 Presets:
 - ``tusimple``: the paper's architecture at 512x288 (20,534,857 parameters with a 4-lane head).
+- ``culane``: the same network at 800x288, the input of SCNN's CULane model (its existence branch reads 4,500
+  pooled values, as the official model's does: 20,742,217 parameters).
 - ``cpu-demo``: the same structure, narrower and at 256x144, trains in minutes on 2 CPU cores.
 
 Spatial message passing is sequential by definition (each row/column adds ReLU(conv(previous
@@ -52,6 +54,7 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     "tusimple": ModelConfig(),
+    "culane": ModelConfig(input_height=288, input_width=800),
     "cpu-demo": ModelConfig(input_height=144, input_width=256, stage_channels=(16, 32, 64, 96, 96),
                             stage_convs=(1, 1, 2, 2, 2), neck_channels=128, mp_channels=32, mp_kernel=5,
                             fc_hidden=64),
