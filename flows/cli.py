@@ -113,7 +113,7 @@ def predict_command(args: argparse.Namespace) -> int:
     try:
         package = load_package(local_package(args.model, args.volume, args.platform), unpack_to=out / ".package")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        summary = predict(package, args.input, out, backend=args.backend, device=device)
+        summary = predict(package, args.input, out, backend=args.backend, device=device, label_format=args.format)
     except (LookupError, PackageError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -122,7 +122,8 @@ def predict_command(args: argparse.Namespace) -> int:
           f"({summary.backend}, {summary.as_dict()['img_per_s']} img/s)")
     for item in summary.skipped:
         print(f"  skipped {item['frame']}: {item['problem']}")
-    print(f"predictions : {summary.predictions}")
+    written = "CULane .lines.txt" if summary.label_format == "culane" else "TuSimple lines"
+    print(f"predictions : {summary.predictions} ({written})")
     print(f"overlays    : {summary.overlay}")
     return 0
 
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="auto: the fastest for the device (onnx on CPUs, torchscript on GPUs)")
     predict_cmd.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     predict_cmd.add_argument("--out", type=Path, default=None, help="output folder (default predictions/<time>)")
+    predict_cmd.add_argument("--format", default="auto", choices=("auto", "tusimple", "culane"),
+                             help="auto: the format of the dataset the model was evaluated on")
     compare_cmd = command("compare", "runs and snapshots side by side: figures, scaling, cost")
     compare_cmd.add_argument("runs", nargs="+", metavar="RUN", help="[PLATFORM:][VOLUME/]NAME: a run or a snapshot")
     compare_cmd.add_argument("--volume", default="tusimple", help="the volume of runs named without one")

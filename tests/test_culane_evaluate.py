@@ -11,14 +11,16 @@ import pytest
 import torch
 
 from training.culane_eval import score_lists
-from training.culane_metric import SCENARIOS
+from training.culane_metric import SCENARIOS, parse_lines
 from training.data.culane import lines_path_for
 from training.data.preprocess_culane import preprocess_culane
 from training.data.synthetic_culane import generate
 from training.dataset import read_list
 from training.evaluate import dataset_kind, score_split
 from training.evaluate_culane import evaluate_culane_run, split_lists
-from training.model import SCNN, model_config
+from training.model import SCNN, ModelConfig, model_config
+from training.package import build_package, load_package, parity_images
+from training.predict import predict
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +67,50 @@ def test_predictions_equal_to_the_ground_truth_score_one_on_every_scenario(prepa
     assert all(scores[name].f1 == 1.0 for name in SCENARIOS if name != "cross")
     assert scores["cross"].counts[0.5].fp == 0 and scores["all"].images == 17
     assert split_lists(prepared, "val") == {"val": [sample.image for sample in read_list(prepared, "val")]}
+
+
+def one_lane_model() -> tuple[SCNN, ModelConfig]:
+    """A cpu-demo SCNN that sees one lane, in slot 0, at the same columns of every frame: its segmentation logits
+    are constants (no weights, class 1 far ahead) and its existence says slot 0 only — lines to compare exactly."""
+    config = model_config("cpu-demo")
+    model = SCNN(config).eval()
+    with torch.no_grad():
+        model.seg_head[-1].weight.zero_()
+        model.seg_head[-1].bias.copy_(torch.tensor([-8.0, 8.0, -8.0, -8.0, -8.0]))
+        model.exist_head[-2].weight.zero_()
+        model.exist_head[-2].bias.copy_(torch.tensor([8.0, -8.0, -8.0, -8.0]))
+    return model, config
+
+
+def test_predict_with_a_culane_model_writes_the_lines_the_evaluation_writes_where_the_official_tool_reads_them(
+        prepared: Path, tmp_path: Path) -> None:
+    model, config = one_lane_model()
+    evaluation = evaluate_culane_run(model, config, prepared, tmp_path / "run", "test", torch.device("cpu"))
+    built = build_package(model, config, parity_images(prepared, "test", config), tmp_path / "package",
+                          metrics=evaluation)
+    package = load_package(built["package"])
+    summary = predict(package, str(prepared), tmp_path / "out", backend="eager", overlays=False)
+    assert summary.label_format == "culane" and summary.predictions == str(tmp_path / "out" / "lines")
+    assert not (tmp_path / "out" / "predictions.json").exists()
+    # Every frame of the dataset root at its own path; the test frames' lines are the evaluation's, byte for byte.
+    for image in (sample.image for sample in read_list(prepared, "test")):
+        predicted = (tmp_path / "out" / "lines" / lines_path_for(image)).read_text()
+        assert predicted == (tmp_path / "run" / "culane_test" / lines_path_for(image)).read_text(), image
+        assert [len(lane) for lane in parse_lines(predicted)] == [18]
+    # A frame of another size: its rows every 20 from its own bottom, its columns in its own width.
+    frame = cv2.imread(str(prepared / read_list(prepared, "test")[0].image))
+    cv2.imwrite(str(tmp_path / "small.png"), cv2.resize(frame, (820, 295)))
+    predict(package, str(tmp_path / "small.png"), tmp_path / "small", overlays=False)
+    (lane,) = parse_lines((tmp_path / "small" / "lines" / "small.lines.txt").read_text())
+    assert [y for _, y in lane] == list(range(294, -1, -20)) and all(0 <= x < 820 for x, _ in lane)
+    # A video's frames by index under the video's name; the TuSimple format when asked for.
+    writer = cv2.VideoWriter(str(tmp_path / "clip.avi"), cv2.VideoWriter_fourcc(*"FFV1"), 10.0, (1640, 590))
+    for _ in range(2):
+        writer.write(frame)
+    writer.release()
+    video = predict(package, str(tmp_path / "clip.avi"), tmp_path / "video", overlays=False)
+    assert sorted(path.name for path in (tmp_path / "video" / "lines" / "clip.avi").iterdir()) == [
+        "00000.lines.txt", "00001.lines.txt"] and video.predicted == 2
+    tusimple = predict(package, str(tmp_path / "small.png"), tmp_path / "as-tusimple", overlays=False,
+                       label_format="tusimple")
+    assert json.loads(Path(tusimple.predictions).read_text())["raw_file"] == "small.png"

@@ -123,12 +123,15 @@ def _matlab_round(values: np.ndarray) -> np.ndarray:
 
 
 def culane_lanes(probs: np.ndarray, existence: np.ndarray, threshold: float = PROB_THRESHOLD,
-                 exist_threshold: float = EXIST_THRESHOLD) -> list[tuple[int, list[tuple[int, int]]]]:
-    """``(slot, points)`` for each slot SCNN's CULane rule keeps: ``points`` are ``(x, y)`` in CULane's 1640×590
-    frame from the bottom up. ``probs`` is (5, H, W) softmax output of a frame resized whole to the network."""
+                 exist_threshold: float = EXIST_THRESHOLD,
+                 frame_size: tuple[int, int] = CULANE_SIZE) -> list[tuple[int, list[tuple[int, int]]]]:
+    """``(slot, points)`` for each slot SCNN's CULane rule keeps: ``points`` are ``(x, y)`` in the frame (CULane's
+    1640×590 unless ``frame_size`` says otherwise: a frame of another camera, its rows still sampled every 20 from
+    the bottom) from the bottom up. ``probs`` is (5, H, W) softmax output of a frame resized whole to the network."""
     _, height, width = probs.shape
-    frame_width, frame_height = CULANE_SIZE
-    steps = np.arange(CULANE_POINTS)
+    frame_width, frame_height = frame_size
+    points_in_frame = min(CULANE_POINTS, int((frame_height - 1) // CULANE_ROW_STEP) + 1)
+    steps = np.arange(points_in_frame)
     rows = _matlab_round(height - steps * CULANE_ROW_STEP / frame_height * height).astype(int) - 1  # 1-based there
     rows = np.clip(rows, 0, height - 1)
     ys = (_matlab_round(frame_height - steps * CULANE_ROW_STEP) - 1).astype(int)
@@ -144,6 +147,15 @@ def culane_lanes(probs: np.ndarray, existence: np.ndarray, threshold: float = PR
         if len(points) >= 2:
             lanes.append((slot, points))
     return lanes
+
+
+def draw_point_lanes(image: np.ndarray, lanes: list[tuple[int, list[tuple[int, int]]]],
+                     thickness: int = 4) -> np.ndarray:
+    """A copy of ``image`` with each ``(slot, points)`` lane (``culane_lanes``) drawn in its slot's colour."""
+    out = image.copy()
+    for slot, points in lanes:
+        cv2.polylines(out, [np.array(points, np.int32)], False, SLOT_COLOURS[slot % 4], thickness)
+    return out
 
 
 def draw_lanes(image: np.ndarray, lanes: list[tuple[int, list[int]]], h_samples: list[int],

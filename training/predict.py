@@ -1,7 +1,8 @@
-"""Lanes on images and videos with a model package: TuSimple prediction lines and overlays.
+"""Lanes on images and videos with a model package: TuSimple or CULane predictions, and overlays.
 
     python -m training.predict --package runs/train-1a2b3c4d5e6f/package --input dashcam.mp4 --out preds/
     python -m training.predict --package model.tar.gz --input 'clips/0530/*/20.jpg' --backend onnx --out preds/
+    python -m training.predict --package culane-model/ --input CULane/driver_37_30frame --out preds/
 
 Inputs: an image, a folder (its images, recursively), a glob, or a video file (OpenCV ``VideoCapture``).
 Each frame goes through the package's input contract (``training.inference``), its lanes are read at
@@ -9,6 +10,10 @@ TuSimple's h_samples scaled to the frame's height, and one line per frame is wri
 ``predictions.json`` — ``raw_file``, ``lanes``, ``h_samples``, ``run_time`` — which ``training.metric``
 scores. ``raw_file`` is the path relative to the input folder (or the glob's fixed part), so predicting a
 dataset root gives lines its label files score; a video's frames are ``<video name>#<frame index>``.
+A model evaluated on CULane (its package's metrics say so; ``--format`` chooses otherwise) writes CULane's
+format instead, as the official tool and ``training.culane_eval --predictions`` read it: a ``.lines.txt`` per
+frame under ``lines/``, at the frame's path with its suffix replaced (a video's frame ``clip.mp4#12`` as
+``clip.mp4/00012.lines.txt``), its lanes by SCNN's CULane rule (``culane_lanes``) in the frame's pixels.
 Overlays (lanes coloured per slot) go to ``overlays/`` for images and ``<video stem>.overlay.mp4`` for
 a video. An image that cannot be decoded, or a frame a video cannot give, is reported and skipped;
 the rest are predicted.
@@ -17,6 +22,7 @@ the rest are predicted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import logging
@@ -30,7 +36,15 @@ from typing import Any
 import cv2
 import numpy as np
 
-from training.inference import draw_lanes, h_samples_for, resize_for_model, slot_lanes
+from training.data.culane import format_lines, lines_path_for
+from training.inference import (
+    culane_lanes,
+    draw_lanes,
+    draw_point_lanes,
+    h_samples_for,
+    resize_for_model,
+    slot_lanes,
+)
 from training.package import BACKENDS, Package, PackageError, load_package, open_backend
 from training.signals import exit_on_sigterm
 
@@ -61,6 +75,24 @@ class VideoInfo:
     fps: float
     size: tuple[int, int]
     frames: int  # as the container declares it (0 when unknown)
+
+
+#: How predictions are written: TuSimple's JSON lines (``predictions.json``) or CULane's ``.lines.txt`` files.
+FORMATS = ("tusimple", "culane")
+
+
+def package_format(package: Package) -> str:
+    """The format of the dataset the package's model was evaluated on: CULane's when its metrics are."""
+    return "culane" if (package.manifest.get("metrics") or {}).get("metric") == "culane" else "tusimple"
+
+
+def culane_lines_name(frame: str) -> str:
+    """Where frame ``frame``'s ``.lines.txt`` goes under ``lines/``: at the image's path, its suffix replaced, as
+    CULane's tool looks for it; a video's frame ``clip.mp4#12`` as ``clip.mp4/00012.lines.txt``."""
+    video, sep, index = frame.rpartition("#")
+    if sep and index.isdigit():
+        return f"{video}/{int(index):05d}.lines.txt"
+    return lines_path_for(frame)
 
 
 def default_backend(device: str) -> str:
@@ -141,6 +173,7 @@ def video_frames(capture: cv2.VideoCapture, info: VideoInfo) -> Iterator[Frame]:
 @dataclass
 class Summary:
     backend: str
+    label_format: str = "tusimple"
     frames: int = 0
     predicted: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
@@ -149,23 +182,28 @@ class Summary:
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "frames": self.frames, "predicted": self.predicted,
-                "skipped": self.skipped, "predictions": self.predictions, "overlay": self.overlay,
+        return {"backend": self.backend, "format": self.label_format, "frames": self.frames,
+                "predicted": self.predicted, "skipped": self.skipped, "predictions": self.predictions,
+                "overlay": self.overlay,
                 "img_per_s": round(self.predicted / self.seconds, 2) if self.seconds else 0.0}
 
 
 def predict(package: Package, spec: str, out: Path, *, backend: str = "auto", device: str = "cpu",
-            batch_size: int = 8, overlays: bool = True,
+            batch_size: int = 8, overlays: bool = True, label_format: str = "auto",
             progress: Callable[[int, int], None] | None = None) -> Summary:
     """Predict lanes for every frame of ``spec`` into ``out``; see the module's docstring."""
     name = default_backend(device) if backend == "auto" else backend
     if name not in BACKENDS:
         raise PackageError(f"unknown backend '{backend}'; choose auto or one of {', '.join(BACKENDS)}")
+    written = package_format(package) if label_format == "auto" else label_format
+    if written not in FORMATS:
+        raise PackageError(f"unknown format '{label_format}'; choose auto or one of {', '.join(FORMATS)}")
     run = open_backend(package, name=name, device=device)
     config = package.config
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = Summary(backend=name, predictions=str(out / "predictions.json"))
+    summary = Summary(backend=name, label_format=written,
+                      predictions=str(out / ("lines" if written == "culane" else "predictions.json")))
     source = Path(spec)
     writer: cv2.VideoWriter | None = None
     total = 0
@@ -182,7 +220,9 @@ def predict(package: Package, spec: str, out: Path, *, backend: str = "auto", de
         if overlays:
             summary.overlay = str(out / "overlays")
     started = time.perf_counter()
-    with (out / "predictions.json").open("w", encoding="utf-8") as lines:
+    with contextlib.ExitStack() as stack:
+        lines = stack.enter_context((out / "predictions.json").open("w", encoding="utf-8")) \
+            if written == "tusimple" else None
         batch: list[Frame] = []
 
         def flush() -> None:
@@ -192,12 +232,19 @@ def predict(package: Package, spec: str, out: Path, *, backend: str = "auto", de
             per_frame_ms = (time.perf_counter() - began) * 1000 / len(batch)
             for i, frame in enumerate(batch):
                 height, width = frame.image.shape[:2]
-                h_samples = h_samples_for(height)
-                lanes = slot_lanes(probs[i], existence[i], h_samples, (width, height))
-                lines.write(json.dumps({"raw_file": frame.name, "lanes": [lane for _, lane in lanes],
-                                        "h_samples": h_samples, "run_time": per_frame_ms}) + "\n")
+                if written == "culane":
+                    points = culane_lanes(probs[i], existence[i], frame_size=(width, height))
+                    target = out / "lines" / culane_lines_name(frame.name)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(format_lines(lane for _, lane in points))
+                else:
+                    h_samples = h_samples_for(height)
+                    lanes = slot_lanes(probs[i], existence[i], h_samples, (width, height))
+                    lines.write(json.dumps({"raw_file": frame.name, "lanes": [lane for _, lane in lanes],
+                                            "h_samples": h_samples, "run_time": per_frame_ms}) + "\n")
                 if overlays:
-                    drawn = draw_lanes(frame.image, lanes, h_samples)
+                    drawn = (draw_point_lanes(frame.image, points) if written == "culane"
+                             else draw_lanes(frame.image, lanes, h_samples))
                     if writer is not None:
                         writer.write(drawn)
                     else:
@@ -242,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--no-overlays", action="store_true")
+    parser.add_argument("--format", default="auto", choices=("auto", *FORMATS),
+                        help="auto: the format of the dataset the model was evaluated on (its package's metrics)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     exit_on_sigterm()
@@ -258,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = predict(load_package(args.package, unpack_to=args.out / ".package"), args.input, args.out,
                           backend=args.backend, device=device, batch_size=args.batch_size,
-                          overlays=not args.no_overlays, progress=progress)
+                          overlays=not args.no_overlays, label_format=args.format, progress=progress)
     except (PackageError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
