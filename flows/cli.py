@@ -75,7 +75,8 @@ def compare_command(args: argparse.Namespace) -> int:
     import json
 
     from flows.compare import RunRef, chart_pngs, charts, read_all
-    from tasks.compare import CompareError, Prices, compare, figures_record, render_markdown
+    from tasks.compare import CompareError, Prices, compare
+    from tasks.compare_report import figures_record, render_markdown
 
     try:
         refs = [RunRef.parse(text, volume=args.volume, platform=args.platform) for text in args.runs]

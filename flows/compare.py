@@ -18,17 +18,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.variables import Variable
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.compare import (
-    CompareError,
-    Comparison,
-    Prices,
-    RunRecords,
-    accuracy_chart_png,
-    compare,
-    parse_events,
-    render_markdown,
-    throughput_chart_png,
-)
+from tasks.compare import CompareError, Comparison, Prices, RunRecords, compare, parse_events
+from tasks.compare_report import accuracy_chart_png, render_markdown, throughput_chart_png
 from tasks.names import DNS_LABEL, MAX_NAME, validate_name
 from tasks.platforms import Platform, VolumeRef, load_platform
 from tasks.report import data_uri

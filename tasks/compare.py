@@ -28,9 +28,8 @@ as docs/how-to/compare.md gives them:
 
 from __future__ import annotations
 
-import io
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -101,6 +100,12 @@ class RunFigures:
     quota_tib: float | None
     #: (seconds since the first start, untimed val accuracy) of every val score, for the chart.
     val_curve: list[tuple[float, float]] = field(default_factory=list)
+    #: What the evaluation measured: ``tusimple`` (accuracy), or ``culane``, whose "accuracy" figures are F1 at
+    #: IoU 0.5 (``training.evaluate_culane``).
+    metric: str = "tusimple"
+    #: A CULane run's test figures per scenario list, as its evaluation gives them (``tp``, ``fp``, ``fn``,
+    #: ``precision``, ``recall``, ``f1``, ``f1_75``, ``mean_f1``; None where a figure is undefined).
+    test_scenarios: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def parse_events(metrics_jsonl: str, name: str) -> list[dict[str, Any]]:
@@ -214,7 +219,8 @@ def run_figures(records: RunRecords, target_accuracy: float) -> RunFigures:
         worker_hours=(worker_seconds / seconds if seconds else workers) * float(wall) / 3600
         if wall is not None else None,
         service_level=level.get("training"), quota_tib=_number(level.get("quota_tib")),
-        val_curve=[(at, untimed) for at, untimed, _ in points])
+        val_curve=[(at, untimed) for at, untimed, _ in points], metric=str(metrics.get("metric") or "tusimple"),
+        test_scenarios=dict(metrics.get("scenarios") or {}) if on_test else {})
 
 
 def _number(value: Any) -> float | None:
@@ -348,118 +354,3 @@ def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: s
 
 def _round(value: float | None, digits: int) -> float | None:
     return round(value, digits) if value is not None else None
-
-
-def render_markdown(comparison: Comparison, charts: dict[str, str] | None = None) -> str:
-    """The comparison for people: the table, the scaling summary, the flags and the charts (data URIs)."""
-    columns = list(comparison.rows[0])
-    lines = [f"# Comparison of {len(comparison.rows)} run(s)", "",
-             f"Baseline: `{comparison.baseline}` (speed-up = the baseline's wall time / the run's, for the same "
-             f"work; efficiency = speed-up / worker ratio; the throughput ratio, img/s / the baseline's, is a "
-             f"scaling diagnostic). Target val accuracy {comparison.target_accuracy:g} (without the 200 ms rule)."
-             + (f" Costs in {comparison.currency}." if comparison.currency else ""), ""]
-    lines += scaling_summary(comparison)
-    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(row[column]) for column in columns) + " |" for row in comparison.rows]
-    flagged = [row for row in comparison.rows if str(row["comparable"]).startswith("NO")]
-    if flagged:
-        lines += ["", "## Not like for like", ""]
-        lines += [f"- `{row['run']}`: {row['comparable'].removeprefix('NO: ')}" for row in flagged]
-    for title, uri in (charts or {}).items():
-        lines += ["", f"## {title}", "", f"![{title}]({uri})"]
-    return "\n".join(lines) + "\n"
-
-
-def scaling_summary(comparison: Comparison) -> list[str]:
-    """The headline: each run's elapsed-time speed-up and efficiency against the baseline, in words."""
-    if not comparison.scalings:
-        return []
-    base = next(row for row in comparison.figures if row.name == comparison.baseline)
-    lines = ["## Scaling", ""]
-    for row in comparison.figures:
-        scaled = comparison.scalings.get(row.name)
-        if scaled is None:
-            continue
-        workers = f"{row.workers} worker(s) against {base.workers}"
-        if scaled.speed_up is None:
-            lines.append(f"- `{row.name}` ({workers}): no speed-up: {scaled.why_not}")
-            continue
-        lines.append(f"- `{row.name}` ({workers}): the same work in {_duration(row.wall_s)} instead of "
-                     f"{_duration(base.wall_s)}: **{scaled.speed_up:.2f}×** speed-up, "
-                     f"**{scaled.efficiency * 100:.0f} %** efficiency")
-    return [*lines, ""]
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    if seconds >= 3600:
-        hours, rest = divmod(round(seconds), 3600)
-        return f"{hours} h {rest // 60} min"
-    if seconds >= 60:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds:.1f} s"
-
-
-def _cell(value: Any) -> str:
-    return "" if value is None else str(value).replace("|", "\\|")
-
-
-def throughput_chart_png(comparison: Comparison) -> bytes:
-    """Throughput against workers, each run a point, with the ideal line through the baseline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    base = next(row for row in comparison.figures if row.name == comparison.baseline)
-    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
-    try:
-        most = max(row.workers for row in comparison.figures)
-        ideal = [base.img_per_s_per_worker * workers for workers in range(1, most + 1)]
-        axes.plot(range(1, most + 1), ideal, linestyle="--", color="grey", label=f"ideal (from {base.name})")
-        for row in comparison.figures:
-            axes.scatter([row.workers], [row.img_per_s], label=row.name, zorder=3)
-        axes.set_xlabel("workers")
-        axes.set_ylabel("images / s")
-        axes.set_title("Throughput vs workers")
-        axes.set_xticks(range(1, most + 1))
-        axes.legend(fontsize=7)
-        return _png(figure)
-    finally:
-        plt.close(figure)
-
-
-def accuracy_chart_png(comparison: Comparison) -> bytes:
-    """Val accuracy (without the 200 ms rule) against wall time, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
-    try:
-        for row in comparison.figures:
-            if row.val_curve:
-                times, accuracies = zip(*row.val_curve, strict=True)
-                axes.plot(times, accuracies, marker="o", label=row.name)
-        axes.axhline(comparison.target_accuracy, linestyle=":", color="grey", label="target")
-        axes.set_xlabel("wall time since the first start (s)")
-        axes.set_ylabel("val accuracy (untimed)")
-        axes.set_title("Val accuracy vs wall time")
-        axes.legend(fontsize=7)
-        return _png(figure)
-    finally:
-        plt.close(figure)
-
-
-def _png(figure: Any) -> bytes:
-    buffer = io.BytesIO()
-    figure.tight_layout()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
-
-
-def figures_record(comparison: Comparison) -> list[dict[str, Any]]:
-    """The raw figures, JSON-safe (``laneflow compare --json``)."""
-    return [asdict(row) for row in comparison.figures]

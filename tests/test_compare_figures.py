@@ -8,15 +8,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from tasks.compare import (
-    CompareError,
-    Prices,
-    RunRecords,
-    compare,
-    parse_events,
-    render_markdown,
-    run_figures,
-)
+from tasks.compare import CompareError, Prices, RunRecords, compare, parse_events, run_figures
+from tasks.compare_report import figures_record, render_markdown
 
 
 def records(name: str, *, workers: int = 1, batch: int = 2, preset: str = "cpu-demo", version: str = "v1",
@@ -177,3 +170,21 @@ def test_an_elastic_run_counts_the_workers_each_window_had_and_the_steps_it_redi
     assert figures.workers == 2  # 50 worker-seconds over 30 s of training: 1.67 on average
     assert math.isclose(figures.img_per_s_per_worker, 104 / 50)
     assert math.isclose(figures.worker_hours, 50 / 30 * 32 / 3600)
+
+
+def test_a_culane_runs_scenarios_are_a_table_of_their_own_and_the_crossroads_show_false_positives() -> None:
+    culane = records("culane-run")
+    culane.lineage["metrics"] = {
+        "split": "test", "metric": "culane", "accuracy": 0.5, "untimed_accuracy": 0.5,
+        "scenarios": {"normal": {"tp": 9, "fp": 1, "fn": 1, "f1": 0.9},
+                      "night": {"tp": 1, "fp": 3, "fn": 3, "f1": 0.25},
+                      "cross": {"tp": 0, "fp": 7, "fn": 0, "f1": None}}}
+    comparison = compare([records("tusimple-run"), culane])
+    text = render_markdown(comparison)
+    section = text[text.index("## Test per scenario"):].splitlines()
+    assert "| run | normal | night | cross |" in section
+    assert "| culane-run | 90.00 | 25.00 | FP 7 |" in section
+    assert not any(line.startswith("| tusimple-run") for line in section)  # no scenarios: no row
+    assert [row["test_scenarios"]["night"]["f1"] for row in figures_record(comparison) if row["metric"] == "culane"] \
+        == [0.25]
+    assert "## Test per scenario" not in render_markdown(compare([records("tusimple-run")]))
