@@ -6,6 +6,12 @@ test, which is what the decision record and lineage report), and when the data c
 champion was crowned the champion is re-scored on the same val images first, so both accuracies describe
 the same images. Test is reported beside it, never decided on.
 
+A challenger that wins on val must also pass the release gates before it is crowned: on the split its run
+reported (test, by default), scored beside the champion on the same images, it may fall no more than
+``gate_margin`` behind on any CULane scenario's F1 (on the crossroads' false positives per frame), or on
+TuSimple's accuracy, FP and FN. The gates only refuse; they never choose. Every gate's figures are a table
+artifact (``champion-gates-<volume>``), and a refusal names each gate that failed.
+
 With MLflow tracking on (``tasks.tracking``), every nightly brings registered model ``laneflow-<volume>``
 in line with the champion it leaves, promoted or kept: the champion's MLflow run (logged then if the server
 was down when it trained) becomes a version carrying the alias ``champion``, and the champion record keeps
@@ -17,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 from prefect.variables import Variable
 
@@ -25,25 +31,51 @@ from flows.params import TrainParams, takes_train_params
 from flows.train import evaluate_on_a_gpu, train_pipeline
 from tasks.champion import (
     DECISION_SPLIT,
+    Gate,
     champion_record,
     champion_variable,
     decide_champion,
+    gated,
+    gates_table,
     mlflow_record,
+    release_gates,
     selection_accuracy,
+    stored_score,
     stored_val_score,
 )
-from tasks.platforms import VolumeRef, load_platform
+from tasks.platforms import Platform, VolumeRef, load_platform
 from tasks.tracking import sync_champion_in_mlflow
+
+
+def champion_scored_like(platform: Platform, volume: VolumeRef, champion: dict[str, Any],
+                         challenger: dict[str, Any]) -> dict[str, Any] | None:
+    """The champion's evaluation of the split the challenger's run reported, on the same images: recorded, or
+    re-scored on the challenger's data (same volume); crowned on another volume, its own score of that split is
+    the best there is. None when there is none."""
+    split = challenger["metrics"].get("split", "test")
+    recorded = stored_score(champion, split, challenger["dataset_version"])
+    if recorded is None and champion.get("volume") == challenger["volume"]:
+        get_run_logger().info("champion %s has no %s score on dataset %s: re-scoring it for the gates",
+                              champion["run"], split, challenger["dataset_version"])
+        recorded = evaluate_on_a_gpu(platform, volume, champion["run_dir"], challenger["data_dir"], split)
+    if recorded is None and (champion.get("metrics") or {}).get("split") == split:
+        recorded = champion["metrics"]
+    return recorded
 
 
 @flow(name="nightly_retrain")
 @takes_train_params
-def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[str, Any]:
-    """Retrain, compare with the champion on the same val images, promote the better model.
+def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_margin: float = 0.02) -> dict[str, Any]:
+    """Retrain, compare with the champion on the same val images, promote the better model if it passes the gates.
 
     Args:
         min_improvement: how much higher the challenger's accuracy must be to become champion
+        gate_margin: how far the challenger may fall behind the champion on any gate (a CULane scenario's F1, the
+            crossroads' false positives per frame, TuSimple's accuracy, FP or FN), as a fraction: 0.02 is 2 points
     """
+    if not 0.0 <= gate_margin <= 1.0:
+        raise ValueError(f"gate_margin {gate_margin:g} is not a fraction in [0, 1]: 0.02 lets a challenger fall 2 "
+                         "points behind on a scenario, 1 turns the gates off")
     logger = get_run_logger()
     challenger = train_pipeline(**params.flow_parameters())
     name = champion_variable(params.volume)
@@ -71,6 +103,16 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
             champion_val = champion.get("val_metrics") or champion["metrics"]
         champion_accuracy = selection_accuracy(champion_val)
     decision = decide_champion(champion_accuracy, selection_accuracy(challenger["val_metrics"]), min_improvement)
+    gates: list[Gate] = []
+    gate_split = challenger["metrics"].get("split", "test")
+    if decision.promote and champion:  # the gates only refuse: scored when the challenger would win on val
+        champion_figures = champion_scored_like(platform, volume, champion, challenger)
+        if champion_figures is None:
+            logger.warning("no release gates: champion %s has no %s score to compare with", champion["run"],
+                           gate_split)
+        else:
+            gates = release_gates(champion_figures, challenger["metrics"], gate_margin)
+            decision = gated(decision, gates)
     crowned = (champion_record(challenger, mlflow_record(challenger.get("mlflow"), None)) if decision.promote
                else champion)
     # MLflow's @champion follows laneflow's champion, kept or promoted: a registry that was down at a
@@ -89,7 +131,20 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
                          "prefect.resource.role": "challenger"}],
                payload={"champion": winner, "challenger": challenger["run"], "reason": decision.reason,
                         "champion_accuracy": decision.champion_accuracy,
-                        "challenger_accuracy": decision.challenger_accuracy})
+                        "challenger_accuracy": decision.challenger_accuracy,
+                        "failed_gates": [gate.name for gate in gates if not gate.passed]})
+    if gates:
+        create_table_artifact(key=f"champion-gates-{params.volume}", table=gates_table(gates),
+                              description=f"release gates on {gate_split}: challenger {challenger['run']} against "
+                                          f"champion {champion['run']}, margin {gate_margin:g}")
+    failed = [gate.name for gate in gates if not gate.passed]
+    gates_row = (f"{len(gates) - len(failed)} of {len(gates)} passed on {gate_split} (margin {gate_margin:g})"
+                 + (f"; failed: {', '.join(failed)}" if failed else "") + f" — table `champion-gates-{params.volume}`"
+                 if gates else "not scored: there is no champion to pass, or the challenger did not win on val")
+    culane = challenger["metrics"].get("metric") == "culane"
+    scores = ("Scores are CULane's F1 at IoU 0.5 (the official metric). " if culane else
+              "Accuracies are TuSimple accuracy without the benchmark's 200 ms run-time rule, so the decision "
+              "does not depend on how busy the evaluating machine was. ")
     previous = f"`{champion['run']}` (val {decision.champion_accuracy:.4f})" if champion else "none"
     create_markdown_artifact(
         key=f"champion-{params.volume}", description="nightly champion/challenger decision",
@@ -99,13 +154,13 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0) -> dict[s
                  f"| challenger on {challenger['metrics'].get('split', 'test')} (reported, not decided on) | "
                  f"{selection_accuracy(challenger['metrics']):.4f} |\n"
                  f"| decision | {'promoted' if decision.promote else 'kept'}: "
-                 f"{decision.reason} |\n| snapshot | `{challenger['snapshot']}` |\n"
+                 f"{decision.reason} |\n| release gates | {gates_row} |\n"
+                 f"| snapshot | `{challenger['snapshot']}` |\n"
                  f"| package | `{(challenger if decision.promote else champion).get('package')}` |\n"
                  + (f"| MLflow | [{registered['model']} version {registered['version']}]({registered['model_url']}) "
                     f"(alias `{registered['alias']}`) |\n" if registered and registered.get("model_url") else "") + "\n"
-                 "Accuracies are TuSimple accuracy without the benchmark's 200 ms run-time rule, so the decision "
-                 "does not depend on how busy the evaluating machine was. The decision is on val, both models "
-                 "scored on the challenger's val images; test is reported, never decided on.\n")
+                 + scores + "The decision is on val, both models scored on the challenger's val images; test is "
+                 "reported, never decided on, and its release gates can only refuse.\n")
     logger.info("champion %s: %s", "promoted" if decision.promote else "kept", decision.reason)
     return {"champion": winner, "promoted": decision.promote, "reason": decision.reason, "challenger": challenger,
-            "mlflow": registered}
+            "gates": gates_table(gates), "mlflow": registered}

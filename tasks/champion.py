@@ -32,6 +32,15 @@ def stored_val_score(champion: dict[str, Any], dataset_version: str) -> dict[str
     return val if champion.get("dataset_version") == dataset_version else None
 
 
+def stored_score(champion: dict[str, Any], split: str, dataset_version: str) -> dict[str, Any] | None:
+    """The champion's recorded evaluation of ``split`` (its val score, or the one its run reported) when it
+    describes the challenger's images (same dataset version), else None: the caller re-scores it."""
+    if split == DECISION_SPLIT:
+        return stored_val_score(champion, dataset_version)
+    reported = champion.get("metrics") or {}
+    return reported if reported.get("split") == split and champion.get("dataset_version") == dataset_version else None
+
+
 def selection_accuracy(metrics: dict[str, Any]) -> float:
     """The accuracy models are compared by: the TuSimple score without the 200 ms run-time rule.
 
@@ -114,6 +123,14 @@ def tusimple_gates(champion: dict[str, Any], challenger: dict[str, Any], margin:
     return [Gate("accuracy", selection_accuracy(champion), selection_accuracy(challenger), True, margin),
             *(Gate(key.upper(), rate(champion, key), rate(challenger, key), False, margin) for key in ("fp", "fn")
               if key in champion and key in challenger)]
+
+
+def release_gates(champion: dict[str, Any], challenger: dict[str, Any], margin: float) -> list[Gate]:
+    """The gates of two evaluations of the same images: CULane's per scenario (``scenario_gates``; none when the
+    split has no scenario lists), TuSimple's accuracy, FP and FN (``tusimple_gates``)."""
+    if challenger.get("metric") == "culane":
+        return scenario_gates(champion.get("scenarios") or {}, challenger.get("scenarios") or {}, margin)
+    return tusimple_gates(champion, challenger, margin)
 
 
 def gated(decision: Decision, gates: list[Gate]) -> Decision:

@@ -150,18 +150,23 @@ def _kill_one_rank_after_checkpoint(run_dir: Path, killed: list[int]) -> None:
         time.sleep(0.2)
 
 
+def served_culane(file_server: FileServer, root: Path) -> DataSource:
+    """A synthetic CULane release (8 train, 4 val, 9 test frames) packed as CULane ships it, served over HTTP."""
+    generate(root / "culane", train=8, val=4, test=9, seed=2)
+    artifacts = []
+    for packed in pack_artifacts(root / "culane", root / "archives"):
+        name = Path(packed["path"]).name
+        file_server.files[name] = Path(packed["path"]).read_bytes()
+        artifacts.append({"url": file_server.url(name), "sha256": packed["sha256"], "kind": "archive"})
+    return DataSource(artifacts=artifacts)
+
+
 def test_a_culane_release_trains_and_is_judged_per_scenario_by_the_official_metric(
         prefect_server: dict, laneflow_home: Path, file_server: FileServer, tmp_path: Path) -> None:
     """CULane's archives as it ships them, over HTTP: prepared, trained on by horovodrun, scored on its test
     split per scenario list, packaged (parity on CULane frames) and snapshotted, as a TuSimple run is."""
-    generate(tmp_path / "culane", train=8, val=4, test=9, seed=2)
-    artifacts = []
-    for packed in pack_artifacts(tmp_path / "culane", tmp_path / "archives"):
-        name = Path(packed["path"]).name
-        file_server.files[name] = Path(packed["path"]).read_bytes()
-        artifacts.append({"url": file_server.url(name), "sha256": packed["sha256"], "kind": "archive"})
     base = {"epochs": 1, "batch_size": 2, "workers": 2, "loader_workers": 0, "volume": "culane", "package": True}
-    state = train_pipeline(**TrainParams(source=DataSource(artifacts=artifacts), **base).flow_parameters(),
+    state = train_pipeline(**TrainParams(source=served_culane(file_server, tmp_path), **base).flow_parameters(),
                            return_state=True)
     assert state.is_completed(), state.message
     result = state.result()

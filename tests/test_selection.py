@@ -8,7 +8,16 @@ import pytest
 
 from flows.params import TrainParams
 from flows.sweep import leaderboard
-from tasks.champion import decide_champion, gated, gates_table, scenario_gates, selection_accuracy, tusimple_gates
+from tasks.champion import (
+    decide_champion,
+    gated,
+    gates_table,
+    release_gates,
+    scenario_gates,
+    selection_accuracy,
+    stored_score,
+    tusimple_gates,
+)
 from tasks.platforms.base import outcome_from_events
 from tests.unit_helpers import source
 
@@ -52,6 +61,22 @@ def test_on_tusimple_the_gates_are_accuracy_fp_and_fn_without_the_run_time_rule(
                     "untimed_fn": 0.12}
     refused = gated(decide_champion(0.90, 0.93), tusimple_gates(champion, missing_more, margin=0.05))
     assert not refused.promote and "FN 0.0500 -> 0.1200" in refused.reason and "FP" not in refused.reason
+
+
+def test_the_gates_follow_the_metric_and_a_champions_recorded_score_counts_only_on_the_same_images() -> None:
+    champion = {"run": "c", "dataset_version": "v1",
+                "metrics": {"split": "test", "metric": "culane", "scenarios": culane_figures({"night": 0.6}, 1)},
+                "val_metrics": {"split": "val", "metric": "culane", "accuracy": 0.5}}
+    assert stored_score(champion, "test", "v1") is champion["metrics"]
+    assert stored_score(champion, "val", "v1") is champion["val_metrics"]
+    assert stored_score(champion, "test", "v2") is None  # other images: re-scored
+    assert stored_score({**champion, "metrics": {**champion["metrics"], "split": "val"}}, "test", "v1") is None
+    challenger = {"split": "test", "metric": "culane", "scenarios": culane_figures({"night": 0.5}, 1)}
+    assert [gate.name for gate in release_gates(champion["metrics"], challenger, 0.02)] == ["night F1",
+                                                                                          "cross FP/frame"]
+    assert release_gates(champion["val_metrics"], {"split": "val", "metric": "culane"}, 0.02) == []  # no lists
+    tusimple = {"accuracy": 0.9, "fp": 0.1, "fn": 0.1}
+    assert [gate.name for gate in release_gates(tusimple, tusimple, 0.02)] == ["accuracy", "FP", "FN"]
 
 
 def test_models_are_compared_without_the_run_time_rule() -> None:

@@ -308,7 +308,7 @@ def test_a_registry_that_was_down_at_a_promotion_follows_the_champion_the_next_n
 
     # The server is unreachable all night: the challenger trains untracked and is crowned in Prefect only.
     monkeypatch.setenv(TRACKING_URI_ENV, f"http://127.0.0.1:{free_port()}")
-    second = nightly_retrain(**nightly, min_improvement=-1.0)  # any challenger wins
+    second = nightly_retrain(**nightly, min_improvement=-1.0, gate_margin=1.0)  # any challenger wins
     assert second["promoted"] and second["challenger"]["mlflow"] is None and second["mlflow"] is None
     assert Variable.get(champion_variable("resync"))["run"] == second["challenger"]["run"]
     assert client.get_model_version_by_alias(name, "champion").run_id == first["challenger"]["mlflow"]["run_id"]
