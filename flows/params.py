@@ -32,9 +32,10 @@ class DatasetArtifact(BaseModel):
     url: str = Field(description="https://, http:// or file:// (mirrors work); stored under its file name",
                      min_length=1)
     sha256: str = Field(description="sha256 of the artifact (64 hex characters)", pattern=r"^[0-9a-fA-F]{64}$")
-    kind: Literal["archive", "file"] = Field(
+    kind: Literal["archive", "file", "update"] = Field(
         "archive", description="archive: a zip or tar extracted into the dataset (train_set.zip, test_set.zip); "
-                               "file: placed at the dataset's root as it is (test_label.json)")
+                               "file: placed at the dataset's root as it is (test_label.json); update: an archive "
+                               "whose files replace the same paths of the others (CULane's annotations_new.tar.gz)")
     query_secret: str | None = Field(
         None, min_length=1, description="name of a Prefect Secret block holding the URL's query string (an Azure "
                                         "SAS token, a presigned URL's signature): read when the run starts, never "

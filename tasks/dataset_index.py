@@ -30,11 +30,12 @@ from typing import Any
 
 import httpx
 
+from training.data.sources import KINDS as SOURCE_KINDS
 from training.data.sources import redact_url as redact
 
 VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
-KINDS = ("archive", "file")
+KINDS = SOURCE_KINDS
 INDEX_SCHEMES = ("https", "file")
 READ_TIMEOUT_S = 30.0
 MAX_INDEX_BYTES = 8 * 1024 * 1024

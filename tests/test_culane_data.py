@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import cv2
@@ -12,7 +13,7 @@ import pytest
 
 from tests.http_server import FileServer
 from training.culane_eval import scenario_lists, score_lists
-from training.culane_metric import SCENARIOS, parse_lines
+from training.culane_metric import SCENARIOS, format_lines, parse_lines
 from training.data.culane import (
     CulaneListError,
     lanes_in_slots,
@@ -22,7 +23,7 @@ from training.data.culane import (
 )
 from training.data.prepare import Artifact, prepare_dataset
 from training.data.preprocess_culane import is_culane, preprocess_culane, slots_by_position
-from training.data.synthetic_culane import generate, pack_artifacts
+from training.data.synthetic_culane import generate, pack_artifacts, pack_tar
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +181,37 @@ def test_a_culane_release_served_over_http_is_prepared_with_its_lists_and_scenar
     again = prepare_dataset(list(reversed(artifacts)), volume, workers=2)
     assert (again.downloaded, again.extracted, again.preprocessed) == (False, False, False)
     assert again.dataset_version == first.dataset_version
+
+
+def test_culanes_corrected_annotations_replace_the_shipped_lines_files_as_an_update(tmp_path: Path) -> None:
+    """CULane's annotations_new.tar.gz corrects lines files of train and val: given as an update it replaces them
+    (in whatever order the artifacts come); as a plain archive the two disagree and it is refused, and two
+    updates that disagree are refused too, since the dataset would depend on their order."""
+    generate(tmp_path / "release", train=4, val=2, test=9, seed=7)
+    artifacts = [Artifact(Path(packed["path"]).as_uri(), packed["sha256"], "archive")
+                 for packed in pack_artifacts(tmp_path / "release", tmp_path / "archives")]
+    image = (tmp_path / "release" / "list" / "train_gt.txt").read_text().split()[0].lstrip("/")
+    lines = lines_path_for(image)
+    shifted = format_lines([(x + 2, y) for x, y in lane]
+                           for lane in parse_lines((tmp_path / "release" / lines).read_text()))
+
+    def annotations(name: str, text: str) -> Path:
+        corrected = tmp_path / name / lines
+        corrected.parent.mkdir(parents=True)
+        corrected.write_text(text)
+        return tmp_path / "archives" / f"{name}.tar.gz"
+
+    archive = annotations("annotations_new", shifted)
+    update = Artifact(archive.as_uri(), pack_tar(tmp_path / "annotations_new" / lines.split("/")[0], archive),
+                      "update")
+    prepared = prepare_dataset([update, *artifacts], tmp_path / "volume", workers=1)
+    assert (prepared.root / lines).read_text() == shifted != (tmp_path / "release" / lines).read_text()
+    assert prepared.counts["by_split"]["train"] == {"read": 4, "kept": 4, "quarantined": 0}
+    driver = lines.split("/")[0]
+    with pytest.raises(ValueError, match=rf"'{re.escape(lines)}' is in both {driver}\.tar\.gz and "
+                                         r"annotations_new\.tar\.gz with different contents"):
+        prepare_dataset([*artifacts, Artifact(update.url, update.sha256, "archive")], tmp_path / "other")
+    other = annotations("annotations_other", format_lines([[(1.0, 580.0), (9.0, 300.0)]]))
+    second = Artifact(other.as_uri(), pack_tar(tmp_path / "annotations_other" / lines.split("/")[0], other), "update")
+    with pytest.raises(ValueError, match="with different contents"):
+        prepare_dataset([*artifacts, update, second], tmp_path / "third")

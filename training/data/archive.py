@@ -139,7 +139,7 @@ def _ensure_room(step: str, parts: list[tuple[Path, str]], where: Path, volume: 
     block = block_bytes(where)
     needed = 0
     for path, kind in parts:
-        size = archive_needs(path, block) if kind == "archive" else allocated(path.stat().st_size, block)
+        size = archive_needs(path, block) if kind != "file" else allocated(path.stat().st_size, block)
         if size is None:
             log.info("%s is a compressed tar: its unpacked size is known only once it is extracted", path.name)
             continue
@@ -213,8 +213,13 @@ def content_root(folder: Path) -> Path:
         return folder
 
 
-def _merge(source: Path, target: Path, origin: str, owners: dict[str, str]) -> int:
-    """Move ``source``'s files into ``target``; a path two artifacts both hold must hold the same bytes."""
+#: How ``_merge`` marks a path an update put there.
+UPDATE_OWNER = "update "
+
+
+def _merge(source: Path, target: Path, origin: str, owners: dict[str, str], replace: bool = False) -> int:
+    """Move ``source``'s files into ``target``; a path two artifacts both hold must hold the same bytes, unless
+    ``source`` is an update, whose files replace what the others put there."""
     moved = 0
     for directory, _, files in os.walk(source):
         here = Path(directory)
@@ -223,13 +228,16 @@ def _merge(source: Path, target: Path, origin: str, owners: dict[str, str]) -> i
             relative = src.relative_to(source).as_posix()
             dst = target / relative
             if dst.exists() or dst.is_symlink():
-                if not filecmp.cmp(src, dst, shallow=False):
-                    raise ValueError(f"'{relative}' is in both {owners[relative]} and {origin} with different "
-                                     "contents; the artifacts do not belong to one dataset")
-                continue
+                # Two updates that disagree would make the dataset depend on their order: refused too.
+                clash = not replace or owners[relative].startswith(UPDATE_OWNER)
+                if clash and not filecmp.cmp(src, dst, shallow=False):
+                    raise ValueError(f"'{relative}' is in both {owners[relative].removeprefix(UPDATE_OWNER)} and "
+                                     f"{origin} with different contents; the artifacts do not belong to one dataset")
+                if not replace:
+                    continue
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dst)
-            owners[relative] = origin
+            owners[relative] = UPDATE_OWNER + origin if replace else origin
             moved += 1
     return moved
 
@@ -264,12 +272,13 @@ def assemble(parts: list[Part], target: str | Path, volume: Path | None = None) 
     entries = 0
     try:
         with names_a_full_volume(step, volume, staging):
-            for index, part in enumerate(parts):
-                if part.kind == "archive":
+            # Updates last, whatever the order given: they replace what the archives and files hold.
+            for index, part in sorted(enumerate(parts), key=lambda indexed: indexed[1].kind == "update"):
+                if part.kind in ("archive", "update"):
                     unpacked = staging / f"part-{index}"
                     unpacked.mkdir()
                     entries += _unpack(part.path, unpacked)
-                    _merge(content_root(unpacked), merged, part.path.name, owners)
+                    _merge(content_root(unpacked), merged, part.path.name, owners, replace=part.kind == "update")
                     shutil.rmtree(unpacked)
                 else:
                     single = staging / f"part-{index}"

@@ -141,6 +141,7 @@ def artifacts_from_args(args: argparse.Namespace) -> list[Artifact]:
         found.append(Artifact(args.source, args.sha256, "archive"))
     found += [Artifact(url, digest, "archive") for url, digest in args.archive]
     found += [Artifact(url, digest, "file") for url, digest in args.file]
+    found += [Artifact(url, digest, "update") for url, digest in args.update]
     return found
 
 
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="an archive of the dataset (repeat for train_set.zip, test_set.zip, ...)")
     parser.add_argument("--file", nargs=2, action="append", default=[], metavar=("URL", "SHA256"),
                         help="a single file of the dataset, placed at its root (e.g. test_label.json)")
+    parser.add_argument("--update", nargs=2, action="append", default=[], metavar=("URL", "SHA256"),
+                        help="an archive whose files replace the same paths of the others (CULane's "
+                             "annotations_new.tar.gz)")
     parser.add_argument("--sources-from-env", action="store_true",
                         help=f"read the artifacts from {SOURCES_ENV} (a JSON list of kind, url, sha256), keeping "
                              "credentials in their URLs off the command line")

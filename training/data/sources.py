@@ -3,8 +3,9 @@
 TuSimple is distributed as several artifacts, not one: ``train_set.zip`` (training clips and the three
 ``label_data_*.json``), ``test_set.zip`` (test clips and ``test_tasks_0627.json``) and ``test_label.json``
 (the test ground truth, a single file). An artifact is either an archive, extracted into the dataset
-folder, or a file, placed there as it is. One archive on its own — the usual mirror of
-``train_set.zip`` — is a dataset too.
+folder, a file, placed there as it is, or an update: an archive whose files replace the same paths of the
+others (CULane's ``annotations_new.tar.gz``, its corrected lines files of train and val). One archive on its
+own — the usual mirror of ``train_set.zip`` — is a dataset too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import PurePosixPath
 
 from training.data.fetch import FetchError, validate_sha256, validate_url
 
-KINDS = ("archive", "file")
+KINDS = ("archive", "file", "update")
 
 
 class SourceError(ValueError):
