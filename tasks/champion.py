@@ -38,6 +38,8 @@ def stored_score(champion: dict[str, Any], split: str, dataset_version: str) -> 
     if split == DECISION_SPLIT:
         return stored_val_score(champion, dataset_version)
     reported = champion.get("metrics") or {}
+    if reported.get("metric") == "culane" and not reported.get("scenarios"):
+        return None  # recorded before scenarios were: no gate could be checked against it
     return reported if reported.get("split") == split and champion.get("dataset_version") == dataset_version else None
 
 
@@ -89,7 +91,7 @@ class Gate:
 
     @property
     def passed(self) -> bool:
-        return self.loss <= self.margin
+        return self.loss <= self.margin + 1e-12  # a loss of exactly the margin, whatever the rounding, passes
 
 
 #: CULane's crossroads have no lanes: their figure is false positives per frame, lower is better.
@@ -97,18 +99,21 @@ FP_ONLY_SCENARIOS = ("cross",)
 
 
 def scenario_gates(champion: dict[str, dict[str, Any]], challenger: dict[str, dict[str, Any]],
-                   margin: float) -> list[Gate]:
+                   margin: float, fp_margin: float = 0.1) -> list[Gate]:
     """The gates of every scenario both models were scored on (CULane's per-list figures, ``culane_eval``'s
-    ``as_dict``): F1, or false positives per frame for the crossroads. A scenario with no F1 on either side is
-    left out (nothing to compare)."""
+    ``as_dict``): F1, which may fall by ``margin``, or for the crossroads false positives per frame, which may
+    rise by ``fp_margin`` of the champion's (a count, unbounded: 0.1 is 10 % more) and by one false positive in
+    any case. A scenario with no F1 on either side is left out (nothing to compare)."""
     gates = []
     for name in challenger:
         if name == "all" or name not in champion:
             continue
         ours, theirs = challenger[name], champion[name]
         if name in FP_ONLY_SCENARIOS:
-            per_frame = [figures["fp"] / max(1, figures["images"]) for figures in (theirs, ours)]
-            gates.append(Gate(f"{name} FP/frame", per_frame[0], per_frame[1], False, margin))
+            frames = max(1, int(theirs.get("images") or 0))
+            per_frame = [float(figures["fp"]) / max(1, int(figures.get("images") or 0)) for figures in (theirs, ours)]
+            gates.append(Gate(f"{name} FP/frame", per_frame[0], per_frame[1], False,
+                              max(fp_margin * per_frame[0], 1 / frames)))
         elif ours.get("f1") is not None and theirs.get("f1") is not None:
             gates.append(Gate(f"{name} F1", float(theirs["f1"]), float(ours["f1"]), True, margin))
     return gates
@@ -125,11 +130,12 @@ def tusimple_gates(champion: dict[str, Any], challenger: dict[str, Any], margin:
               if key in champion and key in challenger)]
 
 
-def release_gates(champion: dict[str, Any], challenger: dict[str, Any], margin: float) -> list[Gate]:
-    """The gates of two evaluations of the same images: CULane's per scenario (``scenario_gates``; none when the
-    split has no scenario lists), TuSimple's accuracy, FP and FN (``tusimple_gates``)."""
+def release_gates(champion: dict[str, Any], challenger: dict[str, Any], margin: float,
+                  fp_margin: float = 0.1) -> list[Gate]:
+    """The gates of two evaluations of the same images: CULane's per list of the split (``scenario_gates``: the
+    test split's scenarios; val is one list), TuSimple's accuracy, FP and FN (``tusimple_gates``)."""
     if challenger.get("metric") == "culane":
-        return scenario_gates(champion.get("scenarios") or {}, challenger.get("scenarios") or {}, margin)
+        return scenario_gates(champion.get("scenarios") or {}, challenger.get("scenarios") or {}, margin, fp_margin)
     return tusimple_gates(champion, challenger, margin)
 
 

@@ -43,7 +43,7 @@ def scenario_table(figures: list[RunFigures]) -> list[str]:
     lines = ["", "## Test per scenario", "",
              "CULane's F1 at IoU 0.5 (a CULane run's accuracy columns above are this F1 over all scenarios); "
              "the crossroads: false positives.", "",
-             "| run | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+             "| run | " + " | ".join(_cell(name) for name in names) + " |", "|---|" + "---|" * len(names)]
     for row in culane:
         cells = []
         for name in names:
@@ -51,7 +51,7 @@ def scenario_table(figures: list[RunFigures]) -> list[str]:
             if figures_of is None:
                 cells.append("")
             elif name == "cross":
-                cells.append(f"FP {figures_of.get('fp', '?')}")
+                cells.append(f"FP {figures_of['fp']}" if figures_of.get("fp") is not None else "")
             else:
                 cells.append(_cell(_percent(figures_of.get("f1"))))
         lines.append(f"| {_cell(row.name)} | " + " | ".join(cells) + " |")

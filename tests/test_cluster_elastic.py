@@ -65,24 +65,28 @@ def launcher_log(cluster: Cluster, job: str, lines: int = 60) -> str:
 
 def slow_until(cluster: Cluster, pod: str, done: Callable[[], bool], said: list[str],
                longest_s: float = 180.0) -> None:
-    """Slow ``pod``'s training ranks to about a tenth of their pace — stopped (SIGSTOP) for most of every half
-    second — until ``done()`` (or ``longest_s``), so that the run cannot end before a newcomer could join, however
-    fast this machine trains (one worker trains ~20 steps a second here). The ranks still run a little each half
-    second: horovodrun's driver tells rank 0 of an added host once, when the host is listed or its cooldown ends
-    (horovod 0.28.1 runner/elastic/driver.py ``_notify_workers_host_changes``; a notice that fails is not sent
-    again), and rank 0 held stopped through that moment was seen to miss it here and end the run on one worker.
-    Returns at once; a thread lets go. What it did goes to ``said``, for a failing test's message."""
+    """Slow ``pod``'s training ranks to a twentieth of their pace — stopped (SIGSTOP) 0.95 s of every second —
+    until ``done()`` (or ``longest_s``), so that the run cannot end before a newcomer could join, however fast
+    this machine trains (one worker trains ~20 steps a second here; slowed, about one, whatever the machine).
+    The ranks still run a little every second: horovodrun's driver tells rank 0 of an added host once, when the
+    host is listed or its cooldown ends (horovod 0.28.1 runner/elastic/driver.py ``_notify_workers_host_changes``;
+    a notice that fails is not sent again), and rank 0 held stopped through that moment was seen to miss it
+    here and end the run on one worker. Returns at once; a thread lets go, and stops once the ranks are gone
+    (their PIDs are never signalled after). What it did goes to ``said``, for a failing test's message."""
     held, since = ranks_on(cluster, pod), time.monotonic()
     said.append(f"{time.strftime('%H:%M:%S')} slowing ranks {held} of {pod}")
 
+    def still_held() -> list[int]:
+        return [pid for pid in held if pid in ranks_on(cluster, pod)]
+
     def slow() -> None:
         try:
-            while not done() and time.monotonic() - since < longest_s:
-                for pid in held:
+            while (alive := still_held()) and not done() and time.monotonic() - since < longest_s:
+                for pid in alive:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGSTOP)
-                time.sleep(0.45)
-                for pid in held:
+                time.sleep(0.95)
+                for pid in alive:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)
                 time.sleep(0.05)
@@ -90,7 +94,7 @@ def slow_until(cluster: Cluster, pod: str, done: Callable[[], bool], said: list[
         except Exception as error:  # a thread's error, said in the test's message
             said.append(f"{time.strftime('%H:%M:%S')} {error}")
         finally:
-            for pid in held:
+            for pid in still_held():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
     threading.Thread(target=slow, daemon=True).start()

@@ -71,7 +71,8 @@ def test_predictions_equal_to_the_ground_truth_score_one_on_every_scenario(prepa
 
 def one_lane_model() -> tuple[SCNN, ModelConfig]:
     """A cpu-demo SCNN that sees one lane, in slot 0, at the same columns of every frame: its segmentation logits
-    are constants (no weights, class 1 far ahead) and its existence says slot 0 only — lines to compare exactly."""
+    are constants (no weights, class 1 far ahead) and its existence says slot 0 only — lines known exactly (what
+    it cannot check, the input contract predict and evaluate share, tests/test_package.py checks)."""
     config = model_config("cpu-demo")
     model = SCNN(config).eval()
     with torch.no_grad():
@@ -96,13 +97,16 @@ def test_predict_with_a_culane_model_writes_the_lines_the_evaluation_writes_wher
     for image in (sample.image for sample in read_list(prepared, "test")):
         predicted = (tmp_path / "out" / "lines" / lines_path_for(image)).read_text()
         assert predicted == (tmp_path / "run" / "culane_test" / lines_path_for(image)).read_text(), image
-        assert [len(lane) for lane in parse_lines(predicted)] == [18]
-    # A frame of another size: its rows every 20 from its own bottom, its columns in its own width.
+        (lane,) = parse_lines(predicted)
+        # The peak is the network's first column (256 wide), the frame's column round(1640 / 256) - 1 (1-based
+        # there), on SCNN's 18 rows every 20 from the bottom of 590.
+        assert [tuple(point) for point in lane] == [(5, 589 - 20 * step) for step in range(18)]
+    # A frame of another size: the same share of its height (rows every 10 of 295), columns in its own width.
     frame = cv2.imread(str(prepared / read_list(prepared, "test")[0].image))
     cv2.imwrite(str(tmp_path / "small.png"), cv2.resize(frame, (820, 295)))
     predict(package, str(tmp_path / "small.png"), tmp_path / "small", overlays=False)
     (lane,) = parse_lines((tmp_path / "small" / "lines" / "small.lines.txt").read_text())
-    assert [y for _, y in lane] == list(range(294, -1, -20)) and all(0 <= x < 820 for x, _ in lane)
+    assert [tuple(point) for point in lane] == [(2, 294 - 10 * step) for step in range(18)]  # round(820 / 256) - 1
     # A video's frames by index under the video's name; the TuSimple format when asked for.
     writer = cv2.VideoWriter(str(tmp_path / "clip.avi"), cv2.VideoWriter_fourcc(*"FFV1"), 10.0, (1640, 590))
     for _ in range(2):

@@ -72,7 +72,7 @@ def test_prefect_yaml_creates_the_deployments(deployed: dict) -> None:
     assert form["epochs"]["type"] == "integer" and form["preset"]["enum"] == ["cpu-demo", "tusimple", "culane"]
     assert form["source"]["$ref"] == "#/definitions/DataSource" and schema["required"] == ["source"]
     assert schema["definitions"]["DatasetArtifact"]["properties"]["sha256"]["pattern"] == "^[0-9a-fA-F]{64}$"
-    assert schema["definitions"]["DatasetArtifact"]["properties"]["kind"]["enum"] == ["archive", "file"]
+    assert schema["definitions"]["DatasetArtifact"]["properties"]["kind"]["enum"] == ["archive", "file", "update"]
     assert all(deployments[name].enforce_parameter_schema for name in ("train", "nightly", "sweep", "restore"))
     artifacts = deployments["train"].parameters["source"]["artifacts"]
     assert [(a["sha256"], a["kind"]) for a in artifacts] == [

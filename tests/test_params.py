@@ -62,7 +62,8 @@ def test_flows_take_the_fields_of_train_params_as_their_own_top_level_parameters
     from flows.train import train_pipeline
 
     fields = list(TrainParams.model_fields)
-    for flow, extras in ((train_pipeline, ["run_key"]), (nightly_retrain, ["min_improvement", "gate_margin"]),
+    nightly_extras = ["min_improvement", "gate_margin", "cross_fp_margin"]
+    for flow, extras in ((train_pipeline, ["run_key"]), (nightly_retrain, nightly_extras),
                          (sweep, ["grid", "runs", "max_concurrent", "search", "space", "trials", "seed", "study",
                                   "pruner", "wait_for_study"])):
         schema = flow.parameters.model_dump_for_openapi()

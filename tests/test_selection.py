@@ -50,6 +50,10 @@ def test_a_challenger_better_on_average_is_refused_when_one_scenario_falls_behin
     seeing_lanes_at_crossroads = culane_figures({"normal": 0.90, "night": 0.62, "curve": 0.70}, cross_fp=15)
     refused = gated(decision, scenario_gates(champion, seeing_lanes_at_crossroads, margin=0.05))
     assert not refused.promote and "cross FP/frame 0.2000 -> 0.3000" in refused.reason
+    # Relative to the champion's (a count, unbounded): 10 % more by default, and one more in any case.
+    assert gated(decision, scenario_gates(champion, culane_figures({"night": 0.6}, cross_fp=11), 0.02)).promote
+    assert not gated(decision, scenario_gates(champion, culane_figures({"night": 0.6}, cross_fp=12), 0.02)).promote
+    assert gated(decision, scenario_gates(culane_figures({}, 0), culane_figures({}, 1), 0.02)).promote
     assert gated(decide_champion(None, 0.2), gates).promote  # no champion: nothing to fall behind
     assert gated(decide_champion(0.8, 0.7), gates) == decide_champion(0.8, 0.7)  # already kept: as it was
 

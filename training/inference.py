@@ -125,16 +125,17 @@ def _matlab_round(values: np.ndarray) -> np.ndarray:
 def culane_lanes(probs: np.ndarray, existence: np.ndarray, threshold: float = PROB_THRESHOLD,
                  exist_threshold: float = EXIST_THRESHOLD,
                  frame_size: tuple[int, int] = CULANE_SIZE) -> list[tuple[int, list[tuple[int, int]]]]:
-    """``(slot, points)`` for each slot SCNN's CULane rule keeps: ``points`` are ``(x, y)`` in the frame (CULane's
-    1640×590 unless ``frame_size`` says otherwise: a frame of another camera, its rows still sampled every 20 from
-    the bottom) from the bottom up. ``probs`` is (5, H, W) softmax output of a frame resized whole to the network."""
+    """``(slot, points)`` for each slot SCNN's CULane rule keeps: ``points`` are ``(x, y)`` in the frame, from the
+    bottom up. ``probs`` is (5, H, W) softmax output of a frame resized whole to the network. The frame is CULane's
+    1640×590 unless ``frame_size`` says otherwise (another camera's): its 18 rows are then the same share of its
+    height from the bottom as CULane's are of 590, every 20·height/590 rows."""
     _, height, width = probs.shape
     frame_width, frame_height = frame_size
-    points_in_frame = min(CULANE_POINTS, int((frame_height - 1) // CULANE_ROW_STEP) + 1)
-    steps = np.arange(points_in_frame)
-    rows = _matlab_round(height - steps * CULANE_ROW_STEP / frame_height * height).astype(int) - 1  # 1-based there
+    steps = np.arange(CULANE_POINTS)
+    share = steps * CULANE_ROW_STEP / CULANE_SIZE[1]  # of the frame's height, from the bottom
+    rows = _matlab_round(height - share * height).astype(int) - 1  # 1-based there
     rows = np.clip(rows, 0, height - 1)
-    ys = (_matlab_round(frame_height - steps * CULANE_ROW_STEP) - 1).astype(int)
+    ys = (_matlab_round(frame_height - share * frame_height) - 1).astype(int)
     lanes = []
     for slot in range(4):
         if existence[slot] <= exist_threshold:
