@@ -5,19 +5,21 @@ live trial's key, a sweep re-running a trial) neither adopts nor stops it — on
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tasks.platforms import VolumeRef
-from tasks.platforms.base import NotOurClaim, NotOurJob, TrainingSpec
+from tasks.platforms.base import NotOurClaim, NotOurJob, TrainingFailed, TrainingSpec
 from tasks.platforms.local import LocalPlatform
 from tasks.platforms.local.files import write_json
 from tasks.platforms.local.processes import LAUNCHER_RECORD
 from tasks.processes import group_alive, stop_process
 from tasks.retry import is_transient
 from tests.cluster_platform_helpers import cluster_platform, create_rwo_claim, spec_for
+from tests.waiting import wait_until
 
 FIRST, SECOND = "0b5f7a8e-1111-4a4a-9c9c-000000000001", "0b5f7a8e-2222-4a4a-9c9c-000000000002"
 
@@ -90,3 +92,25 @@ def test_a_claim_laneflow_did_not_make_is_refused_unless_the_block_adopts_it(emu
     assert not adopted.created and "patched to ReadWriteMany" in adopting.ensure_shared_access(adopted)
     ours = cluster_platform(emu).ensure_volume("ours")  # laneflow's own claim: any later run uses it
     assert ours.created and not cluster_platform(emu).ensure_volume("ours").created
+
+
+def test_a_local_training_that_ended_before_anyone_waited_is_adopted_as_it_ended_not_started_again(
+        tmp_path: Path) -> None:
+    """The submit task starts a training and the train task adopts it. One that ended in between (a trial that met
+    its stop request at once) was started again from its checkpoint and trained to its end (seen in CI): it is
+    adopted as it ended — its output read, its end classified — and never started twice."""
+    platform = LocalPlatform(home=str(tmp_path / "home"))
+    spec = _owned(spec_for("quick", job="train-quick-0"), FIRST)  # no dataset: the trainer ends at once, failing
+    first = platform.submit_training(spec)
+    pid = first.details["pid"]
+
+    def ended() -> bool:  # exited, not yet reaped: nobody has waited for it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+    wait_until("the launcher ended", ended, timeout_s=300)
+    again = platform.submit_training(spec)
+    assert again.adopted and again.details["pid"] == pid
+    with pytest.raises(TrainingFailed, match="train-quick-0 failed"):
+        platform.wait_for_training(again, lambda _: None, lambda _: None, timeout_s=300)
+    record = json.loads((platform.volume_path(spec.volume) / spec.run_dir / LAUNCHER_RECORD).read_text())
+    assert record["attempts"] == 1 and record["exit_code"] not in (None, 0)

@@ -66,7 +66,10 @@ def submit(platform: LocalPlatform, spec: TrainingSpec) -> TrainingHandle:
     record_file = run_dir / LAUNCHER_RECORD
     with _jobs_lock:
         running = _jobs.get(spec.job_name)
-        if running is not None and running.poll() is None:
+        # Running, or ended before anyone read its end (between the submit that started it and this one: a stop
+        # request met at once): adopted either way, and ``wait`` reads its output and exit. Only ``wait`` and
+        # ``cancel`` forget a job, so one still here was never waited for; starting it again would redo it.
+        if running is not None:
             return TrainingHandle(job_name=spec.job_name, spec=spec, state="running", adopted=True,
                                   details={"pid": running.pid})
         record = read_json(record_file)
