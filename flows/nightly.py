@@ -133,6 +133,7 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
     if decision.promote or crowned is not champion:
         Variable.set(name, crowned, overwrite=True)
     registered = synced if synced and synced.get("version") else None
+    failed = [gate.name for gate in gates if not gate.passed]
     event = "laneflow.champion.promoted" if decision.promote else "laneflow.champion.kept"
     winner = challenger["run"] if decision.promote else champion["run"]
     emit_event(event, resource={"prefect.resource.id": f"laneflow.champion.{params.volume}",
@@ -142,12 +143,11 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
                payload={"champion": winner, "challenger": challenger["run"], "reason": decision.reason,
                         "champion_accuracy": decision.champion_accuracy,
                         "challenger_accuracy": decision.challenger_accuracy,
-                        "failed_gates": [gate.name for gate in gates if not gate.passed]})
+                        "failed_gates": failed})
     if gates:
         create_table_artifact(key=f"champion-gates-{params.volume}", table=gates_table(gates),
                               description=f"release gates on {gate_split}: challenger {challenger['run']} against "
                                           f"champion {champion['run']}, margin {gate_margin:g}")
-    failed = [gate.name for gate in gates if not gate.passed]
     gates_row = (f"{len(gates) - len(failed)} of {len(gates)} passed on {gate_split} (margin {gate_margin:g})"
                  + (f"; failed: {', '.join(failed)}" if failed else "") + f" — table `champion-gates-{params.volume}`"
                  if gates else no_gates)
