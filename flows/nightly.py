@@ -44,7 +44,7 @@ from tasks.champion import (
     stored_val_score,
 )
 from tasks.platforms import Platform, VolumeRef, load_platform
-from tasks.tracking import sync_champion_in_mlflow
+from tasks.registry import record_decision_in_mlflow, sync_champion_in_mlflow
 
 
 def champion_scored_like(platform: Platform, volume: VolumeRef, champion: dict[str, Any], challenger: dict[str, Any],
@@ -92,6 +92,9 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
         reason = (f"challenger {challenger['run']} was stopped at step {challenger['steps']} of "
                   f"{challenger['total_steps']} ({challenger['stopped'].get('reason', 'on request')}): not scored")
         logger.info("champion kept: %s", reason)
+        record_decision_in_mlflow(challenger.get("mlflow"), {
+            "promoted": False, "reason": reason, "champion": champion["run"] if champion else None,
+            "challenger": challenger["run"], "gates_summary": "not scored: the challenger was stopped", "gates": []})
         return {"champion": champion["run"] if champion else None, "promoted": False, "reason": reason,
                 "challenger": challenger, "gates": []}
     platform = load_platform(params.platform)
@@ -148,9 +151,14 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
         create_table_artifact(key=f"champion-gates-{params.volume}", table=gates_table(gates),
                               description=f"release gates on {gate_split}: challenger {challenger['run']} against "
                                           f"champion {champion['run']}, margin {gate_margin:g}")
-    gates_row = (f"{len(gates) - len(failed)} of {len(gates)} passed on {gate_split} (margin {gate_margin:g})"
-                 + (f"; failed: {', '.join(failed)}" if failed else "") + f" — table `champion-gates-{params.volume}`"
-                 if gates else no_gates)
+    gates_summary = (f"{len(gates) - len(failed)} of {len(gates)} passed on {gate_split} (margin {gate_margin:g})"
+                     + (f"; failed: {', '.join(failed)}" if failed else "") if gates else no_gates)
+    record_decision_in_mlflow(challenger.get("mlflow"), {
+        "promoted": decision.promote, "reason": decision.reason, "champion": champion["run"] if champion else None,
+        "challenger": challenger["run"], "champion_val": decision.champion_accuracy,
+        "challenger_val": decision.challenger_accuracy, "split": gate_split, "gate_margin": gate_margin,
+        "cross_fp_margin": cross_fp_margin, "gates_summary": gates_summary, "gates": gates_table(gates)})
+    gates_row = gates_summary + (f" — table `champion-gates-{params.volume}`" if gates else "")
     culane = challenger["metrics"].get("metric") == "culane"
     scores = ("Scores are CULane's F1 at IoU 0.5 (the official metric). " if culane else
               "Accuracies are TuSimple accuracy without the benchmark's 200 ms run-time rule, so the decision "

@@ -1,5 +1,6 @@
-"""MLflow tracking and model registry, optional: each finished training run becomes one MLflow run, and a
-nightly champion becomes a registered model version with the alias ``champion``.
+"""MLflow tracking, optional: each finished training run becomes one MLflow run (a nightly champion becomes a
+registered model version with the alias ``champion``, and the decision goes on the challenger's run, in
+``tasks.registry``, which uses this module's client and settings).
 
 The setting is a tracking URI: ``$LANEFLOW_MLFLOW_TRACKING_URI``, else the Prefect variable
 ``laneflow-mlflow-tracking-uri`` (so a UI user can turn it on), else tracking is off: nothing is logged
@@ -245,7 +246,7 @@ def tracking_client(logger: Any, if_unread: str, if_off: str) -> tuple[str, Any]
     return None if client is None else (uri, client)
 
 
-def _is(exc: BaseException, error_code: str) -> bool:
+def is_error(exc: BaseException, error_code: str) -> bool:
     return getattr(exc, "error_code", None) == error_code
 
 
@@ -257,7 +258,7 @@ def ensure_experiment(client: Any, name: str, volume: str) -> str:
         try:
             return client.create_experiment(name, tags={"laneflow.volume": volume})
         except Exception as exc:
-            if not _is(exc, "RESOURCE_ALREADY_EXISTS"):
+            if not is_error(exc, "RESOURCE_ALREADY_EXISTS"):
                 raise
             experiment = client.get_experiment_by_name(name)
     if experiment.lifecycle_stage == "deleted":
@@ -265,7 +266,7 @@ def ensure_experiment(client: Any, name: str, volume: str) -> str:
     return experiment.experiment_id
 
 
-def _tracked(uri: str, experiment_id: str, run_id: str, has_package: bool) -> dict[str, Any]:
+def tracked_record(uri: str, experiment_id: str, run_id: str, has_package: bool) -> dict[str, Any]:
     """What the pipeline returns about its MLflow run (and nightly registers from)."""
     return {"tracking_uri": uri, "experiment_id": experiment_id, "run_id": run_id,
             "url": run_url(uri, experiment_id, run_id),
@@ -299,7 +300,7 @@ def log_training_run(client: Any, uri: str, lineage: Mapping[str, Any], events: 
     for found in earlier:
         if found.info.status == "FINISHED":
             has_package = any(item.path == PACKAGE_ARTIFACT for item in client.list_artifacts(found.info.run_id))
-            return _tracked(uri, experiment_id, found.info.run_id, has_package)
+            return tracked_record(uri, experiment_id, found.info.run_id, has_package)
         client.delete_run(found.info.run_id)
     step = int((lineage.get("training") or {}).get("steps") or 0)
     points = [*step_metrics(events), *evaluation_metrics(lineage.get("metrics") or {}, step),
@@ -323,7 +324,7 @@ def log_training_run(client: Any, uri: str, lineage: Mapping[str, Any], events: 
             warn(f"the model package of {run} could not be put into MLflow run {run_id} ({short_error(exc)}): the "
                  "run is tracked without it")
     client.set_terminated(run_id, "FINISHED")
-    return _tracked(uri, experiment_id, run_id, published)
+    return tracked_record(uri, experiment_id, run_id, published)
 
 
 def package_publisher(platform: Any, volume: Any, lineage: Mapping[str, Any], uri: str, logger: Any
@@ -343,7 +344,7 @@ def package_publisher(platform: Any, volume: Any, lineage: Mapping[str, Any], ur
     return publish
 
 
-def _run_events(platform: Any, volume: Any, run_dir: str, run: str, logger: Any) -> list[dict[str, Any]]:
+def run_events(platform: Any, volume: Any, run_dir: str, run: str, logger: Any) -> list[dict[str, Any]]:
     """The run's ``metrics.jsonl`` events for MLflow; none (one warning) when it cannot be read: the run is
     still worth tracking with its parameters, evaluation and lineage."""
     try:
@@ -355,7 +356,7 @@ def _run_events(platform: Any, volume: Any, run_dir: str, run: str, logger: Any)
         return []
 
 
-def _prefect_ui_url() -> str | None:
+def prefect_ui_url_setting() -> str | None:
     try:
         from prefect.settings import get_current_settings
 
@@ -382,95 +383,14 @@ def track_in_mlflow(platform: Any, volume: Any, run_dir: str, lineage: dict[str,
     if connected is None:
         return None
     uri, client = connected
-    events = _run_events(platform, volume, run_dir, run, logger)
+    events = run_events(platform, volume, run_dir, run, logger)
     try:
         tracked = log_training_run(client, uri, lineage, events, package_publisher(platform, volume, lineage, uri,
                                                                                    logger),
-                                   _prefect_ui_url(), logger.warning)
+                                   prefect_ui_url_setting(), logger.warning)
     except Exception as exc:
         logger.warning("MLflow tracking server %s failed (%s): run %s is not tracked there; training is unaffected",
                        uri, short_error(exc), run)
         return None
     logger.info("MLflow run %s of %s%s", tracked["run_id"], run, f": {tracked['url']}" if tracked["url"] else "")
     return tracked
-
-
-def register_model_version(client: Any, tracked: Mapping[str, Any], name: str, run: str) -> dict[str, Any]:
-    """Registered model ``name`` (created when missing), a version of it from the tracked run (reused when
-    that run already has one), and the ``champion`` alias moved to it."""
-    try:
-        client.create_registered_model(name, description="laneflow champions: the `champion` alias is the "
-                                                         "model nightly_retrain promoted last")
-    except Exception as exc:
-        if not _is(exc, "RESOURCE_ALREADY_EXISTS"):
-            raise
-    run_id = tracked["run_id"]
-    existing = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
-    if existing:
-        version = existing[0]
-    else:
-        version = client.create_model_version(
-            name, source=tracked.get("model_uri") or f"runs:/{run_id}/{LINEAGE_ARTIFACT}", run_id=run_id,
-            run_link=tracked.get("url"), tags={"laneflow.run": run}, await_creation_for=0,
-            description=f"laneflow run {run}" + ("" if tracked.get("model_uri") else
-                                                 " (its package is on the volume, not in MLflow)"))
-    client.set_registered_model_alias(name, CHAMPION_ALIAS, str(version.version))
-    return {"model": name, "version": str(version.version), "alias": CHAMPION_ALIAS,
-            "url": model_version_url(tracked["tracking_uri"], name, str(version.version))}
-
-
-def champion_run(client: Any, uri: str, platform: Any, volume: Any, record: Mapping[str, Any], logger: Any
-                 ) -> dict[str, Any]:
-    """The champion's MLflow run on ``uri``: the one its record names when that server has it finished, else
-    logged now from the run's own files (the server was down, or another one, when it trained)."""
-    known = record.get("mlflow") or {}
-    if known.get("run_id") and known.get("tracking_uri") == uri:
-        try:
-            found = client.get_run(known["run_id"])
-        except Exception as exc:
-            if not _is(exc, "RESOURCE_DOES_NOT_EXIST"):
-                raise
-        else:
-            if found.info.status == "FINISHED" and found.info.lifecycle_stage == "active":
-                has_package = any(item.path == PACKAGE_ARTIFACT for item in client.list_artifacts(found.info.run_id))
-                return _tracked(uri, found.info.experiment_id, found.info.run_id, has_package)
-    run_dir = str(record["run_dir"])
-    logger.info("champion %s has no MLflow run on %s: logging it now from %s", record["run"], uri, run_dir)
-    lineage = json.loads(platform.read_file(volume, f"{run_dir}/lineage.json"))
-    events = _run_events(platform, volume, run_dir, str(record["run"]), logger)
-    return log_training_run(client, uri, lineage, events, package_publisher(platform, volume, lineage, uri, logger),
-                            _prefect_ui_url(), logger.warning)
-
-
-@task(name="sync_champion_in_mlflow", task_run_name="mlflow-champion-{record[run]}", retries=0,
-      cache_policy=NO_CACHE)
-def sync_champion_in_mlflow(platform: Any, volume: Any, record: dict[str, Any]) -> dict[str, Any] | None:
-    """Bring MLflow's registry in line with laneflow's champion ``record``: its run (logged now when it was
-    not), a version of registered model ``laneflow-<volume>`` from it, the alias ``champion`` on that version.
-
-    Every nightly calls it for whichever model is champion after its decision, kept or promoted, so a
-    registry that was down when a champion was crowned is corrected the next time it answers, and
-    ``@champion`` never stays on a dethroned model. Returns the record's new ``mlflow``
-    (``tasks.champion.mlflow_record``); None when tracking is off or the server failed before it had the
-    run (one warning: the champion is crowned in Prefect all the same, and the next nightly tries again).
-    """
-    from tasks.champion import mlflow_record
-
-    logger = get_run_logger()
-    run = record["run"]
-    connected = tracking_client(logger, f"the registry is not brought in line with champion {run}",
-                                f"no registry to bring in line with champion {run}")
-    if connected is None:
-        return None
-    uri, client = connected
-    name, tracked = registered_model_name(record["volume"]), None
-    try:
-        tracked = champion_run(client, uri, platform, volume, record, logger)
-        registered = register_model_version(client, tracked, name, run)
-    except Exception as exc:
-        logger.warning("MLflow %s failed (%s): %s@%s is not on champion %s yet; the next nightly tries again, and "
-                       "%s is champion in Prefect all the same", uri, short_error(exc), name, CHAMPION_ALIAS, run, run)
-        return mlflow_record(tracked, None)
-    logger.info("MLflow: %s version %s is %s@%s%s", run, registered["version"], name, CHAMPION_ALIAS,
-                f" ({registered['url']})" if registered["url"] else "")
-    return mlflow_record(tracked, registered)

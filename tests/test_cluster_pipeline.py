@@ -95,6 +95,7 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
     from mlflow.tracking import MlflowClient
 
     from tasks import tracking
+    from tasks.registry import register_model_version
     from tests.cluster.network import node_address
     from tests.mlflow_server import mlflow_server, server_missing
     from training.package import load_package
@@ -130,7 +131,7 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
         uploaded = {Path(item.path).name for item in client.list_artifacts(tracked["run_id"], "package")}
         assert uploaded == {path.name for path in package_dir.iterdir() if path.is_file()}
         model = tracking.registered_model_name("tusimple")
-        version = tracking.register_model_version(client, tracked, model, result["run"])
+        version = register_model_version(client, tracked, model, result["run"])
         assert client.get_model_version(model, version["version"]).source == f"runs:/{tracked['run_id']}/package"
         downloaded = client.download_artifacts(tracked["run_id"], "package", str(tmp_path / "download"))
     assert load_package(Path(downloaded)).manifest["files"] == load_package(package_dir).manifest["files"]

@@ -13,6 +13,7 @@ from uuid import UUID
 import pytest
 
 from tasks import tracking
+from tasks.registry import DECISION_ARTIFACT
 from tasks.tracking import (
     HTTP_DEFAULTS,
     TRACKING_URI_ENV,
@@ -26,8 +27,10 @@ from tasks.tracking import (
     step_metrics,
     training_metrics,
 )
+from tests.http_server import FileServer
 from tests.mlflow_server import MlflowServer, mlflow_server, server_missing
-from tests.test_pipeline import params_for, task_runs
+from tests.test_flows import latest_artifact
+from tests.test_pipeline import params_for, served_culane, task_runs
 
 #: One worker runs this module: its tests share the MLflow server that mlflow_booting starts.
 pytestmark = pytest.mark.xdist_group("mlflow")
@@ -317,6 +320,10 @@ def test_a_registry_that_was_down_at_a_promotion_follows_the_champion_the_next_n
     monkeypatch.setenv(TRACKING_URI_ENV, mlflow.uri)
     third = nightly_retrain(**{**nightly, "package": False}, min_improvement=1.0)  # (a challenger that loses)
     assert not third["promoted"] and third["champion"] == second["challenger"]["run"]
+    tags = client.get_run(third["challenger"]["mlflow"]["run_id"]).data.tags
+    assert tags["laneflow.champion.decision"] == "kept"
+    assert tags["laneflow.champion.against"] == second["challenger"]["run"]
+    assert tags["laneflow.release_gates"] == "not scored: the challenger did not win on val (the gates only refuse)"
     version = client.get_model_version_by_alias(name, "champion")
     run = client.get_run(version.run_id)
     assert run.info.run_name == second["challenger"]["run"] and run.info.status == "FINISHED"
@@ -329,3 +336,63 @@ def test_a_registry_that_was_down_at_a_promotion_follows_the_champion_the_next_n
     package = load_package(downloaded)
     on_volume = load_package(laneflow_home / "volumes" / "resync" / second["challenger"]["package"])
     assert package.manifest["files"] == on_volume.manifest["files"]
+
+
+@pytest.mark.slow
+def test_a_culane_nightly_refuses_a_challenger_better_on_val_that_falls_behind_at_night(
+        prefect_server: dict, laneflow_home: Path, file_server: FileServer, mlflow: MlflowServer,
+        short_http: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The release gates on CULane: a challenger that wins on val is refused because its night F1 is more than
+    the margin below the champion's, and the decision and every gate are in the UI and on the challenger's
+    MLflow run. The champion's record is edited into a model that was better at night and no better anywhere
+    else (worse on val, F1 0 on every other scenario, the crossroads full of false positives): training such a
+    model on demand is not deterministic, and the nightly reads exactly this record."""
+    from mlflow.tracking import MlflowClient
+    from prefect.variables import Variable
+
+    from flows.nightly import nightly_retrain
+    from flows.params import TrainParams
+    from tasks.champion import champion_variable
+
+    volume, variable = "culane-nightly", champion_variable("culane-nightly")
+    source = served_culane(file_server, tmp_path)
+    base = {"epochs": 1, "batch_size": 2, "workers": 1, "loader_workers": 0, "volume": volume, "snapshot": False}
+    monkeypatch.setenv(TRACKING_URI_ENV, mlflow.uri)
+    client = MlflowClient(tracking_uri=mlflow.uri)
+    try:
+        first = nightly_retrain(**TrainParams(source=source, **base).flow_parameters())
+        assert first["promoted"] and first["gates"] == []  # no champion: nothing to fall behind
+        tags = client.get_run(first["challenger"]["mlflow"]["run_id"]).data.tags
+        assert (tags["laneflow.champion.decision"], tags["laneflow.release_gates"]) == (
+            "promoted", "not scored: no champion yet")
+        record = Variable.get(variable)
+        better_at_night = {**record, "val_metrics": {**record["val_metrics"], "accuracy": 0.0, "untimed_accuracy": 0.0},
+                           "metrics": {**record["metrics"], "scenarios": {
+                               name: {**figures, "f1": None if name == "cross" else float(name == "night"),
+                                      "fp": 10 ** 6 if name == "cross" else figures["fp"]}
+                               for name, figures in record["metrics"]["scenarios"].items()}}}
+        Variable.set(variable, better_at_night, overwrite=True)
+        second = nightly_retrain(**TrainParams(source=source, **base).flow_parameters(), min_improvement=-0.5)
+        night = second["challenger"]["metrics"]["scenarios"]["night"]["f1"]
+        assert night is not None and night < 0.98, night  # the premise: short of the champion's 1.0 by the margin
+        assert not second["promoted"] and second["reason"].endswith("champion kept"), second["reason"]
+        assert "accuracy improved" in second["reason"] and f"night F1 1.0000 -> {night:.4f}" in second["reason"]
+        assert [gate["figure"] for gate in second["gates"] if not gate["passed"]] == ["night F1"]
+        assert Variable.get(variable)["run"] == first["challenger"]["run"]
+        table = latest_artifact(f"champion-gates-{volume}")
+        rows = json.loads(table) if isinstance(table, str) else table
+        assert {row["figure"]: row["passed"] for row in rows}["night F1"] is False and len(rows) == len(second["gates"])
+        decision = latest_artifact(f"champion-{volume}")
+        assert "failed: night F1" in decision and "CULane's F1 at IoU 0.5" in decision
+        # MLflow: the refused challenger's run says so, searchably, with every gate's figures beside it.
+        run_id = second["challenger"]["mlflow"]["run_id"]
+        (found,) = client.search_runs([client.get_run(run_id).info.experiment_id],
+                                      "tags.`laneflow.champion.decision` = 'kept'")
+        assert found.info.run_id == run_id and found.data.metrics["test/night/f1"] == pytest.approx(night)
+        assert found.data.tags["laneflow.champion.against"] == first["challenger"]["run"]
+        assert found.data.tags["laneflow.release_gates"].endswith("; failed: night F1")
+        assert "night F1 1.0000 -> " in found.data.tags["laneflow.champion.reason"]
+        recorded = json.loads(Path(client.download_artifacts(run_id, DECISION_ARTIFACT, str(tmp_path))).read_text())
+        assert recorded["promoted"] is False and recorded["gates"] == rows
+    finally:
+        Variable.unset(variable)
