@@ -185,8 +185,9 @@ def test_a_culane_release_served_over_http_is_prepared_with_its_lists_and_scenar
 
 def test_culanes_corrected_annotations_replace_the_shipped_lines_files_as_an_update(tmp_path: Path) -> None:
     """CULane's annotations_new.tar.gz corrects lines files of train and val: given as an update it replaces them
-    (in whatever order the artifacts come); as a plain archive the two disagree and it is refused, and two
-    updates that disagree are refused too, since the dataset would depend on their order."""
+    (in whatever order the artifacts come) and their frames' masks are drawn from the corrected lines; as a plain
+    archive the two disagree and it is refused, and two updates that disagree are refused too, since the dataset
+    would depend on their order."""
     generate(tmp_path / "release", train=4, val=2, test=9, seed=7)
     artifacts = [Artifact(Path(packed["path"]).as_uri(), packed["sha256"], "archive")
                  for packed in pack_artifacts(tmp_path / "release", tmp_path / "archives")]
@@ -207,6 +208,20 @@ def test_culanes_corrected_annotations_replace_the_shipped_lines_files_as_an_upd
     prepared = prepare_dataset([update, *artifacts], tmp_path / "volume", workers=1)
     assert (prepared.root / lines).read_text() == shifted != (tmp_path / "release" / lines).read_text()
     assert prepared.counts["by_split"]["train"] == {"read": 4, "kept": 4, "quarantined": 0}
+    # The shipped label was drawn from the old lines: the frame's mask is drawn from the corrected ones, the
+    # shipped file stays as it was, and every other frame keeps its shipped label.
+    listed = [parse_gt_list_line(line) for line in (tmp_path / "release" / "list" / "train_gt.txt").read_text()
+              .splitlines()]
+    masks = {line.split()[0].lstrip("/"): line.split()[1].lstrip("/")
+             for line in (prepared.root / "seg_label" / "list" / "train_gt.txt").read_text().splitlines()}
+    assert masks == {entry.image: (f"seg_label/{entry.image.removesuffix('.jpg')}.png" if entry.image == image
+                                   else entry.mask) for entry in listed}
+    drawn = cv2.imread(str(prepared.root / masks[image]), cv2.IMREAD_UNCHANGED)
+    expected = seg_label(lanes_in_slots(parse_lines(shifted), listed[0].existence))
+    assert np.array_equal(drawn, expected)
+    shipped = listed[0].mask
+    assert (prepared.root / shipped).read_bytes() == (tmp_path / "release" / shipped).read_bytes()
+    assert not np.array_equal(cv2.imread(str(prepared.root / shipped), cv2.IMREAD_UNCHANGED), expected)
     driver = lines.split("/")[0]
     with pytest.raises(ValueError, match=rf"'{re.escape(lines)}' is in both {driver}\.tar\.gz and "
                                          r"annotations_new\.tar\.gz with different contents"):

@@ -112,6 +112,11 @@ def _check_links_stay_inside(root: Path) -> None:
                         f"archive link '{rel}' -> '{os.readlink(path)}' resolves outside the target")
 
 
+def updated_files(target: Path) -> set[str]:
+    """The paths (relative to ``target``) an artifact of kind update put into the folder ``assemble`` built."""
+    return set((read_marker(target) or {}).get("updated") or [])
+
+
 def read_marker(target: Path) -> dict | None:
     try:
         return json.loads((target / MARKER).read_text())
@@ -286,7 +291,9 @@ def assemble(parts: list[Part], target: str | Path, volume: Path | None = None) 
                     shutil.copyfile(part.path, single / part.path.name)
                     entries += _merge(single, merged, part.path.name, owners)
             _check_links_stay_inside(merged)
-            (merged / MARKER).write_text(json.dumps({"artifacts": wanted, "entries": entries}))
+            # What the updates put there: a label drawn from lines an update replaced is stale (preprocess_culane).
+            updated = sorted(path for path, owner in owners.items() if owner.startswith(UPDATE_OWNER))
+            (merged / MARKER).write_text(json.dumps({"artifacts": wanted, "entries": entries, "updated": updated}))
             _replace_dir(merged, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -20,11 +20,13 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
 
+from training.data.archive import updated_files
 from training.data.culane import (
     DRIVER_FOLDER,
     GT_LISTS,
@@ -68,6 +70,14 @@ PARAMS = {"seg_label_width": SEG_LABEL_WIDTH, "slots": SLOTS, "size": [WIDTH, HE
 #: The list files read, by split, in the order their lines are reported.
 LIST_FILES = {f"{LIST_DIR}/{GT_LISTS['train']}": "train", f"{LIST_DIR}/{GT_LISTS['val']}": "val",
               f"{LIST_DIR}/{TEST_LIST}": "test"}
+
+
+@dataclass(frozen=True)
+class Frame(Located):
+    """A list line whose shipped label, if any, is stale: an update replaced the frame's lines file and not the
+    label, which was drawn from the lines before; its mask is drawn from the new lines instead."""
+
+    stale_label: bool = False
 
 
 class Reason:
@@ -120,7 +130,8 @@ def slots_by_position(lanes: list[list[Point]], width: int = WIDTH) -> list[list
 
 
 def process_entry(item: Located, root: Path) -> Kept | Quarantined:
-    """Check one list line's frame and write its mask where none is shipped. Runs in a worker process."""
+    """Check one list line's frame and write its mask where none is shipped (or the shipped one is stale, a
+    ``Frame``'s ``stale_label``). Runs in a worker process."""
     def quarantine(reason: str, detail: str, image: str | None = None) -> Quarantined:
         return Quarantined(item.label_file, item.line, reason, detail, image)
 
@@ -154,7 +165,7 @@ def process_entry(item: Located, root: Path) -> Kept | Quarantined:
         slots = slots_by_position(lanes) if existence is None else lanes_in_slots(lanes, existence)
     except CulaneListError as exc:
         return quarantine(Reason.EXISTENCE_MISMATCH, f"{image}: {exc}", image)
-    if shipped is not None and (root / shipped).is_file():
+    if shipped is not None and (root / shipped).is_file() and not (isinstance(item, Frame) and item.stale_label):
         label = cv2.imread(str(root / shipped), cv2.IMREAD_UNCHANGED)
         if label is None or label.shape != (HEIGHT, WIDTH) or label.dtype != np.uint8 or int(label.max()) > SLOTS:
             return quarantine(Reason.BAD_SEG_LABEL, f"{shipped} is not a {WIDTH}x{HEIGHT} label of values 0..{SLOTS}",
@@ -182,6 +193,26 @@ def _test_entry(text: str) -> str:
     if ".." in parts or not fields[0].strip("/"):
         raise CulaneListError(f"the image path {fields[0]!r} is not a path inside the dataset")
     return fields[0].lstrip("/")
+
+
+def _mark_stale_labels(jobs: list[Located], given: Path, root: Path) -> list[Located]:
+    """``jobs``, each train/val line whose frame's lines file an update replaced without its shipped label made a
+    ``Frame`` with a stale label (``training.data.archive``'s marker says what the updates put there)."""
+    prefix = root.relative_to(given).as_posix() + "/" if root != given else ""
+    updated = {path.removeprefix(prefix) for path in updated_files(given) if path.startswith(prefix)}
+    if not updated:
+        return jobs
+    marked = []
+    for item in jobs:
+        fields = item.text.split()
+        image, label = (fields[0].lstrip("/"), fields[1].lstrip("/")) if len(fields) > 1 else (fields[0], None)
+        stale = label is not None and lines_path_for(image) in updated and label not in updated
+        marked.append(Frame(item.label_file, item.line, item.split, item.text, True) if stale else item)
+    stale = sum(isinstance(item, Frame) for item in marked)
+    if stale:
+        log.info("%d frames have lines an update replaced and shipped labels it did not: their masks are drawn "
+                 "from the updated lines", stale)
+    return marked
 
 
 def read_lists(root: Path) -> tuple[list[Located], dict[str, dict]]:
@@ -250,6 +281,7 @@ def preprocess_culane(dataset_dir: str | Path, *, workers: int | None = None, so
                                         f"{image} is already listed at {earlier.label_file}:{earlier.line}", image))
         else:
             jobs.append(item)
+    jobs = _mark_stale_labels(jobs, given, root)
     step = "write the lane masks"
     ensure_free(step, volume or root, root, len(jobs) * block_bytes(root))
     with names_a_full_volume(step, volume or root, root / "seg_label"):
