@@ -62,7 +62,14 @@ def champion_scored_like(platform: Platform, volume: VolumeRef, champion: dict[s
         return champion_val, ""  # scored for the decision, on the challenger's val images
     get_run_logger().info("champion %s has no %s score on dataset %s: re-scoring it for the release gates",
                           champion["run"], split, challenger["dataset_version"])
-    return evaluate_on_a_gpu(platform, volume, champion["run_dir"], challenger["data_dir"], split), ""
+    return evaluate_on_a_gpu(platform, volume, champion["run_dir"], challenger["data_dir"], split,
+                             rescored_dir(challenger, champion)), ""
+
+
+def rescored_dir(challenger: dict[str, Any], champion: dict[str, Any]) -> str:
+    """Where the champion's scores on the challenger's images go: the challenger's run folder, beside the decision
+    they were made for. The champion's own evaluation files, of its own dataset, stay as they were."""
+    return f"{challenger['run_dir']}/champion-{champion['run']}"
 
 
 @flow(name="nightly_retrain")
@@ -109,7 +116,7 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
             logger.info("champion %s has no val score on dataset %s: re-scoring it on the challenger's val images",
                         champion["run"], challenger["dataset_version"])
             champion_val = evaluate_on_a_gpu(platform, volume, champion["run_dir"], challenger["data_dir"],
-                                             DECISION_SPLIT)
+                                             DECISION_SPLIT, rescored_dir(challenger, champion))
         if champion_val is None:  # crowned on another volume: its own val score is the best there is
             champion_val = champion.get("val_metrics") or champion["metrics"]
         champion_accuracy = selection_accuracy(champion_val)

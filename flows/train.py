@@ -201,9 +201,10 @@ def _score_and_package(params: TrainParams, platform: Any, volume: VolumeRef, sp
     return evaluation, lineage, package, snapshot
 
 
-def evaluate_on_a_gpu(platform: Any, volume: VolumeRef, run_dir: str, data_dir: str, split: str) -> dict[str, Any]:
+def evaluate_on_a_gpu(platform: Any, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
+                      out_dir: str | None = None) -> dict[str, Any]:
     """``evaluate`` outside a training run (a nightly's re-score, a sweep's test score): it needs a GPU as a run's
     own scoring does, so it holds a slot of the ``gpu`` limit while it scores — never while a run it waits for
     holds one of its own (the caller's child runs have ended)."""
     with gpu_slot(str(current_run.id), get_run_logger().warning):
-        return evaluate(platform, volume, run_dir, data_dir, split)
+        return evaluate(platform, volume, run_dir, data_dir, split, out_dir)

@@ -309,11 +309,12 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
 
 
 @task(name="evaluate", task_run_name="evaluate-{split}", **_TASK)
-def evaluate(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str, split: str) -> dict[str, Any]:
+def evaluate(platform: Platform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
+             out_dir: str | None = None) -> dict[str, Any]:
     """TuSimple accuracy, FP and FN of the run's final model on ``split`` (CULane's F1, overall and per scenario,
-    on a CULane dataset: training.evaluate_culane)."""
+    on a CULane dataset: training.evaluate_culane); its files in ``out_dir`` (default: the run's folder)."""
     logger = get_run_logger()
-    result = platform.evaluate(volume, run_dir, data_dir, split, logger.debug)
+    result = platform.evaluate(volume, run_dir, data_dir, split, logger.debug, out_dir)
     if result.get("metric") == "culane":
         logger.info("%s: CULane F1 %.4f over %d frames; per scenario: %s", split, result["accuracy"], result["images"],
                     ", ".join(f"{name} FP {figures['fp']}" if name == "cross" else

@@ -171,6 +171,13 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
                                                    "onnx", lambda _: None)
     assert predicted["predictions"] == "predictions/p1/predictions.json" and predicted["predicted"] == 14
     assert len((claim / predicted["predictions"]).read_text().splitlines()) == 14
+    # A nightly re-scoring this run as champion writes beside its challenger, never over the run's own files.
+    own = (claim / result["run_dir"] / "eval_test.json").read_bytes()
+    rescored = ClusterPlatform.load(name).evaluate(VolumeRef(name="tusimple", location="laneflow/tusimple"),
+                                                   result["run_dir"], result["data_dir"], "test", lambda _: None,
+                                                   "runs/challenger/champion-run")
+    assert rescored["images"] == 3 and (claim / result["run_dir"] / "eval_test.json").read_bytes() == own
+    assert json.loads((claim / "runs/challenger/champion-run/eval_test.json").read_text())["images"] == 3
     # Where each pod ran, as `kubectl get events` shows it: the stages on a GPU (training's workers, scoring,
     # packaging, prediction) on the spot pool, by the block's scheduling; everything else on the system pool.
     pools = {event["involvedObject"]["name"]: cluster.nodes[event["message"].rsplit(" to ", 1)[-1]].labels["agentpool"]

@@ -95,11 +95,20 @@ def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
 
     # Crowned on another dataset version: its recorded val score describes other images, so it is re-scored
     # on the challenger's val images (here the same files, so the model's true val score comes back).
+    # Its scores go beside the challenger's run; its own run folder is left exactly as it was.
+    volume = laneflow_home / "volumes" / "nightly"
+    champion_files = {path: (path.read_bytes(), path.stat().st_mtime_ns)
+                      for path in (volume / champion["run_dir"]).rglob("*") if path.is_file()}
+    assert volume / champion["run_dir"] / "eval_val.json" in champion_files
     Variable.set(champion_variable("nightly"), {**busy, "dataset_version": "0" * 16}, overwrite=True)
     third = nightly_retrain(**params_for(synthetic_archive, volume="nightly", max_steps=1, snapshot=False,
                                          workers=1), min_improvement=1.0)
     assert not third["promoted"]
     assert f"`{first['challenger']['run']}` (val {true_val:.4f})" in latest_artifact("champion-nightly")
+    assert {path: (path.read_bytes(), path.stat().st_mtime_ns)
+            for path in (volume / champion["run_dir"]).rglob("*") if path.is_file()} == champion_files
+    rescored = volume / third["challenger"]["run_dir"] / f"champion-{champion['run']}" / "eval_val.json"
+    assert json.loads(rescored.read_text())["untimed_accuracy"] == pytest.approx(true_val)
 
 
 def warnings_since(started: datetime) -> list[str]:

@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path, help="a finished run (with model.pt)")
     parser.add_argument("--data-root", required=True, type=Path, help="prepared dataset root (with seg_label/)")
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the predictions, eval_<split>.json and overlay go (default: the run dir); a "
+                             "model scored for someone else's decision writes there, leaving its own run's files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     exit_on_sigterm()
@@ -177,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, config = load_model(model_file, device)
-        result = evaluate_run(model, config, args.data_root, args.run_dir, args.split, device,
-                              suffix=f"_{args.split}")
+        out = args.out or args.run_dir
+        out.mkdir(parents=True, exist_ok=True)
+        result = evaluate_run(model, config, args.data_root, out, args.split, device, suffix=f"_{args.split}")
     except (DataError, FileNotFoundError, UnsafeCheckpoint) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

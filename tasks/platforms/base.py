@@ -291,8 +291,10 @@ class Platform(Block):
         run id) only a job that flow run started: another's (a run of the same run key) raises ``NotOurJob``."""
 
     @abc.abstractmethod
-    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
-        """Score the run's final model on ``split`` with the TuSimple metric (writes eval_<split>.json)."""
+    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink,
+                 out_dir: str | None = None) -> dict[str, Any]:
+        """Score the run's final model on ``split`` (TuSimple's metric, or CULane's on a CULane dataset); writes
+        eval_<split>.json and the predictions in ``out_dir`` (relative to the volume; default the run's folder)."""
 
     @abc.abstractmethod
     def package_model(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, lineage: dict[str, Any],

@@ -218,8 +218,9 @@ class ClusterPlatform(Platform):
                              change: Callable[[str | None], str | None]) -> str | None:
         return volumes.update_volume_record(self, volume, key, change)
 
-    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
-        return jobs.evaluate(self, volume, run_dir, data_dir, split, log)
+    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink,
+                 out_dir: str | None = None) -> dict[str, Any]:
+        return jobs.evaluate(self, volume, run_dir, data_dir, split, log, out_dir)
 
     def package_model(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, lineage: dict[str, Any],
                       log: LogSink) -> dict[str, Any]:

@@ -340,11 +340,15 @@ def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, 
 
 
 def evaluate(platform: ClusterPlatform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
-             log: LogSink) -> dict[str, Any]:
+             log: LogSink, out_dir: str | None = None) -> dict[str, Any]:
+    """The evaluation Job; one scoring for another folder (``out_dir``: a nightly re-scoring its champion) is a
+    Job of its own name, so two nightlies re-scoring one champion never share a Job or files."""
     run = run_dir.rstrip("/").rsplit("/", 1)[-1]
-    return _gpu_job(platform, f"eval-{run}-{split}", volume, run, {"split": split},
+    out = ["--out", f"{MOUNT_PATH}/{out_dir}"] if out_dir else []
+    for_out = f"-{hashlib.sha256(out_dir.encode()).hexdigest()[:8]}" if out_dir else ""
+    return _gpu_job(platform, f"eval-{run}-{split}{for_out}", volume, run, {"split": split},
                     ["training.evaluate", "--run-dir", f"{MOUNT_PATH}/{run_dir}",
-                     "--data-root", f"{MOUNT_PATH}/{data_dir}", "--split", split], "eval", log)
+                     "--data-root", f"{MOUNT_PATH}/{data_dir}", "--split", split, *out], "eval", log)
 
 
 def package_model(platform: ClusterPlatform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,

@@ -176,9 +176,11 @@ class LocalPlatform(Platform):
     def cancel_training(self, job_name: str, volume: VolumeRef, owner: str | None = None) -> bool:
         return processes.cancel(self, job_name, volume, owner)
 
-    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink) -> dict[str, Any]:
+    def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink,
+                 out_dir: str | None = None) -> dict[str, Any]:
+        out = ["--out", str(self.inside(volume, out_dir))] if out_dir else []
         return processes.run_module(self, ["-m", "training.evaluate", "--run-dir", str(self.inside(volume, run_dir)),
-                                           "--data-root", str(self.inside(volume, data_dir)), "--split", split],
+                                           "--data-root", str(self.inside(volume, data_dir)), "--split", split, *out],
                                     log, f"evaluation of {run_dir} on '{split}'", timeout_s=EVALUATE_TIMEOUT_S)
 
     def package_model(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, lineage: dict[str, Any],
