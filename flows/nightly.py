@@ -39,6 +39,7 @@ from tasks.champion import (
     gates_table,
     mlflow_record,
     release_gates,
+    score_name,
     selection_accuracy,
     stored_score,
     stored_val_score,
@@ -120,7 +121,8 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
         if champion_val is None:  # crowned on another volume: its own val score is the best there is
             champion_val = champion.get("val_metrics") or champion["metrics"]
         champion_accuracy = selection_accuracy(champion_val)
-    decision = decide_champion(champion_accuracy, selection_accuracy(challenger["val_metrics"]), min_improvement)
+    decision = decide_champion(champion_accuracy, selection_accuracy(challenger["val_metrics"]), min_improvement,
+                               score_name(challenger["val_metrics"]))
     gates: list[Gate] = []
     gate_split = challenger["metrics"].get("split", "test")
     no_gates = ("not scored: the challenger did not win on val (the gates only refuse)" if champion else

@@ -53,22 +53,28 @@ def selection_accuracy(metrics: dict[str, Any]) -> float:
     return float(metrics.get("untimed_accuracy", metrics["accuracy"]))
 
 
+def score_name(metrics: dict[str, Any]) -> str:
+    """What ``selection_accuracy`` of these metrics is, in words: CULane's F1 or TuSimple's accuracy."""
+    return "F1" if metrics.get("metric") == "culane" else "accuracy"
+
+
 def decide_champion(champion_accuracy: float | None, challenger_accuracy: float,
-                    min_improvement: float = 0.0) -> Decision:
+                    min_improvement: float = 0.0, score: str = "accuracy") -> Decision:
     """Promote when there is no champion yet, or the challenger beats it by more than ``min_improvement``.
 
     Both accuracies must come from the same val images (the caller re-scores the champion on the
     challenger's dataset when the data changed), or the comparison means nothing. Val, never test: a
     nightly that crowned on test every night would fit the test split by selection, the adaptive reuse
-    sweeps avoid by ranking on val and scoring only their winner on test.
+    sweeps avoid by ranking on val and scoring only their winner on test. ``score`` names the figure in the
+    reason (``score_name``).
     """
     if champion_accuracy is None:
         return Decision(True, "no champion yet", None, challenger_accuracy)
     margin = challenger_accuracy - champion_accuracy
     if margin > min_improvement:
-        return Decision(True, f"accuracy improved by {margin:+.4f} (needed > {min_improvement:+.4f})",
+        return Decision(True, f"{score} improved by {margin:+.4f} (needed > {min_improvement:+.4f})",
                         champion_accuracy, challenger_accuracy)
-    return Decision(False, f"accuracy changed by {margin:+.4f}; needed > {min_improvement:+.4f}: champion kept",
+    return Decision(False, f"{score} changed by {margin:+.4f}; needed > {min_improvement:+.4f}: champion kept",
                     champion_accuracy, challenger_accuracy)
 
 

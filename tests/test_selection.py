@@ -14,6 +14,7 @@ from tasks.champion import (
     gates_table,
     release_gates,
     scenario_gates,
+    score_name,
     selection_accuracy,
     stored_score,
     tusimple_gates,
@@ -28,6 +29,9 @@ def test_champion_decisions() -> None:
     assert not decide_champion(0.80, 0.80).promote  # equal is not better
     assert not decide_champion(0.80, 0.805, min_improvement=0.01).promote
     assert "champion kept" in decide_champion(0.9, 0.5).reason
+    # The reason names the figure compared: CULane's F1, TuSimple's accuracy.
+    assert decide_champion(0.5, 0.6, score=score_name({"metric": "culane"})).reason.startswith("F1 improved by +0.1")
+    assert decide_champion(0.5, 0.4, score=score_name({"split": "val"})).reason.startswith("accuracy changed by -0.1")
 
 
 def culane_figures(f1: dict[str, float], cross_fp: int) -> dict[str, dict]:

@@ -376,7 +376,7 @@ def test_a_culane_nightly_refuses_a_challenger_better_on_val_that_falls_behind_a
         night = second["challenger"]["metrics"]["scenarios"]["night"]["f1"]
         assert night is not None and night < 0.98, night  # the premise: short of the champion's 1.0 by the margin
         assert not second["promoted"] and second["reason"].endswith("champion kept"), second["reason"]
-        assert "accuracy improved" in second["reason"] and f"night F1 1.0000 -> {night:.4f}" in second["reason"]
+        assert "F1 improved" in second["reason"] and f"night F1 1.0000 -> {night:.4f}" in second["reason"]
         assert [gate["figure"] for gate in second["gates"] if not gate["passed"]] == ["night F1"]
         assert Variable.get(variable)["run"] == first["challenger"]["run"]
         table = latest_artifact(f"champion-gates-{volume}")
