@@ -36,7 +36,7 @@ def test_steps_between_checks_fit_the_time_a_stop_may_take(seconds_per_step: flo
 TWO_RANKS = textwrap.dedent("""
     import json, time
     from training.stop_request import StopCadence
-    from training.train import Distributed
+    from training.run_parts import Distributed
 
     dist = Distributed()
     cadence, agreed = StopCadence(0), []

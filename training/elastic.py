@@ -35,8 +35,9 @@ import time
 from dataclasses import dataclass
 
 from training.dataset import DataError, make_loader, poly_lr
+from training.ranks import STARTED_WARM_ENV
+from training.run_parts import EXIT_PREEMPTED, RunParts, StepWindow, stop_as_requested
 from training.stop_request import STOP_CHECK_MOST_EVERY, read_stop_request
-from training.train import EXIT_PREEMPTED, RunParts, StepWindow, stop_as_requested
 
 log = logging.getLogger("laneflow.train")
 
@@ -89,8 +90,6 @@ def this_host() -> str:
 
 def started_warm() -> bool:
     """Whether this worker is a warm spare the launcher kept (``training.warm``), not a process started cold."""
-    from training.warm import STARTED_WARM_ENV
-
     return os.environ.get(STARTED_WARM_ENV) == "1"
 
 

@@ -34,3 +34,8 @@ def is_trainer_command(argv: list[str]) -> bool:
     where its environment cannot be read. A shell whose one ``-c`` string holds that command is no rank; the
     trainer it starts is."""
     return any(argv[index:index + 2] == ["-m", TRAINER_MODULE] for index in range(len(argv) - 1))
+
+
+#: Set in a worker that a warm spare became (``training.warm``; the elastic trainer reports it when the worker
+#: joins). Here, not in ``training.warm``, so the trainer never imports the spares' keeper that starts it.
+STARTED_WARM_ENV = "LANEFLOW_STARTED_WARM"

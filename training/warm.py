@@ -42,11 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.ranks import STARTED_WARM_ENV
+
 #: Set by ``launch`` for horovodrun and the workers it starts: the keeper's name.
 LAUNCHER_POOL_ENV = "LANEFLOW_WARM_POOL"
 _CONTROL_FD_ENV = "LANEFLOW_WARM_CONTROL_FD"
-#: Set in a worker that a warm spare became (the trainer reports it when the worker joins).
-STARTED_WARM_ENV = "LANEFLOW_STARTED_WARM"
 #: Spares that die before they are ready, in a row, after which the keeper stops making them.
 MAX_FAILED_STARTS = 3
 #: How long a worker waits for the keeper's answer before it starts cold.
