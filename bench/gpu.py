@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.dataset import LaneDataset, make_loader
-from training.model import SCNN, SCNNLoss, model_config
+from training.model import SCNN, model_config
+from training.models import get_model
 from training.precision import Device, MixedPrecision
 from training.run_parts import train_step
 
@@ -46,7 +47,7 @@ def measure(preset: str, loader, device: torch.device, precision: str, layout: s
     model = SCNN(config).to(device, memory_format=memory_format).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
     mixed = MixedPrecision(precision, device.type)
-    criterion = SCNNLoss()
+    criterion = get_model("scnn").criterion(config)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)

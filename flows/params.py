@@ -154,6 +154,9 @@ class TrainParams(BaseModel):
 
     source: DataSource = Field(description="the dataset: its artifacts, each a URL, its sha256 and its kind")
     preset: Literal["cpu-demo", "tusimple", "culane"] = Field("cpu-demo", description="model + training preset")
+    model: str = Field("scnn", pattern=r"^[a-z][a-z0-9_-]{0,62}$",
+                       description="lane model: scnn, or one a package registers in the entry-point group "
+                                   "laneflow.models, installed where training runs (docs: Add your model)")
     epochs: int = Field(3, ge=1, le=1000, description="passes over the training split")
     batch_size: int = Field(4, ge=1, le=1024, description="images per worker per step")
     workers: int = Field(2, ge=1, le=512, description="Horovod processes (one per GPU on a cluster)")
@@ -206,8 +209,9 @@ class TrainParams(BaseModel):
         """The trainer's ``--set`` overrides these parameters stand for."""
         return {"epochs": str(self.epochs), "batch_size": str(self.batch_size), "lr": repr(self.lr),
                 "max_steps": str(self.max_steps), "num_workers": str(self.loader_workers), "eval_split": "val",
-                # only when set: a training image from before eval_every still takes every other setting
+                # only when set: a training image from before eval_every (or models) still takes every other setting
                 **({"eval_every": str(self.eval_every)} if self.eval_every else {}),
+                **({"model": self.model} if self.model != "scnn" else {}),
                 **({"elastic": "1", "commit_every": str(self.elastic.commit_every),
                     "min_workers": str(self.elastic.min_workers)} if self.elastic else {})}
 

@@ -336,7 +336,7 @@ def package_model(platform: Platform, volume: VolumeRef, run_dir: str, data_dir:
     parity = package["parity"]
     logger.info("package %s: TorchScript and ONNX match the eager model on %d images (max difference %s)",
                 package["package"], parity["images"],
-                ", ".join(f"{k} {v['max_abs_diff_probabilities']:.1e}" for k, v in parity["backends"].items()))
+                ", ".join(f"{k} {v['max_abs_diff']:.1e}" for k, v in parity["backends"].items()))
     create_markdown_artifact(key=f"package-{lineage['run']}", description=f"model package of {lineage['run']}",
                              markdown=render_package_markdown(package, volume.name, lineage))
     return package

@@ -133,7 +133,7 @@ def render_package_markdown(package: dict[str, Any], volume: str, lineage: dict[
           for key, label in (("accuracy", "accuracy (official)"),
                              ("untimed_accuracy", "accuracy without the 200 ms rule")) if key in metrics),
         f"| parity | checked on {parity.get('images')} images, tolerance {parity.get('tolerance')}: " + ", ".join(
-            f"{name} max difference {r['max_abs_diff_probabilities']:.1e}, lanes "
+            f"{name} max difference {r['max_abs_diff']:.1e}, lanes "
             f"{'identical' if r['identical_lanes'] else 'DIFFER'}" for name, r in backends.items()) + " |",
         *(f"| `{name}` | sha256 `{digest}` |" for name, digest in sorted((package.get("files") or {}).items())),
         "",

@@ -320,8 +320,8 @@ def test_every_field_the_trainer_checkpoints_loads_as_data(prepared: Path, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     state = load_latest_checkpoint(run_dir)
     assert state is not None and state["step"] == 2 and state["precision"] == "bf16"
-    assert {"model", "optimizer", "model_config", "train_config", "world_size", "scaler"} <= set(state)
-    assert set(load_weights(run_dir / "model.pt")) == {"model", "model_config", "step"}
+    assert {"model", "optimizer", "model_name", "model_config", "train_config", "world_size", "scaler"} <= set(state)
+    assert set(load_weights(run_dir / "model.pt")) == {"model", "model_name", "model_config", "step"}
 
 
 def test_a_learning_rate_that_blows_the_weights_up_is_a_clear_error_not_a_crash(prepared: Path, tmp_path: Path):

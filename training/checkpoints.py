@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from training.model import ModelConfig
+from training.models import DEFAULT_MODEL
+from training.models.base import ModelSettings
 
 log = logging.getLogger("laneflow.train")  # the trainer's logger, as before the split: its lines read the same
 
@@ -80,7 +81,15 @@ def load_latest_checkpoint(run_dir: Path) -> dict | None:
     return None
 
 
-def check_compatible(state: dict, model_cfg: ModelConfig, path: str) -> None:
+def recorded_model(state: dict) -> str:
+    """The model a checkpoint or ``model.pt`` was written by: its ``model_name``; SCNN's before there were others."""
+    return str(state.get("model_name") or DEFAULT_MODEL)
+
+
+def check_compatible(state: dict, model_name: str, model_cfg: ModelSettings, path: str) -> None:
+    if recorded_model(state) != model_name:
+        raise ValueError(f"checkpoint {path} was written by model '{recorded_model(state)}'; this run trains "
+                         f"'{model_name}'. Use a new run dir, or the model it was trained with.")
     saved = state.get("model_config")
     if saved != asdict(model_cfg):
         raise ValueError(f"checkpoint {path} was written for a different model ({saved}); this run uses "

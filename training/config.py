@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from training import precision
-from training.model import ModelConfig, model_config
+from training.models import DEFAULT_MODEL, get_model
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,9 @@ class TrainConfig:
     """Everything that shapes a run; presets give defaults, ``--set key=value`` overrides them."""
 
     preset: str = "cpu-demo"
+    #: The lane model (``training.models``: ``scnn``, or one a package registers); ``model.<field>`` overrides
+    #: its settings.
+    model: str = DEFAULT_MODEL
     epochs: int = 3
     batch_size: int = 4
     lr: float = 0.05
@@ -77,22 +80,26 @@ def parse_overrides(preset: str, pairs: list[str]) -> TrainConfig:
         raise ValueError(f"unknown preset '{preset}'; choose one of {', '.join(TRAIN_PRESETS)}")
     config = TRAIN_PRESETS[preset]
     types = {f.name: f.type for f in fields(TrainConfig)}
-    model_fields = {f.name: f.type for f in fields(ModelConfig)}
     changes: dict = {}
-    model_changes: dict = {}
+    model_pairs: list[tuple[str, str]] = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ValueError(f"override '{pair}' must look like key=value")
         if key.startswith("model."):
-            name = key[len("model."):]
-            if name not in model_fields or model_fields[name] not in ("int", "float"):
-                raise ValueError(f"unknown or non-numeric model setting '{name}'")
-            model_changes[name] = _convert(key, value, model_fields[name])
+            model_pairs.append((key, value))
         elif key in types and key not in ("preset", "model_overrides"):
             changes[key] = _convert(key, value, types[key])
         else:
             raise ValueError(f"unknown setting '{key}'; known: {', '.join(sorted(set(types) - {'model_overrides'}))}")
+    # The model's own settings, once it is known which model they are for (``model=`` may come after them).
+    numeric = get_model(changes.get("model", config.model)).numeric_settings()
+    model_changes: dict = {}
+    for key, value in model_pairs:
+        name = key[len("model."):]
+        if name not in numeric:
+            raise ValueError(f"unknown or non-numeric model setting '{name}'")
+        model_changes[name] = _convert(key, value, numeric[name])
     config = replace(config, **changes, model_overrides={**config.model_overrides, **model_changes})
     validate(config)
     return config
@@ -118,4 +125,4 @@ def validate(config: TrainConfig) -> None:
     if config.elastic not in (0, 1):
         raise ValueError(f"setting 'elastic' must be 0 or 1, got {config.elastic}")
     precision.validate(config.precision, config.memory_format, config.compression)
-    model_config(config.preset, **config.model_overrides)
+    get_model(config.model).settings(config.preset, **config.model_overrides)

@@ -22,13 +22,14 @@ import cv2
 import numpy as np
 import torch
 
-from training.checkpoints import UnsafeCheckpoint, load_weights
+from training.checkpoints import UnsafeCheckpoint, load_weights, recorded_model
 from training.data.labels import LABEL_FILES
 from training.dataset import DataError, read_frames, read_list
 from training.evaluate_culane import evaluate_culane_run, score_culane_split
-from training.inference import DeployedSCNN, draw_lanes, lanes_from_probabilities, resize_for_model, slot_lanes
+from training.inference import draw_lanes, lanes_from_probabilities, resize_for_model
 from training.metric import MAX_RUN_TIME_MS, parse_ground_truth, score_predictions
-from training.model import SCNN, ModelConfig
+from training.models import get_model, model_for
+from training.models.base import ModelSettings, image_outputs, run_deployed
 from training.signals import exit_on_sigterm
 
 log = logging.getLogger("laneflow.evaluate")
@@ -56,12 +57,13 @@ def ground_truth_for(data_root: Path, split: str, raw_files: set[str]) -> dict[s
 
 
 @torch.no_grad()
-def predict(model: SCNN, config: ModelConfig, data_root: Path, split: str, device: torch.device,
+def predict(model: torch.nn.Module, config: ModelSettings, data_root: Path, split: str, device: torch.device,
             batch_size: int = 8) -> tuple[list[dict], dict[str, dict]]:
     """Prediction records (``raw_file``, ``lanes``, ``run_time`` in ms per image) for a split, and its
     ground truth (the kept images' label records, which give the h_samples to predict at)."""
     samples = read_list(data_root, split)
-    deployed = DeployedSCNN(model).to(device).eval()
+    lane_model = model_for(config)
+    deployed = lane_model.deployed(model).to(device).eval()
     gt_lines = ground_truth_for(data_root, split, {s.image for s in samples})
     predictions = []
     wanted = [s.image for s in samples if s.image in gt_lines]
@@ -70,13 +72,11 @@ def predict(model: SCNN, config: ModelConfig, data_root: Path, split: str, devic
         frames = read_frames(data_root, names)
         batch = np.stack([resize_for_model(f, config.input_width, config.input_height) for f in frames])
         began = time.perf_counter()
-        with torch.autocast(device.type, enabled=False):  # the metric is always computed on fp32 outputs
-            probs, existence = deployed(torch.from_numpy(batch).to(device))
-        probs, existence = probs.cpu().numpy(), existence.cpu().numpy()
+        outputs = run_deployed(deployed, torch.from_numpy(batch).to(device))
         per_image_ms = (time.perf_counter() - began) * 1000 / len(names)
         for offset, (name, frame) in enumerate(zip(names, frames, strict=True)):
             size = (frame.shape[1], frame.shape[0])
-            lanes = slot_lanes(probs[offset], existence[offset], gt_lines[name]["h_samples"], size)
+            lanes = lane_model.row_lanes(image_outputs(outputs, offset), gt_lines[name]["h_samples"], size)
             predictions.append({"raw_file": name, "lanes": [lane for _, lane in lanes], "slots": [s for s, _ in lanes],
                                 "run_time": per_image_ms})
     return predictions, gt_lines
@@ -111,7 +111,8 @@ def dataset_kind(data_root: Path) -> str:
         return "tusimple"
 
 
-def score_split(model: SCNN, config: ModelConfig, data_root: Path, split: str, device: torch.device) -> dict:
+def score_split(model: torch.nn.Module, config: ModelSettings, data_root: Path, split: str,
+                device: torch.device) -> dict:
     """The scores of ``model`` on ``split``, in memory: the trainer's periodic validation (a sweep's pruner
     reads it), which must leave the run's files as they are. The model is left in eval mode."""
     if dataset_kind(data_root) == "culane":
@@ -126,7 +127,7 @@ def prediction_lines(predictions: list[dict]) -> list[str]:
     return [json.dumps({k: v for k, v in p.items() if k != "slots"}) for p in predictions]
 
 
-def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Path, split: str,
+def evaluate_run(model: torch.nn.Module, config: ModelSettings, data_root: Path, run_dir: Path, split: str,
                  device: torch.device, suffix: str = "") -> dict:
     """Predict, score and draw; writes predictions_<split>.json, eval<suffix>.json and overlay<suffix>.png.
 
@@ -152,11 +153,12 @@ def evaluate_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Pat
     return result
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[SCNN, ModelConfig]:
-    """A model saved by the trainer (``model.pt``)."""
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, ModelSettings]:
+    """A model saved by the trainer (``model.pt``), of whichever lane model wrote it."""
     state = load_weights(Path(path), map_location=device)  # data only: model.pt lies on a shared volume
-    config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["model_config"].items()})
-    model = SCNN(config).to(device)
+    lane_model = get_model(recorded_model(state))
+    config = lane_model.settings_from_record(state["model_config"])
+    model = lane_model.network(config).to(device)
     model.load_state_dict(state["model"])
     return model, config
 

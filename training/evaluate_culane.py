@@ -1,7 +1,7 @@
 """Score a model on a CULane split with the official metric: predictions as ``.lines.txt``, F1 per scenario.
 
 Frames go through the same input contract and deployable module as every other consumer
-(``training.inference``), their lanes are decoded by SCNN's CULane rule (``culane_lanes``) and written as the
+(``training.inference``), their lanes are decoded by the model's CULane rule (``culane_lanes``) and written as the
 official tool reads them, under ``<run>/culane_<split>/`` at each frame's path, and scored against the lines
 files beside the frames (``training.culane_eval``): the validation split as one list, the test split per
 scenario list and in total. Only frames the preparation kept are predicted and scored.
@@ -28,28 +28,29 @@ from training.culane_eval import read_lanes, scenario_lists, score_lists
 from training.culane_metric import format_lines
 from training.data.culane import lines_path_for
 from training.dataset import read_frames, read_list
-from training.inference import SLOT_COLOURS, DeployedSCNN, culane_lanes, resize_for_model
-from training.model import SCNN, ModelConfig
+from training.inference import CULANE_SIZE, SLOT_COLOURS, resize_for_model
+from training.models import model_for
+from training.models.base import ModelSettings, image_outputs, run_deployed
 
 log = logging.getLogger("laneflow.evaluate_culane")
 
 
 @torch.no_grad()
-def predict_lines(model: SCNN, config: ModelConfig, data_root: Path, images: list[str], out: Path,
+def predict_lines(model: torch.nn.Module, config: ModelSettings, data_root: Path, images: list[str], out: Path,
                   device: torch.device, batch_size: int = 8) -> None:
     """Write each frame's predicted lanes as ``out/<frame path>.lines.txt`` (an empty file: no lane)."""
-    deployed = DeployedSCNN(model).to(device).eval()
+    lane_model = model_for(config)
+    deployed = lane_model.deployed(model).to(device).eval()
     for start in range(0, len(images), batch_size):
         names = images[start:start + batch_size]
         frames = [resize_for_model(frame, config.input_width, config.input_height)
                   for frame in read_frames(data_root, names)]
-        with torch.autocast(device.type, enabled=False):  # scored on fp32 outputs, as TuSimple's
-            probs, existence = deployed(torch.from_numpy(np.stack(frames)).to(device))
-        probs, existence = probs.cpu().numpy(), existence.cpu().numpy()
+        outputs = run_deployed(deployed, torch.from_numpy(np.stack(frames)).to(device))
         for offset, name in enumerate(names):
             path = out / lines_path_for(name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(format_lines(points for _, points in culane_lanes(probs[offset], existence[offset])))
+            lanes = lane_model.culane_lanes(image_outputs(outputs, offset), CULANE_SIZE)
+            path.write_text(format_lines(points for _, points in lanes))
 
 
 def split_lists(data_root: Path, split: str) -> dict[str, list[str]]:
@@ -67,7 +68,7 @@ def split_lists(data_root: Path, split: str) -> dict[str, list[str]]:
             for name, images in scenarios.items()}
 
 
-def evaluate_culane_run(model: SCNN, config: ModelConfig, data_root: Path, run_dir: Path, split: str,
+def evaluate_culane_run(model: torch.nn.Module, config: ModelSettings, data_root: Path, run_dir: Path, split: str,
                         device: torch.device, suffix: str = "") -> dict:
     """Predict and score ``split``; writes the predictions and ``eval<suffix>.json`` in ``run_dir``."""
     data_root, run_dir = Path(data_root), Path(run_dir)
@@ -107,7 +108,8 @@ def draw_overlay(data_root: Path, images: list[str], predictions: Path, out: Pat
     return out
 
 
-def score_culane_split(model: SCNN, config: ModelConfig, data_root: Path, split: str, device: torch.device) -> dict:
+def score_culane_split(model: torch.nn.Module, config: ModelSettings, data_root: Path, split: str,
+                       device: torch.device) -> dict:
     """``evaluate_culane_run``'s result without writing in the run: the predictions go to a folder of their own
     that is removed afterwards (the trainer's periodic validation)."""
     lists = split_lists(data_root, split)

@@ -23,6 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.models.base import TrainingDiverged
+
+__all__ = ["SCNN", "MessagePassing", "ModelConfig", "SCNNLoss", "TrainingDiverged", "count_parameters",
+           "load_backbone_weights", "model_config"]
+
 NUM_CLASSES = 5  # background + 4 lane slots
 NUM_LANES = 4
 
@@ -218,10 +223,6 @@ def load_backbone_weights(model: SCNN, path: str | Path) -> int:
         raise ValueError(f"{path} holds no VGG16-BN backbone tensors ('features.N.weight' ...)")
     model.backbone.load_state_dict(loaded, strict=False)
     return len(loaded)
-
-
-class TrainingDiverged(ValueError):
-    """The weights blew up (a learning rate too high for the batch): training cannot go on, nor resume."""
 
 
 @dataclass

@@ -8,10 +8,11 @@
         model.onnx              ONNX (opset 17) of the same module, batch size dynamic
     runs/<run>/package.tar.gz   the folder as one file
 
-The exported module is ``training.inference.DeployedSCNN``: uint8 BGR NHWC images in, softmax
-probabilities and lane existence out, normalisation inside. **Parity is proven before anything is
-written**: on up to 20 images of the evaluated split, TorchScript's and ONNX Runtime's probability maps
-equal the eager model's within ``PROB_TOLERANCE`` and give identical lanes; a failed export or parity
+The exported module is the lane model's deployable one (``training.models``; SCNN's is
+``training.inference.DeployedSCNN``): uint8 BGR NHWC images in, the model's outputs (SCNN: softmax
+probabilities and lane existence) out, normalisation inside. **Parity is proven before anything is
+written**: on up to 20 images of the evaluated split, every output of TorchScript and ONNX Runtime equals the
+eager model's within ``PROB_TOLERANCE`` and gives identical lanes; a failed export or parity
 check is an error and leaves no package behind (it is built in a staging folder and renamed into place).
 Loading a package checks its format version and every file's checksum.
 
@@ -42,8 +43,9 @@ import torch
 
 from training.data.fetch import sha256_of
 from training.dataset import DataError, read_list
-from training.inference import DeployedSCNN, h_samples_for, input_contract, resize_for_model, slot_lanes
-from training.model import SCNN, ModelConfig
+from training.inference import h_samples_for, resize_for_model
+from training.models import DEFAULT_MODEL, get_model, model_for
+from training.models.base import ModelSettings, image_outputs
 from training.signals import exit_on_sigterm
 
 log = logging.getLogger("laneflow.package")
@@ -67,12 +69,14 @@ class PackageError(ValueError):
 # --- building -------------------------------------------------------------------------------------------
 
 
-def export_models(model: SCNN, config: ModelConfig, folder: Path) -> None:
+def export_models(model: torch.nn.Module, config: ModelSettings, folder: Path) -> None:
     """Weights, TorchScript and ONNX of the deployable module into ``folder``; errors name the format."""
+    lane_model = model_for(config)
     model = model.cpu().eval()
-    deployed = DeployedSCNN(model).eval()
+    deployed = lane_model.deployed(model).eval()
     example = torch.zeros((1, config.input_height, config.input_width, 3), dtype=torch.uint8)
-    torch.save({"model": model.state_dict(), "model_config": asdict(config)}, folder / WEIGHTS)
+    torch.save({"model": model.state_dict(), "model_name": lane_model.name, "model_config": asdict(config)},
+               folder / WEIGHTS)
     # Without gradients the model runs plain tensor operations (not its training-time autograd
     # function), which is what tracing and the exporters follow.
     # torch 2.13 marks TorchScript deprecated (it still works, and inference teams still ask for it).
@@ -87,9 +91,8 @@ def export_models(model: SCNN, config: ModelConfig, folder: Path) -> None:
                 # dynamo=False: the TorchScript-based exporter takes seconds where the dynamo one takes
                 # minutes on this network's unrolled message passing, with the same parity.
                 torch.onnx.export(deployed, (example,), str(folder / ONNX), dynamo=False, opset_version=ONNX_OPSET,
-                                  input_names=["images"], output_names=["probabilities", "existence"],
-                                  dynamic_axes={"images": {0: "batch"}, "probabilities": {0: "batch"},
-                                                "existence": {0: "batch"}})
+                                  input_names=["images"], output_names=list(lane_model.output_names),
+                                  dynamic_axes={name: {0: "batch"} for name in ("images", *lane_model.output_names)})
         except Exception as exc:
             raise PackageError(f"ONNX export failed: {type(exc).__name__}: {exc}") from exc
 
@@ -104,7 +107,7 @@ class ParityImage:
     h_samples: list[int]
 
 
-def parity_images(data_root: Path, split: str, config: ModelConfig, count: int = PARITY_IMAGES) -> list[ParityImage]:
+def parity_images(data_root: Path, split: str, config: ModelSettings, count: int = PARITY_IMAGES) -> list[ParityImage]:
     """The first ``count`` images of a prepared split, through the input contract."""
     from training.evaluate import dataset_kind, ground_truth_for
 
@@ -124,26 +127,27 @@ def parity_images(data_root: Path, split: str, config: ModelConfig, count: int =
     return images
 
 
-def check_parity(folder: Path, config: ModelConfig, images: list[ParityImage]) -> dict[str, Any]:
-    """Every backend's probabilities and lanes against the eager model's, on ``images``."""
+def check_parity(folder: Path, config: ModelSettings, images: list[ParityImage]) -> dict[str, Any]:
+    """Every backend's outputs and lanes against the eager model's, on ``images``: per output
+    ``max_abs_diff_<output>``, the largest of them ``max_abs_diff``."""
+    lane_model = model_for(config)
     backends = {name: open_backend(folder, config, name) for name in BACKENDS}
     batch = np.stack([image.batch for image in images])
     outputs = {name: backend(batch) for name, backend in backends.items()}
     reference = outputs["eager"]
     report: dict[str, Any] = {"images": len(images), "tolerance": PROB_TOLERANCE, "backends": {}}
     for name in ("torchscript", "onnx"):
-        probs, existence = outputs[name]
         same_lanes = all(
-            slot_lanes(probs[i], existence[i], image.h_samples, image.size)
-            == slot_lanes(reference[0][i], reference[1][i], image.h_samples, image.size)
+            lane_model.row_lanes(image_outputs(outputs[name], i), image.h_samples, image.size)
+            == lane_model.row_lanes(image_outputs(reference, i), image.h_samples, image.size)
             for i, image in enumerate(images))
-        report["backends"][name] = {
-            "max_abs_diff_probabilities": float(np.abs(probs - reference[0]).max()),
-            "max_abs_diff_existence": float(np.abs(existence - reference[1]).max()),
-            "identical_lanes": same_lanes}
+        differences = {f"max_abs_diff_{output}": float(np.abs(ours - theirs).max())
+                       for output, ours, theirs in zip(lane_model.output_names, outputs[name], reference, strict=True)}
+        report["backends"][name] = {**differences, "max_abs_diff": max(differences.values()),
+                                    "identical_lanes": same_lanes}
     failures = []
     for name, result in report["backends"].items():
-        worst = max(result["max_abs_diff_probabilities"], result["max_abs_diff_existence"])
+        worst = result["max_abs_diff"]
         if worst > PROB_TOLERANCE:
             failures.append(f"{name}: outputs differ by up to {worst:.3g} (> {PROB_TOLERANCE})")
         elif not result["identical_lanes"]:
@@ -155,7 +159,7 @@ def check_parity(folder: Path, config: ModelConfig, images: list[ParityImage]) -
     return report
 
 
-def build_package(model: SCNN, config: ModelConfig, images: list[ParityImage], out: Path, *,
+def build_package(model: torch.nn.Module, config: ModelSettings, images: list[ParityImage], out: Path, *,
                   lineage: dict | None = None, metrics: dict | None = None) -> dict[str, Any]:
     """Export, prove parity, describe, checksum and archive: ``out`` (a folder) and ``out``.tar.gz."""
     out = Path(out)
@@ -163,13 +167,14 @@ def build_package(model: SCNN, config: ModelConfig, images: list[ParityImage], o
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
+        lane_model = model_for(config)
         export_models(model, config, staging)
         parity = check_parity(staging, config, images)
         manifest = {
             "format_version": FORMAT_VERSION,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model": {"architecture": "SCNN", "config": asdict(config)},
-            "contract": input_contract(config.input_width, config.input_height),
+            "model": {"name": lane_model.name, "architecture": lane_model.architecture, "config": asdict(config)},
+            "contract": lane_model.contract(config),
             "lineage": lineage or {},
             "metrics": metrics or {},
             "parity": {**parity, "checked_on": [image.name for image in images]},
@@ -189,7 +194,7 @@ def build_package(model: SCNN, config: ModelConfig, images: list[ParityImage], o
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log.info("packaged %s (parity on %d images: %s)", out, parity["images"],
-             ", ".join(f"{k} {v['max_abs_diff_probabilities']:.1e}" for k, v in parity["backends"].items()))
+             ", ".join(f"{k} {v['max_abs_diff']:.1e}" for k, v in parity["backends"].items()))
     return {"package": str(out), "archive": str(archive), "format_version": FORMAT_VERSION,
             "files": manifest["files"], "parity": manifest["parity"]}
 
@@ -222,9 +227,13 @@ class Package:
     manifest: dict
 
     @property
-    def config(self) -> ModelConfig:
-        fields = self.manifest["model"]["config"]
-        return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    def model_name(self) -> str:
+        """The lane model the package holds (SCNN's, for packages from before there were others)."""
+        return str(self.manifest["model"].get("name") or DEFAULT_MODEL)
+
+    @property
+    def config(self) -> ModelSettings:
+        return get_model(self.model_name).settings_from_record(self.manifest["model"]["config"])
 
     def path(self, name: str) -> Path:
         return self.folder / name
@@ -281,20 +290,20 @@ def runs_on_gpu(runs_on: str) -> bool:
 
 @dataclass(frozen=True)
 class Backend:
-    """A callable from a uint8 BGR batch to (probabilities, existence) numpy arrays, and where it really runs:
+    """A callable from a uint8 BGR batch to the model's outputs as numpy arrays, and where it really runs:
     the torch device, or the ONNX Runtime execution provider that took the session (ONNX Runtime falls back
     to the CPU without a word when its CUDA provider is missing)."""
 
     name: str
     runs_on: str
-    config: ModelConfig
-    run: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+    config: ModelSettings
+    run: Callable[[np.ndarray], tuple[np.ndarray, ...]]
 
     @property
     def on_gpu(self) -> bool:
         return runs_on_gpu(self.runs_on)
 
-    def __call__(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, batch: np.ndarray) -> tuple[np.ndarray, ...]:
         config = self.config
         expected = (config.input_height, config.input_width, 3)
         if batch.ndim != 4 or batch.shape[1:] != expected or batch.dtype != np.uint8:
@@ -304,16 +313,17 @@ class Backend:
         return self.run(batch)
 
 
-def open_backend(folder: Path | Package, config: ModelConfig | None = None, name: str = "eager",
+def open_backend(folder: Path | Package, config: ModelSettings | None = None, name: str = "eager",
                  device: str = "cpu") -> Backend:
     """The package's model behind backend ``name`` on ``device``; ``.runs_on`` says where it actually runs."""
     folder, config = (folder.folder, folder.config) if isinstance(folder, Package) else (Path(folder), config)
     assert config is not None
     if name == "eager":
         state = torch.load(folder / WEIGHTS, map_location=device, weights_only=True)
-        model = SCNN(config)
+        lane_model = model_for(config)
+        model = lane_model.network(config)
         model.load_state_dict(state["model"])
-        module: Any = DeployedSCNN(model).to(device).eval()
+        module: Any = lane_model.deployed(model).to(device).eval()
     elif name == "torchscript":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", category=DeprecationWarning)
@@ -335,9 +345,8 @@ def open_backend(folder: Path | Package, config: ModelConfig | None = None, name
         raise PackageError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
 
     @torch.no_grad()
-    def run(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        probs, existence = module(torch.from_numpy(batch).to(device))
-        return probs.cpu().numpy(), existence.cpu().numpy()
+    def run(batch: np.ndarray) -> tuple[np.ndarray, ...]:
+        return tuple(output.cpu().numpy() for output in module(torch.from_numpy(batch).to(device)))
 
     return Backend(name, str(torch.device(device)), config, run)
 

@@ -13,7 +13,7 @@ dataset root gives lines its label files score; a video's frames are ``<video na
 A model evaluated on CULane (its package's metrics say so; ``--format`` chooses otherwise) writes CULane's
 format instead, as the official tool and ``training.culane_eval --predictions`` read it: a ``.lines.txt`` per
 frame under ``lines/``, at the frame's path with its suffix replaced (a video's frame ``clip.mp4#12`` as
-``clip.mp4/00012.lines.txt``), its lanes by SCNN's CULane rule (``culane_lanes``) in the frame's pixels.
+``clip.mp4/00012.lines.txt``), its lanes by the model's CULane rule (SCNN's: ``culane_lanes``) in the frame's pixels.
 Overlays (lanes coloured per slot) go to ``overlays/`` for images and ``<video stem>.overlay.mp4`` for
 a video. An image that cannot be decoded, or a frame a video cannot give, is reported and skipped;
 the rest are predicted.
@@ -37,14 +37,9 @@ import cv2
 import numpy as np
 
 from training.data.culane import format_lines, lines_path_for
-from training.inference import (
-    culane_lanes,
-    draw_lanes,
-    draw_point_lanes,
-    h_samples_for,
-    resize_for_model,
-    slot_lanes,
-)
+from training.inference import draw_lanes, draw_point_lanes, h_samples_for, resize_for_model
+from training.models import get_model
+from training.models.base import image_outputs
 from training.package import BACKENDS, Package, PackageError, load_package, open_backend
 from training.signals import exit_on_sigterm
 
@@ -199,7 +194,7 @@ def predict(package: Package, spec: str, out: Path, *, backend: str = "auto", de
     if written not in FORMATS:
         raise PackageError(f"unknown format '{label_format}'; choose auto or one of {', '.join(FORMATS)}")
     run = open_backend(package, name=name, device=device)
-    config = package.config
+    config, lane_model = package.config, get_model(package.model_name)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = Summary(backend=name, label_format=written,
@@ -228,18 +223,18 @@ def predict(package: Package, spec: str, out: Path, *, backend: str = "auto", de
         def flush() -> None:
             images = np.stack([resize_for_model(f.image, config.input_width, config.input_height) for f in batch])
             began = time.perf_counter()
-            probs, existence = run(images)
+            outputs = run(images)
             per_frame_ms = (time.perf_counter() - began) * 1000 / len(batch)
             for i, frame in enumerate(batch):
                 height, width = frame.image.shape[:2]
                 if written == "culane":
-                    points = culane_lanes(probs[i], existence[i], frame_size=(width, height))
+                    points = lane_model.culane_lanes(image_outputs(outputs, i), (width, height))
                     target = out / "lines" / culane_lines_name(frame.name)
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_text(format_lines(lane for _, lane in points))
                 else:
                     h_samples = h_samples_for(height)
-                    lanes = slot_lanes(probs[i], existence[i], h_samples, (width, height))
+                    lanes = lane_model.row_lanes(image_outputs(outputs, i), h_samples, (width, height))
                     lines.write(json.dumps({"raw_file": frame.name, "lanes": [lane for _, lane in lanes],
                                             "h_samples": h_samples, "run_time": per_frame_ms}) + "\n")
                 if overlays:

@@ -24,7 +24,8 @@ from training.config import TrainConfig
 from training.data.preprocess import load_manifest
 from training.dataset import LaneDataset, normalize
 from training.evaluate import evaluate_run, score_split
-from training.model import SCNN, ModelConfig, SCNNLoss, TrainingDiverged, load_backbone_weights, model_config
+from training.models import LaneModel, get_model
+from training.models.base import Criterion, ModelSettings, TrainingDiverged
 from training.precision import MixedPrecision
 from training.stop_request import STOP_REQUEST, StopRequest, read_stop_request
 from training.tensorboard_log import TENSORBOARD_DIR, TensorBoardLog
@@ -111,15 +112,15 @@ def emit(event: str, **payload: object) -> None:
 
 
 def train_step(model: torch.nn.Module, images: torch.Tensor, masks: torch.Tensor, exist: torch.Tensor,
-               criterion: SCNNLoss, optimizer: torch.optim.Optimizer, mixed: MixedPrecision,
+               criterion: Criterion, optimizer: torch.optim.Optimizer, mixed: MixedPrecision,
                memory_format: torch.memory_format, distributed: bool) -> tuple[torch.Tensor, dict[str, float]]:
     """One SGD step on a uint8 batch: moved without blocking, normalised on the device, forward in the
     run's precision, loss in fp32. Shared with bench/gpu.py so the bench times what training runs."""
     device = next(model.parameters()).device
     batch = normalize(images.to(device, non_blocking=True)).contiguous(memory_format=memory_format)
     with mixed.autocast():
-        logits, existence = model(batch)
-    loss, parts = criterion(logits.float(), existence.float(), masks.to(device, non_blocking=True),
+        outputs = model(batch)
+    loss, parts = criterion(tuple(output.float() for output in outputs), masks.to(device, non_blocking=True),
                             exist.to(device, non_blocking=True))
     optimizer.zero_grad()  # set_to_none is torch's default; Horovod's wrapper takes no arguments
     mixed.backward_and_step(loss, optimizer, distributed)
@@ -140,11 +141,12 @@ class RunParts:
     run_precision: str
     memory_format: torch.memory_format
     mixed: MixedPrecision
-    model_cfg: ModelConfig
+    lane_model: LaneModel
+    model_cfg: ModelSettings
     dataset: LaneDataset
-    model: SCNN
+    model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    criterion: SCNNLoss
+    criterion: Criterion
     closing: contextlib.ExitStack
     board: TensorBoardLog | None = None
     #: The data's version (its manifest's), kept in every checkpoint: a resume on other data is refused.
@@ -163,18 +165,19 @@ class RunParts:
         found = precision.Device.of(device)
         run_precision = precision.resolve_precision(config.precision, found)
         memory_format = precision.resolve_memory_format(config.memory_format, found)
-        model_cfg = model_config(config.preset, **config.model_overrides)
+        lane_model = get_model(config.model)
+        model_cfg = lane_model.settings(config.preset, **config.model_overrides)
         dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True,
                               cache=config.cache)
-        model = SCNN(model_cfg).to(device, memory_format=memory_format)
+        model = lane_model.network(model_cfg).to(device, memory_format=memory_format)
         if weights:
-            count = load_backbone_weights(model, weights)
+            count = lane_model.load_backbone(model, weights)
             log.info("loaded %d backbone tensors from %s", count, weights)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr * dist.size, momentum=config.momentum,
                                     weight_decay=config.weight_decay, nesterov=True)
         return cls(config, data_root, run_dir, dist, stop, device, run_precision, memory_format,
-                   MixedPrecision(run_precision, device.type), model_cfg, dataset, model, optimizer,
-                   SCNNLoss(check_finite=run_precision != "fp16"), closing,
+                   MixedPrecision(run_precision, device.type), lane_model, model_cfg, dataset, model, optimizer,
+                   lane_model.criterion(model_cfg, check_finite=run_precision != "fp16"), closing,
                    dataset_version=(load_manifest(data_root) or {}).get("dataset_version"))
 
     @property
@@ -197,7 +200,8 @@ class RunParts:
         dropped (the orchestrator asks again if it still wants)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps({
-            "train": asdict(self.config), "model": asdict(self.model_cfg), "world_size": self.dist.size}, indent=2))
+            "train": asdict(self.config), "model": asdict(self.model_cfg), "model_name": self.lane_model.name,
+            "world_size": self.dist.size}, indent=2))
         if (stale := read_stop_request(self.run_dir)) is not None:
             log.warning("ignoring a stop request left from an earlier attempt: %s", stale)
             (self.run_dir / STOP_REQUEST).unlink(missing_ok=True)
@@ -222,7 +226,8 @@ class RunParts:
         if self.is_main:
             path = save_checkpoint(self.run_dir, {
                 "step": step, "model": self.model.state_dict(), "optimizer": optimizer.state_dict(),
-                "model_config": asdict(self.model_cfg), "train_config": asdict(self.config),
+                "model_name": self.lane_model.name, "model_config": asdict(self.model_cfg),
+                "train_config": asdict(self.config),
                 "world_size": self.dist.size, "precision": self.run_precision, "scaler": self.mixed.state_dict(),
                 "dataset_version": self.dataset_version, **extra})
             self.record("checkpoint", step, step=step, path=str(path))
@@ -232,7 +237,7 @@ class RunParts:
         state = load_latest_checkpoint(self.run_dir)
         if state is None:
             return None
-        check_compatible(state, self.model_cfg, state["path"])
+        check_compatible(state, self.lane_model.name, self.model_cfg, state["path"])
         check_same_data(state, self.dataset_version, state["path"])
         if "sampler" in state and not self.config.elastic:
             raise ValueError(f"checkpoint {state['path']} was written by an elastic run, whose steps do not say where "
@@ -281,7 +286,8 @@ class RunParts:
         log.info("final weights sha256 %s (rank %d)", weights_digest(self.model), self.dist.rank)
         if self.is_main:
             model_cfg = asdict(self.model_cfg)
-            torch.save({"model": self.model.state_dict(), "model_config": model_cfg, "step": step},
+            torch.save({"model": self.model.state_dict(), "model_name": self.lane_model.name,
+                        "model_config": model_cfg, "step": step},
                        self.run_dir / "model.pt.tmp")
             os.replace(self.run_dir / "model.pt.tmp", self.run_dir / "model.pt")
             result = evaluate_run(self.model, self.model_cfg, self.data_root, self.run_dir, self.config.eval_split,
