@@ -188,10 +188,10 @@ def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_rep
 
 def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_grows_when_room_appears(
         emulator: tuple, prepared: tuple[ClusterPlatform, VolumeRef, str]) -> None:
-    """min 1, max 2 workers on an AKS-shaped cluster with one GPU: worker-1 stays Pending (Insufficient
-    nvidia.com/gpu) well past `scheduling_grace_s`, and the job trains on one worker all the same — a worker
+    """min 1, max 2 workers on an AKS-shaped cluster with one GPU: one worker stays Pending (Insufficient
+    nvidia.com/gpu) well past `scheduling_grace_s`, and the job trains on the other all the same — a worker
     waiting for room is what elastic training is for, not a stuck stage. Then the pool grows by a node: the
-    scheduler places worker-1 there, and the run takes it and ends on two workers."""
+    scheduler places the waiting worker there, and the run takes it and ends on two workers."""
     emu, cluster = emulator
     cluster.configmap_sync_s = 2.0  # the kubelet's sync (1 min upstream), shortened
     cluster.nodes = aks_nodes(gpu=1, spot=0, gpu_size="Standard_NC24ads_A100_v4")  # one GPU
@@ -199,19 +199,24 @@ def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_g
     grace_s = 2
     platform = cluster_platform(emu, scheduling_grace_s=grace_s, elastic_cooldown_min_s=2, elastic_cooldown_max_s=30)
     spec = elastic_spec(volume.name, data_dir, workers=1, epochs=8, log_every=2)
-    grown: list[float] = []
+    grown: list[str] = []  # the worker that waited for room
     held: list[str] = []  # what the hold did, for a failing test's message
     started = time.monotonic()
-    worker_0, worker_1 = (f"{spec.job_name}-worker-{index}" for index in (0, 1))
+    workers = [f"{spec.job_name}-worker-{index}" for index in (0, 1)]
 
     def grow_the_pool(cluster: Cluster, namespace: str, name: str, line: str) -> None:
         """Once it has trained on one worker for well past the grace, a second GPU node joins the pool, while the
-        rank is slowed until horovodrun has started a rank in worker-1, placed there."""
+        rank is slowed until horovodrun has started a rank in the other worker, placed there. Which worker got
+        the one GPU is the scheduler's choice (either, here as on a real cluster)."""
         if grown or "-launcher-" not in name or '"event": "step"' not in line or \
                 time.monotonic() - started <= 3 * grace_s:
             return
-        grown.append(time.monotonic())
-        slow_until(cluster, worker_0, rank_started_in(cluster, worker_1), said=held)
+        running = [pod for pod in workers if ranks_on(cluster, pod)]
+        if len(running) != 1:
+            return
+        (waiting,) = set(workers) - set(running)
+        grown.append(waiting)
+        slow_until(cluster, running[0], rank_started_in(cluster, waiting), said=held)
         with cluster.lock:
             cluster.nodes["gpu-b"] = gpu_node("gpu-b", gpus=1)
 
@@ -224,14 +229,15 @@ def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_g
     except TrainingFailed as exc:
         raise AssertionError(f"{exc}\nhold: {held}\n{launcher_log(cluster, spec.job_name)}") from exc
     assert grown, "training never started on one worker"
-    said = [line for line in logs if "worker-1 is not running (Unschedulable" in line]
+    (waiting,) = grown
+    said = [line for line in logs if f"{waiting} is not running (Unschedulable" in line]
     assert said and "trains on the workers it has meanwhile" in said[0], said
     steps = [event for event in events if event["event"] == "step"]
     placed = {event["involvedObject"]["name"]: event["message"].rsplit(" to ", 1)[-1]
               for event in cluster.objects["events"].values() if event["reason"] == "Scheduled"}
     assert steps[0]["workers"] == 1 and steps[-1]["workers"] == 2, (placed, steps)
     assert outcome.steps == outcome.total_steps and outcome.stopped is None
-    assert placed[f"{spec.job_name}-worker-1"] == "gpu-b", placed
+    assert placed[waiting] == "gpu-b", placed
 
 
 def test_an_elastic_launcher_stopped_mid_run_has_every_rank_checkpoint_and_its_replacement_resumes_there(
