@@ -64,7 +64,7 @@ def test_a_model_from_its_own_package_is_found_by_its_entry_point_trains_package
     plugin = with_plugin(installed)
     listed = subprocess.run([sys.executable, "-c", "from training.models import model_names; print(model_names())"],
                             env=plugin, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
-    assert listed.stdout.strip() == "['scnn', 'tinylanes']", listed.stderr[-2000:]
+    assert listed.stdout.strip() == "['scnn', 'ufld', 'tinylanes']", listed.stderr[-2000:]
     # Without the package, the name is unknown: refused at once, with the names there are.
     refused = run(train_cmd(prepared, tmp_path / "refused", "--set", "model=tinylanes"))
     assert refused.returncode == 2 and "unknown model 'tinylanes'; choose one of scnn" in refused.stderr

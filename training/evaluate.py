@@ -76,7 +76,7 @@ def predict(model: torch.nn.Module, config: ModelSettings, data_root: Path, spli
         per_image_ms = (time.perf_counter() - began) * 1000 / len(names)
         for offset, (name, frame) in enumerate(zip(names, frames, strict=True)):
             size = (frame.shape[1], frame.shape[0])
-            lanes = lane_model.row_lanes(image_outputs(outputs, offset), gt_lines[name]["h_samples"], size)
+            lanes = lane_model.row_lanes(config, image_outputs(outputs, offset), gt_lines[name]["h_samples"], size)
             predictions.append({"raw_file": name, "lanes": [lane for _, lane in lanes], "slots": [s for s, _ in lanes],
                                 "run_time": per_image_ms})
     return predictions, gt_lines

@@ -49,7 +49,7 @@ def predict_lines(model: torch.nn.Module, config: ModelSettings, data_root: Path
         for offset, name in enumerate(names):
             path = out / lines_path_for(name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            lanes = lane_model.culane_lanes(image_outputs(outputs, offset), CULANE_SIZE)
+            lanes = lane_model.culane_lanes(config, image_outputs(outputs, offset), CULANE_SIZE)
             path.write_text(format_lines(points for _, points in lanes))
 
 

@@ -138,8 +138,8 @@ def check_parity(folder: Path, config: ModelSettings, images: list[ParityImage])
     report: dict[str, Any] = {"images": len(images), "tolerance": PROB_TOLERANCE, "backends": {}}
     for name in ("torchscript", "onnx"):
         same_lanes = all(
-            lane_model.row_lanes(image_outputs(outputs[name], i), image.h_samples, image.size)
-            == lane_model.row_lanes(image_outputs(reference, i), image.h_samples, image.size)
+            lane_model.row_lanes(config, image_outputs(outputs[name], i), image.h_samples, image.size)
+            == lane_model.row_lanes(config, image_outputs(reference, i), image.h_samples, image.size)
             for i, image in enumerate(images))
         differences = {f"max_abs_diff_{output}": float(np.abs(ours - theirs).max())
                        for output, ours, theirs in zip(lane_model.output_names, outputs[name], reference, strict=True)}

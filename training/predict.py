@@ -228,13 +228,13 @@ def predict(package: Package, spec: str, out: Path, *, backend: str = "auto", de
             for i, frame in enumerate(batch):
                 height, width = frame.image.shape[:2]
                 if written == "culane":
-                    points = lane_model.culane_lanes(image_outputs(outputs, i), (width, height))
+                    points = lane_model.culane_lanes(config, image_outputs(outputs, i), (width, height))
                     target = out / "lines" / culane_lines_name(frame.name)
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_text(format_lines(lane for _, lane in points))
                 else:
                     h_samples = h_samples_for(height)
-                    lanes = lane_model.row_lanes(image_outputs(outputs, i), h_samples, (width, height))
+                    lanes = lane_model.row_lanes(config, image_outputs(outputs, i), h_samples, (width, height))
                     lines.write(json.dumps({"raw_file": frame.name, "lanes": [lane for _, lane in lanes],
                                             "h_samples": h_samples, "run_time": per_frame_ms}) + "\n")
                 if overlays:

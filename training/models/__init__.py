@@ -23,7 +23,7 @@ __all__ = ["DEFAULT_MODEL", "ENTRY_POINT_GROUP", "LaneModel", "get_model", "mode
 ENTRY_POINT_GROUP = "laneflow.models"
 DEFAULT_MODEL = "scnn"
 #: Built-in models: name -> "module:class".
-BUILT_IN = {"scnn": "training.models.scnn:SCNNModel"}
+BUILT_IN = {"scnn": "training.models.scnn:SCNNModel", "ufld": "training.models.row_anchor:RowAnchorModel"}
 
 
 def _registered() -> dict[str, str]:

@@ -97,11 +97,12 @@ class LaneModel(abc.ABC):
         """The package's record of inputs, outputs and how lanes are read from them."""
 
     @abc.abstractmethod
-    def row_lanes(self, outputs: Outputs, rows: list[int], image_size: tuple[int, int]) -> RowLanes:
+    def row_lanes(self, settings: ModelSettings, outputs: Outputs, rows: list[int],
+                  image_size: tuple[int, int]) -> RowLanes:
         """The lanes of one image at source rows ``rows`` (TuSimple's h_samples), ``image_size`` (width, height)."""
 
     @abc.abstractmethod
-    def culane_lanes(self, outputs: Outputs, frame_size: tuple[int, int]) -> PointLanes:
+    def culane_lanes(self, settings: ModelSettings, outputs: Outputs, frame_size: tuple[int, int]) -> PointLanes:
         """The lanes of one image as the points of CULane's ``.lines.txt`` in a frame of ``frame_size``."""
 
     @abc.abstractmethod

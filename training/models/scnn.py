@@ -44,11 +44,11 @@ class SCNNModel(LaneModel):
     def contract(self, settings: Any) -> dict[str, Any]:
         return input_contract(settings.input_width, settings.input_height)
 
-    def row_lanes(self, outputs: Outputs, rows: list[int], image_size: tuple[int, int]) -> RowLanes:
+    def row_lanes(self, settings: Any, outputs: Outputs, rows: list[int], image_size: tuple[int, int]) -> RowLanes:
         probabilities, existence = outputs
         return slot_lanes(probabilities, existence, rows, image_size)
 
-    def culane_lanes(self, outputs: Outputs, frame_size: tuple[int, int]) -> PointLanes:
+    def culane_lanes(self, settings: Any, outputs: Outputs, frame_size: tuple[int, int]) -> PointLanes:
         probabilities, existence = outputs
         return culane_lanes(probabilities, existence, frame_size=frame_size)
 

@@ -1,0 +1,105 @@
+"""The row-anchor detector (training.models.row_anchor, ``model=ufld``): known lanes encoded into its row
+targets and decoded back land within one cell, at its anchors and at any image's rows; and it goes through
+everything SCNN does — a sweep over ``model`` trains both with horovodrun -np 2, scores them with the official
+metric and ranks them, packages with export parity, and the package predicts on a video."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from flows.sweep import sweep
+from tests.test_package import write_video
+from tests.test_pipeline import params_for
+from training.models import get_model
+from training.models.row_anchor import LANES, columns_from_rows, lanes_at, row_targets
+from training.package import load_package
+from training.predict import predict
+
+#: Four lanes in a 1280x720 source image, as (x at the bottom row 719, x at row 300): none crosses another.
+SOURCE = (1280, 720)
+LANE_ENDS = ((80.0, 560.0), (420.0, 610.0), (860.0, 690.0), (1250.0, 760.0))
+
+
+def true_x(slot: int, y: float) -> float:
+    """Slot ``slot``'s lane at source row ``y`` (a straight line from row 300 to row 719)."""
+    bottom, top = LANE_ENDS[slot]
+    return top + (bottom - top) * (y - 300) / (719 - 300)
+
+
+def lane_mask(width: int, height: int) -> np.ndarray:
+    """The lanes drawn at the model's input size, 5 px wide, value slot + 1, from row 300 of the source down."""
+    mask = np.zeros((height, width), np.uint8)
+    sx, sy = width / SOURCE[0], height / SOURCE[1]
+    for slot in range(LANES):
+        start = (round(true_x(slot, 300) * sx), round(300 * sy))
+        end = (round(true_x(slot, 719) * sx), round(719 * sy))
+        cv2.line(mask, start, end, slot + 1, 5)
+    return mask
+
+
+@pytest.mark.parametrize("preset", ["cpu-demo", "tusimple", "culane"])
+def test_known_lanes_encoded_into_row_targets_decode_back_within_one_cell(preset: str) -> None:
+    settings = get_model("ufld").settings(preset)
+    mask = torch.from_numpy(lane_mask(settings.input_width, settings.input_height))[None]
+    targets = row_targets(mask, settings)[0]  # (anchors, 4)
+    anchors = settings.anchor_rows()
+    # Where a lane is (below source row 300), its cell; above it, "no lane".
+    start = 300 * settings.input_height / SOURCE[1]  # where the lanes begin, in input rows
+    for index, row in enumerate(anchors):
+        source_row = row * SOURCE[1] / settings.input_height
+        for slot in range(LANES):
+            if row < start - 4:  # above the lanes and their 5 px wide round ends
+                assert targets[index, slot] == settings.cells, (row, slot)
+            if row < start + 4:
+                continue
+            cell = int(targets[index, slot])
+            x = true_x(slot, source_row) * settings.input_width / SOURCE[0]
+            assert cell < settings.cells and abs(cell * settings.cell_width - x) <= settings.cell_width, (row, slot)
+    # Logits that are sure of those targets decode to the same columns (within a cell), "no lane" to -1.
+    logits = torch.full((1, settings.cells + 1, settings.anchors, LANES), -20.0)
+    logits.scatter_(1, targets[None, None], 20.0)
+    cell_index = torch.arange(settings.cells, dtype=torch.float32).view(1, -1, 1, 1)
+    columns = columns_from_rows(logits, cell_index, settings.cell_width)[0].numpy()  # (4, anchors)
+    absent = (targets == settings.cells).T.numpy()
+    assert np.array_equal(columns < 0, absent)
+    expected = targets.T.numpy() * settings.cell_width
+    assert np.abs(np.where(absent, 0, columns - expected)).max() < 0.05 * settings.cell_width
+    # At TuSimple's h_samples of the source image: the true lanes within a cell, in source pixels.
+    rows = list(range(320, 711, 10))
+    decoded = dict(lanes_at(columns, np.ones(LANES), settings, np.asarray(rows), SOURCE))
+    cell_in_source = settings.cell_width * SOURCE[0] / settings.input_width
+    assert sorted(decoded) == [0, 1, 2, 3]
+    for slot, xs in decoded.items():
+        for row, x in zip(rows, xs, strict=True):
+            if x >= 0:
+                assert abs(x - min(max(true_x(slot, row), 0), SOURCE[0] - 1)) <= cell_in_source + 1, (slot, row, x)
+        assert (xs >= 0).sum() >= len(rows) - 3, (slot, xs)  # near the top anchors a lane may start a row late
+
+
+@pytest.mark.slow
+def test_a_sweep_over_the_model_trains_scores_ranks_and_packages_both_and_the_row_anchor_package_runs_on_video(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+    base = params_for(synthetic_archive, volume="models", max_steps=4, snapshot=False, package=True)
+    table = sweep(**base, grid={"model": ["scnn", "ufld"]}, max_concurrent=1)
+    assert sorted(row["model"] for row in table) == ["scnn", "ufld"]
+    assert all(row["state"] == "Completed" and row["val accuracy"] is not None for row in table)
+    assert [row["val accuracy"] for row in table] == sorted((row["val accuracy"] for row in table), reverse=True)
+    (ufld,) = [row for row in table if row["model"] == "ufld"]
+    run_dir = laneflow_home / "volumes" / "models" / "runs" / ufld["run"]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model_name"] == "ufld" and config["world_size"] == 2  # horovodrun -np 2
+    package = load_package(run_dir / "package")
+    assert package.model_name == "ufld" and package.manifest["parity"]["passed"]
+    assert set(package.manifest["parity"]["backends"]["onnx"]) >= {"max_abs_diff_columns", "max_abs_diff_existence"}
+    frames = [cv2.imread(str(path)) for path in sorted((laneflow_home / "volumes" / "models").rglob("20.jpg"))[:6]]
+    video = write_video(tmp_path / "drive.avi", frames, fourcc="MJPG")
+    summary = predict(package, str(video), tmp_path / "out", backend="onnx")
+    assert (summary.frames, summary.predicted, summary.skipped) == (6, 6, [])
+    lines = [json.loads(line) for line in Path(summary.predictions).read_text().splitlines()]
+    assert len(lines) == 6 and all(len(line["h_samples"]) == 56 for line in lines)
