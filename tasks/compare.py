@@ -103,6 +103,8 @@ class RunFigures:
     #: What the evaluation measured: ``tusimple`` (accuracy), or ``culane``, whose "accuracy" figures are F1 at
     #: IoU 0.5 (``training.evaluate_culane``).
     metric: str = "tusimple"
+    #: The lane model the run trained (``training.models``); runs from before there were others trained SCNN.
+    model: str = "scnn"
     #: A CULane run's test figures per scenario list, as its evaluation gives them (``tp``, ``fp``, ``fn``,
     #: ``precision``, ``recall``, ``f1``, ``f1_75``, ``mean_f1``; None where a figure is undefined).
     test_scenarios: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -220,7 +222,8 @@ def run_figures(records: RunRecords, target_accuracy: float) -> RunFigures:
         if wall is not None else None,
         service_level=level.get("training"), quota_tib=_number(level.get("quota_tib")),
         val_curve=[(at, untimed) for at, untimed, _ in points], metric=str(metrics.get("metric") or "tusimple"),
-        test_scenarios=dict(metrics.get("scenarios") or {}) if on_test else {})
+        test_scenarios=dict(metrics.get("scenarios") or {}) if on_test else {},
+        model=str(params.get("model") or "scnn"))
 
 
 def _number(value: Any) -> float | None:
@@ -243,6 +246,7 @@ def unfair_because(row: RunFigures, baseline: RunFigures) -> list[str]:
     """What makes ``row`` not like for like with the baseline: it is still compared, and flagged."""
     reasons = []
     for label, mine, theirs in (("dataset version", row.dataset_version, baseline.dataset_version),
+                                ("model", row.model, baseline.model),
                                 ("preset", row.preset, baseline.preset),
                                 ("batch size per worker", row.batch_size, baseline.batch_size)):
         if mine != theirs:
@@ -329,7 +333,7 @@ def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: s
         cost, how = run_cost(row, prices)
         flags = unfair_because(row, base)
         rows.append({
-            "run": row.name, "platform": row.platform, "workers": row.workers, "preset": row.preset,
+            "run": row.name, "platform": row.platform, "workers": row.workers, "model": row.model, "preset": row.preset,
             "precision": row.precision, "steps": row.steps, "images seen": row.images_seen,
             "wall time (s)": _round(row.wall_s, 1), "training time (s)": _round(row.training_s, 2),
             "img/s": _round(row.img_per_s, 2), "img/s per worker": _round(row.img_per_s_per_worker, 2),

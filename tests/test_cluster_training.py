@@ -79,10 +79,13 @@ def test_training_events_arrive_exactly_once_across_log_rotations_and_reconnects
     cluster.cut_streams_after_lines = 9  # and every log stream is cut after 9 lines
     events: list[dict] = []
     logs: list[str] = []
-    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="3", log_every="1")
+    # The row-anchor model: training any registered model across pods is the same MPIJob (training.models).
+    spec = spec_for(volume.name, data_dir=data_dir, workers=2, epochs="3", log_every="1", model="ufld")
     handle = platform.submit_training(spec)
     outcome = platform.wait_for_training(handle, events.append, logs.append, timeout_s=600)
     assert outcome.steps == 6 and outcome.eval["split"] == "val"  # a gap at the end is read from the record
+    saved = json.loads((cluster.claim_dir("lanes", volume.name) / spec.run_dir / "config.json").read_text())
+    assert (saved["model_name"], saved["world_size"]) == ("ufld", 2)
     (launcher_log,) = [log for (_, pod), log in cluster.logs.items() if "-launcher-" in pod]
     assert launcher_log.rotations >= 2
     recorded = [json.loads(line) for line in

@@ -77,6 +77,12 @@ def test_runs_that_differ_from_the_baseline_are_compared_and_flagged_naming_each
     assert compare(runs, baseline="big").baseline == "big"
     with pytest.raises(CompareError, match=r"baseline 'gone' is not among the compared runs \(big, small\)"):
         compare(runs, baseline="gone")
+    # Another model is another job too; a run from before models were a choice trained SCNN.
+    fast = records("fast")
+    fast.lineage["parameters"]["model"] = "ufld"
+    ufld, scnn = compare([fast, records("small")], baseline="small").rows
+    assert (ufld["model"], scnn["model"]) == ("ufld", "scnn")
+    assert ufld["comparable"] == "NO: model ufld (baseline small: scnn)"
 
 
 def test_bad_input_is_named() -> None:
