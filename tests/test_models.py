@@ -33,7 +33,7 @@ def test_scnn_is_the_built_in_model_and_an_unknown_one_is_refused_naming_the_kno
         parse_overrides("cpu-demo", ["model=ufo"])
     # A model's own settings are checked against that model: SCNN has mp_kernel, and it must be odd.
     assert parse_overrides("cpu-demo", ["model.mp_kernel=7"]).model_overrides == {"mp_kernel": 7}
-    with pytest.raises(ValueError, match="unknown or non-numeric model setting 'channels'"):
+    with pytest.raises(ValueError, match="unknown model setting 'channels'; this model's: dropout, fc_hidden"):
         parse_overrides("cpu-demo", ["model.channels=8"])
     # A record from before there were other models (no name) is SCNN's, read back field for field.
     record = {"input_height": 144, "input_width": 256, "stage_channels": [16, 32, 64, 96, 96]}

@@ -16,6 +16,7 @@ import torch
 from flows.sweep import sweep
 from tests.test_package import write_video
 from tests.test_pipeline import params_for
+from training.config import parse_overrides
 from training.models import get_model
 from training.models.row_anchor import LANES, columns_from_rows, lanes_at, row_targets
 from training.package import load_package
@@ -103,3 +104,25 @@ def test_a_sweep_over_the_model_trains_scores_ranks_and_packages_both_and_the_ro
     assert (summary.frames, summary.predicted, summary.skipped) == (6, 6, [])
     lines = [json.loads(line) for line in Path(summary.predictions).read_text().splitlines()]
     assert len(lines) == 6 and all(len(line["h_samples"]) == 56 for line in lines)
+
+
+def test_imagenet_weights_in_torchvisions_layout_load_into_the_backbone_and_another_depth_is_refused(
+        tmp_path: Path) -> None:
+    from training.models.resnet import ResNet
+
+    model = get_model("ufld")
+    network = model.network(model.settings("cpu-demo"))
+    # What torchvision's resnet18().state_dict() holds: the backbone's tensors and the ImageNet classifier.
+    saved = {**{key: torch.full_like(value, 0.5) for key, value in ResNet("resnet18").state_dict().items()},
+             "fc.weight": torch.zeros(1000, 512), "fc.bias": torch.zeros(1000)}
+    torch.save(saved, tmp_path / "resnet18.pth")
+    assert model.load_backbone(network, tmp_path / "resnet18.pth") == len(saved) - 2
+    assert bool((network.backbone.layer4[1].conv2.weight == 0.5).all())
+    torch.save(ResNet("resnet34").state_dict(), tmp_path / "resnet34.pth")
+    with pytest.raises(ValueError, match=r"stage tensors this ResNet lacks \(layer1\.2\..*another depth"):
+        model.load_backbone(network, tmp_path / "resnet34.pth")
+    # As the message says: the depth is a setting of the run.
+    deeper = parse_overrides("cpu-demo", ["model=ufld", "model.backbone=resnet34"])
+    assert model.settings("cpu-demo", **deeper.model_overrides).backbone == "resnet34"
+    with pytest.raises(ValueError, match="unknown backbone 'resnet50'; choose one of resnet18, resnet34"):
+        parse_overrides("cpu-demo", ["model=ufld", "model.backbone=resnet50"])

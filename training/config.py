@@ -93,13 +93,13 @@ def parse_overrides(preset: str, pairs: list[str]) -> TrainConfig:
         else:
             raise ValueError(f"unknown setting '{key}'; known: {', '.join(sorted(set(types) - {'model_overrides'}))}")
     # The model's own settings, once it is known which model they are for (``model=`` may come after them).
-    numeric = get_model(changes.get("model", config.model)).numeric_settings()
+    overridable = get_model(changes.get("model", config.model)).overridable_settings()
     model_changes: dict = {}
     for key, value in model_pairs:
         name = key[len("model."):]
-        if name not in numeric:
-            raise ValueError(f"unknown or non-numeric model setting '{name}'")
-        model_changes[name] = _convert(key, value, numeric[name])
+        if name not in overridable:
+            raise ValueError(f"unknown model setting '{name}'; this model's: {', '.join(sorted(overridable))}")
+        model_changes[name] = _convert(key, value, overridable[name])
     config = replace(config, **changes, model_overrides={**config.model_overrides, **model_changes})
     validate(config)
     return config

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.models.base import TrainingDiverged
+from training.models.base import TrainingDiverged, load_backbone_tensors
 
 __all__ = ["SCNN", "MessagePassing", "ModelConfig", "SCNNLoss", "TrainingDiverged", "count_parameters",
            "load_backbone_weights", "model_config"]
@@ -209,20 +209,10 @@ def load_backbone_weights(model: SCNN, path: str | Path) -> int:
     ImageNet weights cannot be downloaded here; pass a file when you have one. Returns how many
     tensors were loaded; raises naming the first shape mismatch.
     """
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    own = model.backbone.state_dict()
-    loaded = {}
-    for key, value in state.items():
-        name = key.split("features.", 1)[-1] if key.startswith("features.") else key.removeprefix("backbone.")
-        if name in own:
-            if own[name].shape != value.shape:
-                raise ValueError(f"backbone weight '{key}' has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(own[name].shape)}")
-            loaded[name] = value
-    if not loaded:
-        raise ValueError(f"{path} holds no VGG16-BN backbone tensors ('features.N.weight' ...)")
-    model.backbone.load_state_dict(loaded, strict=False)
-    return len(loaded)
+    return load_backbone_tensors(
+        model.backbone, path,
+        lambda key: key.split("features.", 1)[-1] if key.startswith("features.") else key.removeprefix("backbone."),
+        "VGG16-BN backbone tensors ('features.N.weight' ...)")
 
 
 @dataclass

@@ -75,10 +75,10 @@ class LaneModel(abc.ABC):
         return self.settings_type(**{key: tuple(value) if isinstance(value, list) else value
                                      for key, value in record.items()})
 
-    def numeric_settings(self) -> dict[str, str]:
-        """The settings a run may override (``model.<name>=value``): name -> ``int`` or ``float``."""
+    def overridable_settings(self) -> dict[str, str]:
+        """The settings a run may override (``model.<name>=value``): name -> ``int``, ``float`` or ``str``."""
         return {field.name: str(field.type) for field in fields(self.settings_type)
-                if str(field.type) in ("int", "float")}
+                if str(field.type) in ("int", "float", "str")}
 
     @abc.abstractmethod
     def network(self, settings: ModelSettings) -> nn.Module:
@@ -125,3 +125,23 @@ def run_deployed(deployed: nn.Module, batch: torch.Tensor) -> tuple[np.ndarray, 
 def image_outputs(outputs: tuple[np.ndarray, ...], index: int) -> Outputs:
     """Image ``index``'s outputs out of a batch's."""
     return tuple(output[index] for output in outputs)
+
+
+def load_backbone_tensors(backbone: nn.Module, path: str | Path, name_of: Callable[[str], str], expected: str) -> int:
+    """The tensors of the state dict in ``path`` (read as data only) whose ``name_of(key)`` is one of ``backbone``'s,
+    loaded into it; how many. A tensor of another shape is refused naming it; a file with none of them is
+    refused saying what was ``expected``."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    own = backbone.state_dict()
+    loaded = {}
+    for key, value in state.items():
+        name = name_of(key)
+        if name in own:
+            if own[name].shape != value.shape:
+                raise ValueError(f"backbone weight '{key}' has shape {tuple(value.shape)}, expected "
+                                 f"{tuple(own[name].shape)}")
+            loaded[name] = value
+    if not loaded:
+        raise ValueError(f"{path} holds no {expected}")
+    backbone.load_state_dict(loaded, strict=False)
+    return len(loaded)

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from training.models.base import load_backbone_tensors
+
 #: Blocks per stage.
 DEPTHS = {"resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}
 #: Channels of each stage's output.
@@ -62,18 +64,14 @@ class ResNet(nn.Module):
 
 def load_torchvision_weights(backbone: ResNet, path: str | Path) -> int:
     """ImageNet weights saved from torchvision's ``resnet18``/``resnet34`` (a state dict; its ``fc.*`` classifier
-    is not part of a backbone and is left out) into ``backbone``; how many tensors were loaded. Read as data only."""
+    is not part of a backbone and is left out) into ``backbone``; how many tensors were loaded. A file with stage
+    tensors this backbone lacks (another depth's) is refused: half of a deeper network is not a pretrained one."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     own = backbone.state_dict()
-    loaded = {}
-    for key, value in state.items():
-        name = key.removeprefix("backbone.")
-        if name in own:
-            if own[name].shape != value.shape:
-                raise ValueError(f"backbone weight '{key}' has shape {tuple(value.shape)}, expected "
-                                 f"{tuple(own[name].shape)}: a checkpoint of another ResNet depth?")
-            loaded[name] = value
-    if not loaded:
-        raise ValueError(f"{path} holds no ResNet tensors in torchvision's layout ('conv1.weight', 'layer1.0...')")
-    backbone.load_state_dict(loaded, strict=False)
-    return len(loaded)
+    foreign = sorted(key for key in state if key.removeprefix("backbone.").startswith("layer")
+                     and key.removeprefix("backbone.") not in own)
+    if foreign:
+        raise ValueError(f"{path} has stage tensors this ResNet lacks ({', '.join(foreign[:3])}, ...): weights of "
+                         "another depth? Set model.backbone to match them")
+    return load_backbone_tensors(backbone, path, lambda key: key.removeprefix("backbone."),
+                                 "ResNet tensors in torchvision's layout ('conv1.weight', 'layer1.0.conv1.weight')")

@@ -38,7 +38,7 @@ from torch import nn
 from training.dataset import IMAGENET_MEAN, IMAGENET_STD
 from training.inference import ABSENT, CULANE_POINTS, CULANE_ROW_STEP, CULANE_SIZE, EXIST_THRESHOLD
 from training.models.base import Criterion, LaneModel, Outputs, PointLanes, RowLanes, TrainingDiverged
-from training.models.resnet import STAGE_CHANNELS, ResNet, load_torchvision_weights
+from training.models.resnet import DEPTHS, STAGE_CHANNELS, ResNet, load_torchvision_weights
 
 LANES = 4
 FOCAL_GAMMA = 2.0
@@ -67,6 +67,8 @@ class RowAnchorSettings:
         if self.input_height % 32 or self.input_width % 32:
             raise ValueError(f"input size {self.input_width}x{self.input_height} must be a multiple of 32 (the "
                              "backbone's stride)")
+        if self.backbone not in DEPTHS:
+            raise ValueError(f"unknown backbone '{self.backbone}'; choose one of {', '.join(DEPTHS)}")
         if self.cells < 2 or self.anchors < 2:
             raise ValueError(f"cells ({self.cells}) and anchors ({self.anchors}) must be at least 2")
         if not 0 <= self.anchor_top < self.anchor_bottom <= 1:

@@ -1,10 +1,10 @@
 """TinyLanes: a lane model of a team's own, plugged into laneflow through the ``laneflow.models`` entry point.
 
 Three strided convolution blocks and a 1x1 head give the same outputs SCNN does — a 5-class lane mask
-(background and four slots, left to right) and four existence probabilities — so laneflow's deployable wrapper
-and lane decoding for such outputs (``training.inference``) serve it as they are; a model with other outputs
-writes its own ``deployed``, ``row_lanes`` and ``culane_lanes``. Every method is what
-``training.models.base.LaneModel`` asks for.
+(background and four slots, left to right) and four existence probabilities — so laneflow's deployable module
+and lane decoding for such outputs (``training.models.segmentation``) serve it as they are; a model with other
+outputs subclasses ``training.models.base.LaneModel`` and writes its own ``deployed``, ``contract``,
+``row_lanes`` and ``culane_lanes``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.inference import DeployedSCNN, culane_lanes, input_contract, slot_lanes
-from training.models.base import Criterion, LaneModel, Outputs, PointLanes, RowLanes, TrainingDiverged
+from training.models.base import Criterion, TrainingDiverged
+from training.models.segmentation import SegmentationLaneModel
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,13 @@ class TinyLanes(nn.Module):
         return logits, self.existence(features.mean(dim=(2, 3)))
 
 
-class TinyLanesModel(LaneModel):
+class TinyLanesModel(SegmentationLaneModel):
+    """SCNN's outputs, so laneflow's deployable module and lane decoding serve it (``SegmentationLaneModel``);
+    it gives its settings, network, loss and backbone loader."""
+
     name = "tinylanes"
     architecture = "TinyLanes"
     settings_type = TinySettings
-    output_names = ("probabilities", "existence")
 
     def settings(self, preset: str, **overrides: object) -> TinySettings:
         if preset not in PRESETS:
@@ -88,22 +90,6 @@ class TinyLanesModel(LaneModel):
                                                 "exist_loss": float(exist.detach())}
 
         return loss
-
-    def deployed(self, network: nn.Module) -> nn.Module:
-        # laneflow's wrapper serves any network with SCNN's outputs: the input contract in (uint8 BGR NHWC,
-        # normalised inside), softmax probabilities and existence out.
-        return DeployedSCNN(network)
-
-    def contract(self, settings: Any) -> dict[str, Any]:
-        return input_contract(settings.input_width, settings.input_height)
-
-    def row_lanes(self, settings: Any, outputs: Outputs, rows: list[int], image_size: tuple[int, int]) -> RowLanes:
-        probabilities, existence = outputs
-        return slot_lanes(probabilities, existence, rows, image_size)
-
-    def culane_lanes(self, settings: Any, outputs: Outputs, frame_size: tuple[int, int]) -> PointLanes:
-        probabilities, existence = outputs
-        return culane_lanes(probabilities, existence, frame_size=frame_size)
 
     def load_backbone(self, network: nn.Module, path: Path) -> int:
         raise ValueError(f"tinylanes has no pretrained backbone to load from {path}: train it without weights")
