@@ -227,10 +227,14 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
     assert {(r.verb, r.resource) for r in cluster.requests if r.namespace is None} == granted(base + rwo, None)
 
     # restore: a new claim whose dataSource is the snapshot; nothing downloaded, the snapshot's run is there.
-    # (One worker for a step, no package, snapshot or tracking: what is asserted here is the restore.)
+    # (One worker for a step, no package, snapshot or tracking: what is asserted here is the restore; and the
+    # row-anchor model, so the snapshot's data trains another model through train_pipeline on the cluster.)
     monkeypatch.delenv(tracking.TRACKING_URI_ENV)  # its server stopped with the block above
     restored = restore(result["snapshot"], volume="restored", platform=name,
-                       changes={"max_steps": 1, "workers": 1, "package": False, "snapshot": False})
+                       changes={"max_steps": 1, "workers": 1, "package": False, "snapshot": False, "model": "ufld"})
+    assert restored["metrics"]["split"] == "test" and restored["metrics"]["images"] == 3
+    ufld_run = json.loads((cluster.claim_dir("laneflow", "restored") / restored["run_dir"] / "config.json").read_text())
+    assert ufld_run["model_name"] == "ufld"
     claim = cluster.objects["persistentvolumeclaims"][("laneflow", "restored")]
     assert claim["spec"]["dataSource"] == {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot",
                                            "name": result["snapshot"]}

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from flows.sweep import sweep
-from tests.test_package import write_video
 from tests.test_pipeline import params_for
 from training.config import parse_overrides
+from training.data.synthetic import labelled_video
 from training.models import get_model
 from training.models.row_anchor import LANES, columns_from_rows, lanes_at, row_targets
 from training.package import load_package
@@ -95,15 +95,19 @@ def test_a_sweep_over_the_model_trains_scores_ranks_and_packages_both_and_the_ro
     run_dir = laneflow_home / "volumes" / "models" / "runs" / ufld["run"]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model_name"] == "ufld" and config["world_size"] == 2  # horovodrun -np 2
+    lineage = json.loads((run_dir / "lineage.json").read_text())
+    assert lineage["parameters"]["model"] == "ufld" and lineage["training"]["model"]["name"] == "ufld"
+    assert lineage["training"]["model"]["settings"]["cells"] == get_model("ufld").settings("cpu-demo").cells
     package = load_package(run_dir / "package")
     assert package.model_name == "ufld" and package.manifest["parity"]["passed"]
     assert set(package.manifest["parity"]["backends"]["onnx"]) >= {"max_abs_diff_columns", "max_abs_diff_existence"}
-    frames = [cv2.imread(str(path)) for path in sorted((laneflow_home / "volumes" / "models").rglob("20.jpg"))[:6]]
-    video = write_video(tmp_path / "drive.avi", frames, fourcc="MJPG")
+    # The demo's video (scripts/demo.py): the test frames as a clip.
+    video = tmp_path / "drive.avi"
+    labelled_video(laneflow_home / "volumes" / "models" / lineage["dataset_dir"], "test_label.json", video)
     summary = predict(package, str(video), tmp_path / "out", backend="onnx")
-    assert (summary.frames, summary.predicted, summary.skipped) == (6, 6, [])
+    assert (summary.frames, summary.predicted, summary.skipped) == (3, 3, [])
     lines = [json.loads(line) for line in Path(summary.predictions).read_text().splitlines()]
-    assert len(lines) == 6 and all(len(line["h_samples"]) == 56 for line in lines)
+    assert len(lines) == 3 and all(len(line["h_samples"]) == 56 for line in lines)
 
 
 def test_imagenet_weights_in_torchvisions_layout_load_into_the_backbone_and_another_depth_is_refused(

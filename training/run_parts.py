@@ -251,7 +251,8 @@ class RunParts:
     def start_event(self, step: int, total_steps: int, resumed: bool, **extra: object) -> None:
         self.record("start", step, step=step, total_steps=total_steps, world_size=self.dist.size, resumed=resumed,
                     precision=self.run_precision, memory_format="channels_last"
-                    if self.memory_format == torch.channels_last else "contiguous", device=self.device.type, **extra)
+                    if self.memory_format == torch.channels_last else "contiguous", device=self.device.type,
+                    model=self.lane_model.name, model_settings=asdict(self.model_cfg), **extra)
 
     def step(self, images: torch.Tensor, masks: torch.Tensor, exist: torch.Tensor, optimizer: torch.optim.Optimizer,
              step: int) -> tuple[torch.Tensor, dict[str, float]]:

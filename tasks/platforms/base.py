@@ -167,6 +167,8 @@ class TrainingOutcome(BaseModel):
     stopped: dict[str, Any] | None = Field(None, description="the stop request the run honoured (ended early on "
                                                               "purpose: a pruned trial), None when it ran to its end")
     val: list[dict[str, Any]] = Field(default_factory=list, description="the periodic val scores (eval_every)")
+    model: dict[str, Any] = Field(default_factory=dict, description="the lane model trained: its name and settings, "
+                                                                    "as the last attempt's start event gave them")
 
 
 class SnapshotRef(BaseModel):
@@ -196,7 +198,9 @@ def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s:
         eval=_payload(evals[-1]) if evals else {},
         duration_s=round(duration_s, 3), log_tail=log_tail,
         stopped=_payload(stopped[-1]) if stopped else None,
-        val=[_payload(e) for e in events if e.get("event") == "val"])
+        val=[_payload(e) for e in events if e.get("event") == "val"],
+        model={"name": starts[-1]["model"], "settings": starts[-1].get("model_settings") or {}}
+        if starts and starts[-1].get("model") else {})
 
 
 def _payload(event: dict[str, Any]) -> dict[str, Any]:
