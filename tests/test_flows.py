@@ -82,8 +82,12 @@ def test_nightly_promotes_first_model_and_keeps_champion_against_a_worse_one(
             "val_metrics": {**champion["val_metrics"], "accuracy": 0.0, "fp": 0.0, "fn": 1.0, "untimed_accuracy": 0.99,
                             "over_time_limit": champion["val_metrics"]["images"]}}
     Variable.set(champion_variable("nightly"), busy, overwrite=True)
+    # The challenger is another model (the row-anchor detector): models compete on the same val images.
     second = nightly_retrain(**params_for(synthetic_archive, volume="nightly", max_steps=1, snapshot=False,
-                                          workers=1), min_improvement=-0.5)
+                                          workers=1, model="ufld"), min_improvement=-0.5)
+    assert second["challenger"]["metrics"]["split"] == "test"
+    second_config = laneflow_home / "volumes" / "nightly" / second["challenger"]["run_dir"] / "config.json"
+    assert json.loads(second_config.read_text())["model_name"] == "ufld"
     assert second["challenger"]["val_metrics"]["untimed_accuracy"] < 0.49
     assert second["challenger"]["val_metrics"]["split"] == "val" and second["challenger"]["metrics"]["split"] == "test"
     assert not second["promoted"] and "champion kept" in second["reason"]
