@@ -122,6 +122,13 @@ def _matlab_round(values: np.ndarray) -> np.ndarray:
     return np.sign(values) * np.floor(np.abs(values) + 0.5)
 
 
+def culane_point_rows(frame_height: int) -> tuple[np.ndarray, np.ndarray]:
+    """SCNN's 18 CULane rows from the bottom up: as shares of the frame's height, and as the frame's (0-based)
+    rows — CULane's every 20 of 590, or the same shares of another frame's height."""
+    share = np.arange(CULANE_POINTS) * CULANE_ROW_STEP / CULANE_SIZE[1]  # of the frame's height, from the bottom
+    return share, (_matlab_round(frame_height - share * frame_height) - 1).astype(int)
+
+
 def culane_lanes(probs: np.ndarray, existence: np.ndarray, threshold: float = PROB_THRESHOLD,
                  exist_threshold: float = EXIST_THRESHOLD,
                  frame_size: tuple[int, int] = CULANE_SIZE) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -131,11 +138,9 @@ def culane_lanes(probs: np.ndarray, existence: np.ndarray, threshold: float = PR
     height from the bottom as CULane's are of 590, every 20·height/590 rows."""
     _, height, width = probs.shape
     frame_width, frame_height = frame_size
-    steps = np.arange(CULANE_POINTS)
-    share = steps * CULANE_ROW_STEP / CULANE_SIZE[1]  # of the frame's height, from the bottom
+    share, ys = culane_point_rows(frame_height)
     rows = _matlab_round(height - share * height).astype(int) - 1  # 1-based there
     rows = np.clip(rows, 0, height - 1)
-    ys = (_matlab_round(frame_height - share * frame_height) - 1).astype(int)
     lanes = []
     for slot in range(4):
         if existence[slot] <= exist_threshold:

@@ -45,7 +45,7 @@ from training.data.fetch import sha256_of
 from training.dataset import DataError, read_list
 from training.inference import h_samples_for, resize_for_model
 from training.models import DEFAULT_MODEL, get_model, model_for
-from training.models.base import ModelSettings, image_outputs
+from training.models.base import ModelSettings, image_outputs, run_deployed
 from training.signals import exit_on_sigterm
 
 log = logging.getLogger("laneflow.package")
@@ -344,9 +344,8 @@ def open_backend(folder: Path | Package, config: ModelSettings | None = None, na
     else:
         raise PackageError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
 
-    @torch.no_grad()
     def run(batch: np.ndarray) -> tuple[np.ndarray, ...]:
-        return tuple(output.cpu().numpy() for output in module(torch.from_numpy(batch).to(device)))
+        return run_deployed(module, torch.from_numpy(batch).to(device))
 
     return Backend(name, str(torch.device(device)), config, run)
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.dataset import IMAGENET_MEAN, IMAGENET_STD
-from training.inference import ABSENT, CULANE_POINTS, CULANE_ROW_STEP, CULANE_SIZE, EXIST_THRESHOLD
+from training.inference import ABSENT, EXIST_THRESHOLD, culane_point_rows, input_contract
 from training.models.base import Criterion, LaneModel, Outputs, PointLanes, RowLanes, TrainingDiverged
 from training.models.resnet import DEPTHS, STAGE_CHANNELS, ResNet, load_torchvision_weights
 
@@ -266,8 +266,6 @@ class RowAnchorModel(LaneModel):
         return DeployedRowAnchor(network)
 
     def contract(self, settings: Any) -> dict[str, Any]:
-        from training.inference import input_contract
-
         contract = input_contract(settings.input_width, settings.input_height)
         contract["outputs"] = {"columns": ["batch", LANES, settings.anchors], "existence": ["batch", LANES],
                                "anchor_rows": settings.anchor_rows().tolist(), "absent_column": -1}
@@ -284,8 +282,7 @@ class RowAnchorModel(LaneModel):
     def culane_lanes(self, settings: Any, outputs: Outputs, frame_size: tuple[int, int]) -> PointLanes:
         """CULane's points: every 20 rows of a 590-row frame from the bottom (SCNN's rule, scaled to the frame)."""
         columns, existence = outputs
-        height = frame_size[1]
-        ys = np.round(height - 1 - np.arange(CULANE_POINTS) * CULANE_ROW_STEP * height / CULANE_SIZE[1]).astype(int)
+        _, ys = culane_point_rows(frame_size[1])
         return [(slot, [(int(x), int(y)) for x, y in zip(xs, ys, strict=True) if x >= 0])
                 for slot, xs in lanes_at(columns, existence, settings, ys, frame_size)]
 
