@@ -29,6 +29,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -147,12 +148,40 @@ class InUse:
         return found
 
 
+class Vanished(RuntimeError):
+    """What buildah was asked about was removed meanwhile (by another build, a test, a user)."""
+
+
 def _buildah(*argv: str) -> str:
     done = subprocess.run(["buildah", *argv], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"buildah {' '.join(argv[:2])} failed (exit {done.returncode}): "
-                           f"{done.stderr.strip()[-2000:]}")
+        kind = Vanished if _NOT_KNOWN.search(done.stderr) else RuntimeError
+        raise kind(f"buildah {' '.join(argv[:2])} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     return done.stdout
+
+
+#: containers/storage's ErrContainerUnknown / ErrImageUnknown / ErrLayerUnknown.
+_NOT_KNOWN = re.compile(r"(container|image|layer) not known")
+
+
+def listing(*argv: str, attempts: int = 10) -> list[dict]:
+    """A ``buildah ... --json`` listing of the whole store. Listing is not atomic: ``buildah containers`` reads
+    each container's directory after it read the list (buildah's ``OpenAllBuilders``), so a container another
+    process removes in between fails the listing with "container not known". Nothing was changed, so it is
+    asked again."""
+    for attempt in range(attempts):
+        try:
+            return json.loads(_buildah(*argv, "--json") or "[]")
+        except Vanished:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def list_containers() -> list[dict]:
+    """Every working container in the store (``containername``, ``imageid``, ...)."""
+    return listing("containers")
 
 
 def _bare(image_id: str) -> str:
@@ -161,17 +190,21 @@ def _bare(image_id: str) -> str:
 
 def stored_images() -> list[StoredImage]:
     """Every image in the store, intermediate ones included, with the parent each records."""
-    listed = json.loads(_buildah("images", "--all", "--no-trunc", "--json") or "[]")
+    listed = listing("images", "--all", "--no-trunc")
 
-    def parent(image_id: str) -> str | None:
-        return _bare(_buildah("inspect", "--type", "image", "--format", "{{.Docker.Parent}}", image_id).strip()) \
-            or None
+    def parent(image_id: str) -> str | Vanished | None:
+        try:
+            found = _buildah("inspect", "--type", "image", "--format", "{{.Docker.Parent}}", image_id)
+        except Vanished as gone:  # removed since the listing: it is not in the store any more
+            return gone
+        return _bare(found.strip()) or None
 
     ids = [_bare(image["id"]) for image in listed]
     with ThreadPoolExecutor(max_workers=4) as pool:  # a buildah process per image: a few at a time
         parents = list(pool.map(parent, ids))
     return [StoredImage(image_id, tuple(image.get("names") or ()), image_parent)
-            for image_id, image, image_parent in zip(ids, listed, parents, strict=True)]
+            for image_id, image, image_parent in zip(ids, listed, parents, strict=True)
+            if not isinstance(image_parent, Vanished)]
 
 
 @dataclass(frozen=True)
@@ -187,7 +220,7 @@ def collect(*, base_id: str, keep_names: set[str], in_use: InUse, rootfs_prefix:
     builds left behind (``plan_containers``). Call it holding every build lock: no build may run meanwhile."""
     before = _free_bytes(store)
     containers = [Container(listed["containername"], listed["imageid"])
-                  for listed in json.loads(_buildah("containers", "--json") or "[]")]
+                  for listed in list_containers()]
     images = stored_images()
     ours = built_on(base_id, images)
     _, pinned = plan_containers(containers, ours=ours, stale=set(), rootfs_prefix=rootfs_prefix)
@@ -200,7 +233,7 @@ def collect(*, base_id: str, keep_names: set[str], in_use: InUse, rootfs_prefix:
         # parents with it, so "image not known" for a later one is fine: what counts is what is left.
         subprocess.run(["buildah", "rmi", "--force", *stale], capture_output=True, text=True)
         left = set(stale) & {_bare(listed["id"]) for listed in
-                             json.loads(_buildah("images", "--all", "--no-trunc", "--json") or "[]")}
+                             listing("images", "--all", "--no-trunc")}
         if left:
             raise RuntimeError(f"buildah rmi left {len(left)} of {len(stale)} images, e.g. {sorted(left)[0][:12]}")
     removed = Removed(len(stale), len(gone_containers), max(0, _free_bytes(store) - before))

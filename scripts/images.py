@@ -400,9 +400,7 @@ def rootfs(image: str) -> Path:
         if found is None:
             raise ImageBuildError(f"no image {image}")
         name = ROOTFS_PREFIX + found[:16]
-        listed = subprocess.run(["buildah", "containers", "--format", "{{.ContainerName}}"], capture_output=True,
-                                text=True).stdout.split()
-        if name not in listed:
+        if name not in {listed["containername"] for listed in image_gc.list_containers()}:
             run(["buildah", "from", "--pull=never", "--name", name, found], f"buildah from {image}")
         IN_USE.hold(found)  # pods of this process run from it until the process ends
         return Path(run(["buildah", "mount", name], f"buildah mount {name}"))

@@ -4,7 +4,6 @@ images, what a user tagged, what a running process uses, and whatever those were
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -140,9 +139,34 @@ def test_collect_removes_a_stale_build_once_nothing_uses_it_and_keeps_the_rest(t
         assert images.image_id(derived) is None and images.image_id(stale) is None
         assert images.image_id(f"{repository}:old") is None
         assert images.image_id(kept) and images.image_id(pushed) and images.image_id(base)
-        names = {c["containername"] for c in json.loads(buildah("containers", "--json") or "[]")}
+        names = {c["containername"] for c in image_gc.list_containers()}
         assert not {f"gctest-rootfs-{stale[:12]}", f"{stale[:12]}-working-container"} & names
         assert said[-1].startswith("images: removed 2 stale images and 1 containers")
     finally:
         stop(child)
         subprocess.run(["buildah", "rmi", "--force", kept, pushed, base, derived, stale], capture_output=True)
+
+
+@pytest.mark.slow
+def test_listing_the_store_while_another_process_adds_and_removes_containers_never_fails(tmp_path: Path) -> None:
+    """``buildah containers`` reads each container's directory after the list, so a container removed in between
+    failed it with "container not known" (a CI run's collect did, while other tests built images). The
+    listing is asked again; here a child adds and removes containers of a scratch image the whole time."""
+    if missing := images.missing_tools():
+        pytest.skip(missing)
+    scratch = buildah("from", "scratch")
+    tag = f"localhost/laneflow-gctest-{uuid.uuid4().hex[:8]}:churn"
+    buildah("commit", "--rm", scratch, tag)
+    churn = subprocess.Popen(["bash", "-c", f"while true; do buildah rm \"$(buildah from --pull=never {tag})\"; done"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        listings = [image_gc.list_containers() for _ in range(30)]
+        assert churn.poll() is None  # it churned the whole time
+        assert any(c["imagename"] == tag for listed in listings for c in listed)  # it saw the churn
+    finally:
+        os.killpg(churn.pid, signal.SIGKILL)
+        churn.wait()
+        for listed in image_gc.list_containers():
+            if listed["imagename"] == tag:
+                subprocess.run(["buildah", "rm", listed["containername"]], capture_output=True)
+        subprocess.run(["buildah", "rmi", "--force", tag], capture_output=True)
