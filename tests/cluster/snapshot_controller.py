@@ -5,6 +5,7 @@ last error in ``status.error`` and clears it when ``readyToUse`` turns true.
 
 from __future__ import annotations
 
+import shutil
 from typing import TYPE_CHECKING
 
 from tests.cluster.objects import later, now, record_event
@@ -33,7 +34,14 @@ def start_snapshot(cluster: Cluster, snapshot: dict) -> None:
             return
         claim = snapshot["spec"]["source"]["persistentVolumeClaimName"]
         target = cluster.root / "snapshots" / namespace / name
-        copy_volume_tree(cluster.claim_dir(namespace, claim), target)  # the whole volume
+        try:
+            shutil.rmtree(target, ignore_errors=True)  # what a failed attempt left
+            copy_volume_tree(cluster.claim_dir(namespace, claim), target)  # the whole volume
+        except OSError as failed:  # the CSI driver's CreateSnapshot failed: an error, retried as any other
+            snapshot["status"]["error"] = {"message": f"Failed to create snapshot: {failed}", "time": now()}
+            record_event(cluster, snapshot, "Warning", "SnapshotCreationFailed", str(failed), "snapshot-controller")
+            later(cluster, 0.3, attempt)
+            return
         # restoreSize: the size the CSI driver reports for the snapshot (CreateSnapshot's size_bytes); for a
         # filesystem volume as ANF's, the source volume's size (external-snapshotter sets it from the driver).
         pv = cluster.objects["persistentvolumes"][("", cluster.objects["persistentvolumeclaims"][(namespace, claim)]
