@@ -105,7 +105,10 @@ def later(cluster: Cluster, delay_s: float, action: Callable[[], None]) -> None:
         with cluster.lock:
             if cluster.closed:
                 return
-            action()
+            try:
+                action()
+            except Exception as exc:  # kept, and raised when the emulator stops: a controller that died
+                cluster.controller_errors.append(exc)  # silently left its objects waiting forever
             cluster.changed.notify_all()
     threading.Thread(target=run, daemon=True).start()
 
