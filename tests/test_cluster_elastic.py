@@ -19,7 +19,7 @@ import kubernetes
 import pytest
 
 from tasks.platforms import ClusterPlatform, TrainingFailed, TrainingSpec, VolumeRef
-from tasks.platforms.base import ElasticWorkers
+from tasks.platforms.base import ElasticWorkers, StageDeadlineExceeded
 from tests.cluster import Cluster
 from tests.cluster.aks import aks_nodes, gpu_node
 from tests.cluster_platform_helpers import (
@@ -61,6 +61,16 @@ def launcher_log(cluster: Cluster, job: str, lines: int = 60) -> str:
     logs = [log for (namespace, name), log in cluster.logs.items()
             if namespace == "lanes" and name.startswith(f"{job}-launcher-")]
     return "\n".join(f"{stamp} {text[:300]}" for log in logs for stamp, text in log.lines[-lines:])
+
+
+def wait_saying_why(platform: ClusterPlatform, handle: object, cluster: Cluster, spec: TrainingSpec,
+                    on_event: Callable[[dict], None], on_log: Callable[[str], None], said: list[str]) -> object:
+    """``wait_for_training`` within the test's own timeout (pytest's 600 s), so that a run that never ends fails
+    saying what the launcher and the test's hold did — a pytest timeout says only where the test waited."""
+    try:
+        return platform.wait_for_training(handle, on_event, on_log, timeout_s=420)
+    except (TrainingFailed, StageDeadlineExceeded) as exc:
+        raise AssertionError(f"{exc}\nhold: {said}\n{launcher_log(cluster, spec.job_name)}") from exc
 
 
 def slow_until(cluster: Cluster, pod: str, done: Callable[[], bool], said: list[str],
@@ -156,7 +166,7 @@ def test_an_elastic_job_loses_a_worker_pod_trains_on_and_takes_the_operators_rep
     handle = platform.submit_training(spec)
     uid = custom.get_namespaced_custom_object("kubeflow.org", "v2beta1", "lanes", "mpijobs",
                                               spec.job_name)["metadata"]["uid"]
-    outcome = platform.wait_for_training(handle, events.append, lambda _: None, timeout_s=900)
+    outcome = wait_saying_why(platform, handle, cluster, spec, events.append, lambda _: None, said)
     assert deleted, "the worker was never deleted"
     changes = [event for event in events if event["event"] == "workers"]
     assert changes and changes[0]["workers"] == 1 and changes[0]["lost"] == [f"{worker}.{spec.job_name}.lanes.svc"]
@@ -223,11 +233,8 @@ def test_an_elastic_job_short_of_gpus_trains_on_min_workers_past_the_grace_and_g
     cluster.on_log_line = grow_the_pool
     events: list[dict] = []
     logs: list[str] = []
-    try:  # within the test's own timeout, so that a run that never ends says what it did
-        outcome = platform.wait_for_training(platform.submit_training(spec), events.append, logs.append,
-                                             timeout_s=420)
-    except TrainingFailed as exc:
-        raise AssertionError(f"{exc}\nhold: {held}\n{launcher_log(cluster, spec.job_name)}") from exc
+    outcome = wait_saying_why(platform, platform.submit_training(spec), cluster, spec, events.append, logs.append,
+                              held)
     assert grown, "training never started on one worker"
     (waiting,) = grown
     said = [line for line in logs if f"{waiting} is not running (Unschedulable" in line]
@@ -266,7 +273,7 @@ def test_an_elastic_launcher_stopped_mid_run_has_every_rank_checkpoint_and_its_r
     cluster.on_log_line = delete_the_launcher
     handle = platform.submit_training(spec)
     logs: list[str] = []
-    outcome = platform.wait_for_training(handle, lambda _: None, logs.append, timeout_s=600)
+    outcome = wait_saying_why(platform, handle, cluster, spec, lambda _: None, logs.append, [])
     assert deleted, "the launcher was never deleted"
     record = [json.loads(line) for line in
               platform.read_file(volume, f"{spec.run_dir}/metrics.jsonl").decode().splitlines()]
