@@ -8,8 +8,8 @@ and snapshots, the snapshots, comparisons, and the local server (serve, deploy, 
     laneflow lineage <run-or-snapshot> [--platform local]
     laneflow compare [PLATFORM:][VOLUME/]RUN-OR-SNAPSHOT ... [--baseline R] [--target 0.9] [--prices F] [--out DIR]
     laneflow snapshots [--platform local]
-    laneflow serve [--home .laneflow/serve] [--port 4200]
-    laneflow deploy [--home .laneflow/serve] [--port 4200]
+    laneflow serve [--home .laneflow/serve] [--port 4200] [--gpu-slots N]
+    laneflow deploy [--home .laneflow/serve] [--port 4200] [--gpu-slots N]
     laneflow stop-server [--home .laneflow/serve]
 """
 
@@ -27,6 +27,17 @@ from flows.serving import deploy_command, serve
 DESCRIPTION = ("laneflow: lane-detection training as Prefect flows. Start and follow training runs and sweeps, "
                "predict with a model, show a volume's champion, the lineage of runs and snapshots, compare runs, "
                "and run the local Prefect server with laneflow's deployments and a worker.")
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1, refused with what was given."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
 
 def lineage_text(name: str, platform_name: str) -> str:
     """The lineage of a snapshot (from the platform) or of a run (its lineage artifact), as markdown."""
@@ -204,10 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     platform_option(lineage)
     snapshots = command("snapshots", "list snapshots with their dataset version and accuracy")
     platform_option(snapshots)
-    server_options(command("serve", "local server, the deployments of prefect.yaml and a process worker until "
-                                    "Ctrl-C"))
-    server_options(command("deploy", "apply prefect.yaml's deployments and the alert automations "
-                                     "($PREFECT_API_URL, else the local server)"))
+    for sub in (command("serve", "local server, the deployments of prefect.yaml and a process worker until Ctrl-C"),
+                command("deploy", "apply prefect.yaml's deployments and the alert automations ($PREFECT_API_URL, "
+                                  "else the local server)")):
+        server_options(sub)
+        sub.add_argument("--gpu-slots", type=positive_int, default=None, metavar="N",
+                         help="set the 'gpu' concurrency limit to N, the GPUs runs may train on together (each run "
+                              "takes one slot per GPU; default: left as it is, created at this machine's GPUs, "
+                              "or CPU cores without GPUs)")
     server_options(command("stop-server", "stop the local Prefect server started by demo or serve"), port=False)
     predict_cmd = command("predict", "lanes on images or a video with a model package")
     predict_cmd.add_argument("input", help="an image, a folder, a glob (quote it) or a video file")
@@ -262,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return compare_command(args)
     if args.command == "serve":
         try:
-            return serve(args.home, args.port)
+            return serve(args.home, args.port, args.gpu_slots)
         except KeyboardInterrupt:  # before the worker started (server start-up, deploy): nothing else to stop
             print("laneflow serve: interrupted before the worker started", file=sys.stderr)
             return 130
@@ -271,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command == "deploy":
         try:
-            return deploy_command(args.home, args.port)
+            return deploy_command(args.home, args.port, args.gpu_slots)
         except ServerNotOurs as exc:
             print(f"laneflow deploy: {exc}", file=sys.stderr)
             return 2

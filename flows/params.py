@@ -206,6 +206,12 @@ class TrainParams(BaseModel):
         """The same run on exactly these artifacts (an index source, once read)."""
         return self.model_copy(update={"source": DataSource(artifacts=artifacts)})
 
+    @property
+    def gpus(self) -> int:
+        """The GPUs the run trains on, so the ``gpu`` slots it holds: one per Horovod process — an elastic run's
+        ``max_workers``, since it takes every worker there is up to that many."""
+        return self.elastic.max_workers if self.elastic else self.workers
+
     def trainer_settings(self) -> dict[str, str]:
         """The trainer's ``--set`` overrides these parameters stand for."""
         return {"epochs": str(self.epochs), "batch_size": str(self.batch_size), "lr": repr(self.lr),

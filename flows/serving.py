@@ -18,9 +18,20 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORK_POOL = "laneflow-local"
 
 
-def ensure_local_setup(gpu_slots: int = 1) -> None:
+def local_gpu_slots() -> int:
+    """What the ``gpu`` limit starts at on this machine: one slot per GPU (NVIDIA's driver lists each under
+    /proc/driver/nvidia/gpus), or, without GPUs, one per CPU core — a local Horovod process trains on a core's
+    share of the machine. Never fewer than the default run's workers, which would otherwise not fit."""
+    from flows.params import TrainParams
+
+    gpus = len(list(Path("/proc/driver/nvidia/gpus").glob("*")))
+    return max(gpus or os.cpu_count() or 1, TrainParams.model_fields["workers"].default)
+
+
+def ensure_local_setup(gpu_slots: int | None = None) -> None:
     """Platform block types (so the UI can create platforms), the process work pool and the ``gpu``
-    concurrency limit: created when missing, left alone when present."""
+    concurrency limit: created when missing, left alone when present — at ``local_gpu_slots``; set to
+    ``gpu_slots`` when given (the operator's ``--gpu-slots``)."""
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
@@ -36,10 +47,13 @@ def ensure_local_setup(gpu_slots: int = 1) -> None:
             client.read_work_pool(WORK_POOL)
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=WORK_POOL, type="process"))
+        if gpu_slots is not None:
+            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpu_slots)
+            return
         try:
             client.read_global_concurrency_limit_by_name(GPU_LIMIT)
         except ObjectNotFound:
-            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpu_slots)
+            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, local_gpu_slots())
 
 
 def apply_deployments(env: dict[str, str]) -> None:
@@ -90,9 +104,9 @@ def write_local_index(path: Path, env: dict[str, str]) -> Path:
     return path.resolve()
 
 
-def deploy(env: dict[str, str]) -> list[str]:
-    """Work pool, ``gpu`` limit, prefect.yaml's deployments, then the alert automations, on the server the
-    environment points at; the alerts applied (none without an alert block)."""
+def deploy(env: dict[str, str], gpu_slots: int | None = None) -> list[str]:
+    """Work pool, ``gpu`` limit (``ensure_local_setup``), prefect.yaml's deployments, then the alert automations,
+    on the server the environment points at; the alerts applied (none without an alert block)."""
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from flows.alerts import apply_alerts
@@ -103,13 +117,13 @@ def deploy(env: dict[str, str]) -> list[str]:
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"],
                              PREFECT_API_AUTH_STRING: env.get("PREFECT_API_AUTH_STRING")}) \
             if env.get("PREFECT_API_URL") else contextlib.nullcontext():
-        ensure_local_setup()
+        ensure_local_setup(gpu_slots)
         apply_deployments(env)
         print("deployments train, nightly, dataset_watch, sweep, restore, predict applied", flush=True)
         return apply_alerts()
 
 
-def deploy_command(home: Path, port: int) -> int:
+def deploy_command(home: Path, port: int, gpu_slots: int | None = None) -> int:
     """``laneflow deploy``: to $PREFECT_API_URL when set, else to the local server (started if needed)."""
     from flows.alerts import AlertSetupError
 
@@ -120,14 +134,14 @@ def deploy_command(home: Path, port: int) -> int:
         ensure_server(home, port)
         env.update(server_env(home, port))
     try:
-        deploy(deployment_environment(home, env))
+        deploy(deployment_environment(home, env), gpu_slots)
     except AlertSetupError as exc:
         print(f"laneflow deploy: deployments applied, alerts not: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-def serve(home: Path, port: int) -> int:
+def serve(home: Path, port: int, gpu_slots: int | None = None) -> int:
     """Start (or reuse) the server, apply prefect.yaml and the alerts, and run a worker until interrupted."""
     from flows.alerts import AlertSetupError
 
@@ -137,7 +151,7 @@ def serve(home: Path, port: int) -> int:
     env = deployment_environment(home, {**os.environ, **server_env(home, port),
                                         "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))})
     try:
-        deploy(env)
+        deploy(env, gpu_slots)
     except AlertSetupError as exc:  # the deployments are there; the UI is still worth having
         print(f"laneflow serve: alerts not applied: {exc}", file=sys.stderr, flush=True)
     print(f"UI at {api.removesuffix('/api')}/deployments (it asks once for the server's auth string: "

@@ -23,7 +23,7 @@ from prefect.states import Completed, State
 from pydantic import Field
 
 from flows.params import TrainParams, credentials_in_parameters, takes_train_params
-from tasks.gpu_slot import GPU_LIMIT, gpu_slot, release_slot_of
+from tasks.gpu_slot import GPU_LIMIT, gpu_slot, refuse_more_than_the_limit, release_slot_of
 from tasks.handover import handed_over
 from tasks.lineage import build_lineage, code_version
 from tasks.names import DNS_LABEL, MAX_RUN_KEY, run_name, snapshot_name
@@ -101,6 +101,7 @@ def train_pipeline(params: TrainParams, run_key: RunKey = None) -> dict[str, Any
                        "its database and shows in its UI: keep the URL's query string in a Prefect Secret block and "
                        "name the block in the artifact's query_secret (an index's: the source's index_query_secret) "
                        "instead", url)
+    refuse_more_than_the_limit(params.gpus)  # before anything is prepared: it could never train
     release = None
     if params.source.index is not None:  # trains on the newest version; lineage says which
         artifacts, release = read_dataset_index(params.source.index_url())
@@ -146,7 +147,9 @@ def _train_on(params: TrainParams, platform: Any, volume: VolumeRef, need: Throu
                         preset=params.preset, workers=params.workers, settings=params.trainer_settings(),
                         elastic=params.elastic,
                         labels={"flow-run": holder, "dataset-version": dataset["dataset_version"]})
-    with gpu_slot(holder, logger.warning):
+    # One slot per GPU it trains on; scoring and packaging use fewer, within the same slots.
+    with gpu_slot(holder, logger.warning, slots=params.gpus,
+                  waiting=lambda said: logger.info("run %s: %s", run, said)):
         # The volume's level is held while the run trains: a run queued for a slot holds no costlier level
         # meanwhile, and one that has trained no longer adds its reads to those of the run that trains next.
         promote_service_level(platform, volume, params.promote, need, run, holder)
@@ -204,7 +207,7 @@ def _score_and_package(params: TrainParams, platform: Any, volume: VolumeRef, sp
 def evaluate_on_a_gpu(platform: Any, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
                       out_dir: str | None = None) -> dict[str, Any]:
     """``evaluate`` outside a training run (a nightly's re-score, a sweep's test score): it needs a GPU as a run's
-    own scoring does, so it holds a slot of the ``gpu`` limit while it scores — never while a run it waits for
-    holds one of its own (the caller's child runs have ended)."""
+    own scoring does, so it holds one slot of the ``gpu`` limit while it scores — never while a run it waits for
+    holds slots of its own (the caller's child runs have ended)."""
     with gpu_slot(str(current_run.id), get_run_logger().warning):
         return evaluate(platform, volume, run_dir, data_dir, split, out_dir)

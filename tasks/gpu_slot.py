@@ -1,4 +1,5 @@
-"""A run's slot of the operator's ``gpu`` concurrency limit, handed back even when its process is gone.
+"""A run's slots of the operator's ``gpu`` concurrency limit — one per GPU it uses — handed back even when
+its process is gone.
 
 Prefect's ``concurrency()`` holds a slot under a lease that the holding process renews and releases. A
 process killed outright (a cancelled sweep: the worker sends SIGTERM, then SIGKILL, to the process its
@@ -28,7 +29,7 @@ from uuid import UUID
 
 from prefect import get_client
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-from prefect.exceptions import PrefectHTTPStatusError
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
 from tasks.renewal import renew_until
 
@@ -44,13 +45,20 @@ MAX_RETRY_WAIT_S = 30.0
 _LOG = logging.getLogger("laneflow.gpu_slot")
 
 
+class MoreSlotsThanTheLimit(ValueError):
+    """A run asks for more ``gpu`` slots than the limit has: it could never start, so it is refused at once."""
+
+
 @contextmanager
-def gpu_slot(flow_run_id: str, warn: Callable[[str], None]) -> Iterator[None]:
-    """One slot of the ``gpu`` limit for the block (no such limit: no wait, as with Prefect's ``concurrency``),
-    its lease named on flow run ``flow_run_id`` so it can be released from outside, renewed while the block
-    runs and released when it ends."""
+def gpu_slot(flow_run_id: str, warn: Callable[[str], None], slots: int = 1,
+             waiting: Callable[[str], None] | None = None) -> Iterator[None]:
+    """``slots`` slots of the ``gpu`` limit for the block — one per GPU it uses — (no such limit: no wait, as
+    with Prefect's ``concurrency``), taken all at once (Prefect increments a limit by ``slots`` in one
+    transaction, so two runs never each hold part of what the other needs); under one lease named on flow
+    run ``flow_run_id`` so it can be released from outside, renewed while the block runs and released when
+    it ends. ``waiting`` hears once that the run waits, with the limit's figures."""
     _release_earlier_attempts_slot(flow_run_id, warn)
-    lease = _take_slot(ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id)))
+    lease = _take_slot(ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id)), slots, waiting)
     if lease is None:
         yield
         return
@@ -75,17 +83,27 @@ def gpu_slot(flow_run_id: str, warn: Callable[[str], None]) -> Iterator[None]:
         _name_lease(flow_run_id, "", None)  # handed back: a later attempt of this run finds no lease named
 
 
-def _take_slot(holder: ConcurrencyLeaseHolder) -> UUID | None:
-    """A slot of the ``gpu`` limit under a lease of its own, waiting while none is free (the server answers 423
-    with a Retry-After); None when there is no such limit."""
+def _take_slot(holder: ConcurrencyLeaseHolder, slots: int,
+               waiting: Callable[[str], None] | None) -> UUID | None:
+    """``slots`` slots of the ``gpu`` limit under a lease of their own, waiting while they are not free (the
+    server answers 423 with a Retry-After); None when there is no such limit. More than the limit has is
+    refused (the server answers 422): waiting would be for ever."""
+    told = False
     with get_client(sync_client=True) as client:
         while True:
             try:
-                response = client.increment_concurrency_slots_with_lease([GPU_LIMIT], 1, "concurrency", LEASE_S,
-                                                                         holder)
+                response = client.increment_concurrency_slots_with_lease([GPU_LIMIT], slots, "concurrency",
+                                                                         LEASE_S, holder)
             except PrefectHTTPStatusError as exc:
+                if exc.response.status_code == 422 and "greater than the limit" in exc.response.text:
+                    raise MoreSlotsThanTheLimit(_over_the_limit(client, slots)) from None
                 if exc.response.status_code != 423:
                     raise
+                if waiting is not None and not told:
+                    told = True
+                    limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+                    waiting(f"waiting for {slots} of the '{GPU_LIMIT}' limit's {limit.limit} slots "
+                            f"({limit.active_slots} taken by other runs)")
                 time.sleep(min(MAX_RETRY_WAIT_S, float(exc.response.headers.get("Retry-After") or 1.0)))
                 continue
             granted = response.json()
@@ -94,6 +112,26 @@ def _take_slot(holder: ConcurrencyLeaseHolder) -> UUID | None:
                 return lease
             client.release_concurrency_slots_with_lease(lease)  # a lease over no limit holds nothing
             return None
+
+
+def refuse_more_than_the_limit(slots: int) -> None:
+    """Refuse a run asking for more ``gpu`` slots than the limit has before it prepares anything (taking them
+    would refuse it too, after the dataset stage); no limit, no refusal."""
+    with get_client(sync_client=True) as client:
+        try:
+            limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            return
+        if limit.active and slots > limit.limit:
+            raise MoreSlotsThanTheLimit(_over_the_limit(client, slots))
+
+
+def _over_the_limit(client: Any, slots: int) -> str:
+    limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+    return (f"this run asks for {slots} GPUs, one '{GPU_LIMIT}' slot each, but the '{GPU_LIMIT}' concurrency "
+            f"limit has {limit} slot{'s' if limit != 1 else ''}, so it could never start: train on fewer workers "
+            f"(an elastic run: a lower max_workers), or, where there are {slots} GPUs to train on, raise the "
+            f"limit (the UI's Concurrency page, or `prefect gcl update {GPU_LIMIT} --limit {slots}`)")
 
 
 def _renew(lease: UUID) -> bool:

@@ -30,7 +30,7 @@ from tests.cluster import KubernetesEmulator
 from tests.cluster.runtime import pod_runtime_missing
 from tests.cluster_platform_helpers import cluster_platform
 from tests.conftest import PROJECT_ROOT
-from tests.gpu_limit import operator_gpu_limit
+from tests.gpu_limit import active_gpu_slots, operator_gpu_limit
 from tests.test_pipeline import params_for
 
 SECRET = "s3cret-client-value-9d1e"
@@ -383,7 +383,7 @@ def test_runs_side_by_side_share_the_promotion_and_a_terminated_one_leaves_it(
               "train_pipeline.with_options(flow_run_name=sys.argv[2])(**json.loads(sys.argv[1]))")
     env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
     output = tmp_path / "flow.log"
-    with k8s as cluster, output.open("wb") as sink, operator_gpu_limit(2):
+    with k8s as cluster, output.open("wb") as sink, operator_gpu_limit(4):  # two runs of two GPUs side by side
         cluster_platform(k8s, anf=anf_volume(emulator)).save("emu-anf-crash", overwrite=True)
         with running([sys.executable, "-c", script, json.dumps(params, default=_json_default), "terminated-run"],
                      env=env, cwd=PROJECT_ROOT, stdout=sink, stderr=subprocess.STDOUT) as flow_process:
@@ -394,6 +394,7 @@ def test_runs_side_by_side_share_the_promotion_and_a_terminated_one_leaves_it(
                 time.sleep(0.5)
             assert state.volumes["tusimple"]["pool"] == "pool-premium"  # promoted for the training window
             (first,) = level_record(k8s).holds.values()
+            assert active_gpu_slots() == 2  # a slot for each of its two workers' GPUs
             beside = train_pipeline(**params_for(served_archive, platform="emu-anf-crash", volume="tusimple",
                                                  promote=True))
             assert flow_process.poll() is None, output.read_text()[-3000:]  # the first still trains

@@ -275,8 +275,8 @@ def test_a_killed_flow_pod_is_marked_crashed_by_the_observer_and_a_retry_adopts_
     """The flow pod's process is killed while its MPIJob trains (as the kernel's OOM killer or a lost node
     ends it: SIGKILL, no hook runs): the Job fails, the worker's observer sees it in its watch and marks the
     run Crashed. Retrying the run from the UI starts a new Job whose flow adopts the MPIJob still training
-    (named after the flow run) instead of submitting a second one, and completes. On a cluster with one
-    'gpu' slot the retry takes back the slot its killed attempt could not hand back, rather than waiting
+    (named after the flow run) instead of submitting a second one, and completes. With a 'gpu' limit of
+    the run's two GPUs the retry takes back the slots its killed attempt could not hand back, rather than waiting
     minutes for Prefect's lease on it to expire."""
     from prefect.states import AwaitingRetry
 
@@ -285,7 +285,7 @@ def test_a_killed_flow_pod_is_marked_crashed_by_the_observer_and_a_retry_adopts_
     cluster_platform(emu, credentials=None, namespace="laneflow").save("emu-k8s-flows", overwrite=True)
     flow_run = _start(_parameters(served_archive, epochs=2, snapshot=False))
     log = tmp_path / "worker.log"
-    with operator_gpu_limit(1), kubernetes_worker(emu, deployed, log) as worker:
+    with operator_gpu_limit(2), kubernetes_worker(emu, deployed, log) as worker:  # the run's two GPUs, no more
         _launcher_running(cluster, log)
         (mpijob,) = cluster.objects["mpijobs"].values()
         (flow_pod,) = _flow_pods(cluster, flow_run.id)

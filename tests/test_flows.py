@@ -127,6 +127,19 @@ def warnings_since(started: datetime) -> list[str]:
     return [f"{log.name}: {log.message}" for log in found]
 
 
+def test_a_run_asking_more_gpus_than_the_limit_is_refused_before_it_prepares_anything(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
+    """An elastic run takes up to max_workers GPUs: 3 under a limit of 2 could never start, so the run fails at
+    once — not after downloading the dataset, and never waiting — with what to change."""
+    from tasks.gpu_slot import MoreSlotsThanTheLimit
+
+    params = params_for(synthetic_archive, volume="too-big", workers=1,
+                        elastic={"min_workers": 1, "max_workers": 3})
+    with operator_gpu_limit(2), pytest.raises(MoreSlotsThanTheLimit, match=r"asks for 3 GPUs.*limit has 2 slots"):
+        train_pipeline(**params)
+    assert not (laneflow_home / "volumes" / "too-big" / "datasets").exists()
+
+
 def test_sweep_runs_children_within_the_gpu_limit_and_ranks_them(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
     started = datetime.now(UTC)

@@ -329,7 +329,10 @@ def soak(seed: int, runs: int, disruptions: int, deployed: dict, served_archive:
         # A fresh cluster is a fresh world: no champion crowned on an earlier seed's (gone) volume.
         Variable.unset(champion_variable("tusimple"))
         records: list[RunRecord] = []
-        with operator_gpu_limit(runs), kubernetes_worker(emulator, deployed, log) as worker:
+        # Every run side by side: a 'gpu' slot for each GPU each run may train on (an elastic run's max_workers).
+        gpus = sum((training.get("elastic") or {}).get("max_workers", training["workers"])
+                   for training, _ in map(run_parameters, plan_.runs))
+        with operator_gpu_limit(gpus), kubernetes_worker(emulator, deployed, log) as worker:
             started = [_start({**_parameters(served_archive, **training), **own}, deployment_name=deployment_of(kind))
                        for kind in plan_.runs for training, own in [run_parameters(kind)]]
             disruptor = Disruptor(plan_, cluster, admin, [str(run.id) for run in started], server, arm)
