@@ -258,8 +258,8 @@ def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_swe
                   "trials": 2, "seed": 5, "study": "cxl", "max_concurrent": 2, "volume": "cancel-sweep",
                   "epochs": 500, "batch_size": 2, "loader_workers": 0}
     log = tmp_path / "worker.log"
-    # Two trials side by side, each on the deployment's two workers: a slot per worker.
-    with operator_gpu_limit(4), log.open("wb") as sink, running_worker(deployed, sink) as worker, \
+    # Two trials side by side, each on the sweep deployment's one worker: a slot each.
+    with operator_gpu_limit(2), log.open("wb") as sink, running_worker(deployed, sink) as worker, \
             get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("sweep/sweep")
         first = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
@@ -276,7 +276,7 @@ def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_swe
         groups = [json.loads((run_dir / "launcher.json").read_text())["pgid"] for run_dir in trial_dirs]
         leases = [child.labels[GPU_LEASE_LABEL] for child in trial_runs(client, first.id)]
         slots_in_use = active_gpu_slots()
-        assert len(leases) == 2 and slots_in_use >= 4
+        assert len(leases) == 2 and slots_in_use >= 2
         client.set_flow_run_state(first.id, Cancelling(), force=True)
         cancelled = wait_until("the sweep cancelled", lambda: (
             state if (state := client.read_flow_run(first.id).state).is_final() else None), timeout_s=300)
@@ -292,7 +292,7 @@ def test_cancelling_a_sweep_stops_every_trial_frees_their_slots_and_the_next_swe
             assert "Running hook 'stop_training' in response to entering state 'Cancelling'" in messages, (
                 child.name, messages[-10:])
         assert all(lease_released(lease) for lease in leases)
-        assert active_gpu_slots() <= slots_in_use - 4  # (another test's slot may expire meanwhile: at most)
+        assert active_gpu_slots() <= slots_in_use - 2  # (another test's slot may expire meanwhile: at most)
         journal = str(volume / "studies" / "cxl.journal")
         study = optuna.load_study(study_name="cxl", storage=JournalStorage(JournalFileBackend(journal)))
         assert [(trial.state, trial.user_attrs.get("interrupted")) for trial in study.trials] == [
