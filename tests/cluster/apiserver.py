@@ -34,6 +34,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.cluster import kueue_jobs, kueue_scheduler
 from tests.cluster.admission import apply_crd_defaults, check, check_resize
 from tests.cluster.apierrors import Rejection, invalid, invalid_status, not_supported, status_body
 from tests.cluster.authentication import Identity, authenticate
@@ -59,8 +60,9 @@ from tests.cluster.updates import apply_patch, check_update
 from tests.cluster.watch import WatchStream
 
 _ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
-                    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|eviction))?$")
-_CUSTOM_RESOURCES = {"mpijobs", "volumesnapshots", "volumesnapshotclasses"}
+                    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|eviction|pendingworkloads))?$")
+_CUSTOM_RESOURCES = {"mpijobs", "volumesnapshots", "volumesnapshotclasses", "resourceflavors", "clusterqueues",
+                     "localqueues", "workloads", "workloadpriorityclasses"}
 #: An update of these may change which pods a NetworkPolicy isolates or admits (a policy, a pod's or a namespace's
 #: labels): the policy plugin brings the rules up to date.
 POLICY_INPUTS = {"networkpolicies", "pods", "namespaces"}
@@ -175,6 +177,16 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
         if resource == "pods/log":
             self._pod_log(namespace, name, query)
             return
+        if resource.endswith("/pendingworkloads"):
+            with cluster.lock:
+                summary = kueue_scheduler.pending_workloads(cluster, namespace, name or "")
+            if summary is None:
+                kind = resource.split("/")[0]
+                self._send(404, status_body(404, "NotFound", f'{kind[:-1]} "{name}" not found',
+                                            details={"name": name, "kind": kind}))
+                return
+            self._send(200, summary)
+            return
         if resource == "pods/eviction":
             if method != "POST" or name is None:
                 self._send(405, status_body(405, "MethodNotAllowed", f"{method} is not supported on pods/eviction"))
@@ -286,11 +298,15 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
                                                               f'"{obj_key[1]}" already exists',
                                         details={"name": obj_key[1], "group": group, "kind": resource}), []
             apply_crd_defaults(obj)
+            kueue_jobs.default_on_create(cluster, resource, obj)  # Kueue's webhooks, where it is installed
+            kueue_jobs.validate(cluster, resource, obj)
             if resource == "namespaces":
                 label_namespace(obj)
             stamp_metadata(cluster, obj, namespace if namespaced else None)
             store[obj_key] = obj
             CONTROLLERS.get(resource, lambda *_: None)(cluster, obj)
+            if resource in kueue_jobs.KINDS:
+                kueue_scheduler.cycle(cluster)  # its reconciler's watch on jobs: a Workload at once
             return 201, obj, checked.warnings
         if method in ("PATCH", "PUT"):
             if key not in store:
@@ -320,6 +336,7 @@ class Handler(WatchStream, PodLogEndpoint, BaseHTTPRequestHandler):
             if "status" in current:
                 checked.obj["status"] = copy.deepcopy(current["status"])
             check_update(current, checked.obj)
+            kueue_jobs.validate(cluster, resource, checked.obj, current)
             if resource == "networkpolicies":
                 check_supported(checked.obj)
             if resource == "namespaces":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tests.cluster.objects import RESOURCES
+from tests.cluster.objects import KUEUE_GROUPS, RESOURCES
 
 if TYPE_CHECKING:
     from tests.cluster.state import Cluster
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 #: What every served resource answers (apiserver ``endpoints/installer.go`` for a standard REST storage).
 _VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 #: Kinds whose REST storage has a status subresource here (batch, core and the CRDs' ``subresources.status``).
-_WITH_STATUS = {"Pod", "PersistentVolume", "PersistentVolumeClaim", "Job", "MPIJob", "VolumeSnapshot"}
+_WITH_STATUS = {"Pod", "PersistentVolume", "PersistentVolumeClaim", "Job", "MPIJob", "VolumeSnapshot", "ClusterQueue",
+                "LocalQueue", "Workload"}
 #: kube-apiserver's own version (/version), the minor laneflow is tested against.
 VERSION = {"major": "1", "minor": "33", "gitVersion": "v1.33.0", "gitCommit": "emulated", "gitTreeState": "clean",
            "buildDate": "2025-04-23T00:00:00Z", "goVersion": "go1.24.2", "compiler": "gc", "platform": "linux/amd64"}
@@ -31,7 +32,7 @@ def withheld_groups(cluster: Cluster) -> frozenset[str]:
     """The API groups a test took off the cluster (``cluster.withheld_groups.add("kubeflow.org")``): as on a cluster
     without that CRD (no MPI operator, no external-snapshotter), discovery does not list them and their resources'
     paths are 404."""
-    return frozenset(cluster.withheld_groups)
+    return frozenset(cluster.withheld_groups) | (frozenset() if cluster.kueue_installed else KUEUE_GROUPS)
 
 
 def _resources(group: str, version: str) -> list[dict]:
@@ -41,6 +42,10 @@ def _resources(group: str, version: str) -> list[dict]:
             continue
         if resource == "pods/log":
             listed.append({"name": resource, "singularName": "", "namespaced": True, "kind": "Pod", "verbs": ["get"]})
+            continue
+        if resource.endswith("/pendingworkloads"):  # the visibility API server's read-only subresource
+            listed.append({"name": resource, "singularName": "", "namespaced": namespaced, "kind": kind,
+                           "verbs": ["get"]})
             continue
         if resource == "pods/eviction":  # discovery lists it with policy/v1's kind (EvictionREST.GroupVersionKind)
             listed.append({"name": resource, "singularName": "", "namespaced": True, "group": "policy",

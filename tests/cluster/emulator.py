@@ -18,6 +18,7 @@ from tests.cluster.apiserver import Handler, Server
 from tests.cluster.authentication import KUBECONFIG_TOKEN, issue_token
 from tests.cluster.dns import ClusterDNS
 from tests.cluster.kubelet import release_network
+from tests.cluster.kueue_scheduler import cycle as kueue_cycle
 from tests.cluster.network import node_address
 from tests.cluster.operator_lease import renew_leader_lease
 from tests.cluster.runtime import KUBERNETES_SERVICE
@@ -57,13 +58,15 @@ class KubernetesEmulator:
 
     def _tick(self) -> None:
         """The controllers that act on time alone, once a second: the TTL-after-finished controller, the
-        scheduler's second try of the pods it could not place, and the MPI operator's leader lease."""
+        scheduler's second try of the pods it could not place, the MPI operator's leader lease, and Kueue's
+        controllers and scheduler (where it is installed)."""
         while not self._stopping.wait(1.0):
             with self.cluster.lock:
                 try:
                     ttl_sweep(self.cluster)
                     retry_unschedulable(self.cluster)
                     renew_leader_lease(self.cluster)
+                    kueue_cycle(self.cluster)
                 except Exception as exc:  # kept, and raised when the emulator stops: never lost silently
                     self.cluster.controller_errors.append(exc)
                     return

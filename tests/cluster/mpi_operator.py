@@ -8,7 +8,7 @@ the keys at ``sshAuthMountPath``, ``/usr/sbin/sshd -De`` when the container sets
 as a batch Job ``<job>-launcher`` (the OpenMPI ``OMPI_MCA_*`` env, the keys, the ConfigMap at ``/etc/mpi``; at
 once under ``AtStartup``, after every worker is Ready under ``WaitForWorkersReady``); its conditions follow
 the launcher Job (``BackoffLimitExceeded/<pod reason>``, ``DeadlineExceeded``) and evicted workers
-(``MPIJobEvicted``).
+(``MPIJobEvicted``); ``runPolicy.suspend`` as ``mpi_suspension.py`` says.
 
 The launcher reaches its workers' real ``sshd`` with the operator's key and runs the real ``mpirun``."""
 
@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import base64
 import copy
-import json
-import re
 from typing import TYPE_CHECKING, Any
 
 from tests.cluster.admission import check
-from tests.cluster.apierrors import invalid, not_supported, required
 from tests.cluster.garbage_collector import delete
 from tests.cluster.job_controller import start_job
 from tests.cluster.kubelet import crash_loop, set_container_state, start_container
+from tests.cluster.mpi_defaults import operator_defaults, operator_validation
+from tests.cluster.mpi_suspension import hold_suspended, is_suspended, resume, was_suspended
 from tests.cluster.objects import controller_ref, later, now, record_event, stamp_metadata
 from tests.cluster.pod_control import make_pod
 from tests.cluster.state import OPERATOR
@@ -35,68 +34,6 @@ if TYPE_CHECKING:
 
 _JOB_GROUP_LABELS = ("training.kubeflow.org/operator-name", "training.kubeflow.org/job-name",
                      "training.kubeflow.org/job-role")
-
-
-def _operator_defaults(spec: dict) -> dict:
-    """``SetDefaults_MPIJob`` (default.go L27-80), in memory only: the operator never writes spec back."""
-    spec = copy.deepcopy(spec)
-    spec.setdefault("runPolicy", {}).setdefault("cleanPodPolicy", "None")
-    spec.setdefault("slotsPerWorker", 1)
-    spec.setdefault("sshAuthMountPath", "/root/.ssh")
-    spec.setdefault("mpiImplementation", "OpenMPI")
-    spec.setdefault("launcherCreationPolicy", "AtStartup")
-    replicas = spec.get("mpiReplicaSpecs") or {}
-    if "Launcher" in replicas:
-        replicas["Launcher"].setdefault("restartPolicy", "OnFailure")
-        replicas["Launcher"].setdefault("replicas", 1)
-    if "Worker" in replicas:
-        replicas["Worker"].setdefault("restartPolicy", "Never")
-        replicas["Worker"].setdefault("replicas", 0)
-    return spec
-
-
-def _operator_validation(name: str, spec: dict) -> list:
-    """``ValidateMPIJob`` (validation.go): the rules the controller applies before creating anything."""
-    causes = []
-    replicas = spec.get("mpiReplicaSpecs") or {}
-    workers = replicas.get("Worker", {}).get("replicas", 0) if "Worker" in replicas else 0
-    host = f"{name}-worker-{max(workers, 1) - 1}"
-    problems = []
-    if len(host) > 63:
-        problems.append("must be no more than 63 characters")
-    if not re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", host):
-        problems.append("a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an "
-                        "alphabetic character, and end with an alphanumeric character (e.g. 'my-name',  or "
-                        "'abc-123', regex used for validation is '[a-z]([-a-z0-9]*[a-z0-9])?')")
-    if problems:
-        causes.append(invalid("metadata.name", name, f"will not able to create pod and service with invalid DNS "
-                                                     f"label {json.dumps(host)}: {', '.join(problems)}"))
-    if spec["slotsPerWorker"] < 0:
-        causes.append(invalid("spec.slotsPerWorker", spec["slotsPerWorker"], "must be greater than or equal to 0"))
-    policy = spec["runPolicy"]
-    if policy["cleanPodPolicy"] not in ("All", "None", "Running"):
-        causes.append(not_supported("spec.runPolicy.cleanPodPolicy", policy["cleanPodPolicy"],
-                                    ["All", "None", "Running"]))
-    for key in ("ttlSecondsAfterFinished", "activeDeadlineSeconds", "backoffLimit"):
-        if policy.get(key) is not None and policy[key] < 0:
-            causes.append(invalid(f"spec.runPolicy.{key}", policy[key], "must be greater than or equal to 0"))
-    if not spec["sshAuthMountPath"]:
-        causes.append(required("spec.sshAuthMountPath", "must have a mount path for SSH credentials"))
-    if "Launcher" not in replicas:
-        causes.append(required("spec.mpiReplicaSpecs[Launcher]", "must have Launcher replica spec"))
-    for role, replica in replicas.items():
-        where = f"spec.mpiReplicaSpecs[{role}]"
-        if replica["restartPolicy"] not in ("Never", "OnFailure"):
-            causes.append(not_supported(f"{where}.restartPolicy", replica["restartPolicy"], ["Never", "OnFailure"]))
-        if not (replica.get("template") or {}).get("spec", {}).get("containers"):
-            causes.append(required(f"{where}.template.spec.containers", "must define at least one container"))
-    if "Launcher" in replicas and replicas["Launcher"]["replicas"] != 1:
-        causes.append(invalid("spec.mpiReplicaSpecs[Launcher].replicas", replicas["Launcher"]["replicas"],
-                              "must be 1"))
-    if "Worker" in replicas and replicas["Worker"]["replicas"] <= 0:
-        causes.append(invalid("spec.mpiReplicaSpecs[Worker].replicas", replicas["Worker"]["replicas"],
-                              "must be greater than or equal to 1"))
-    return causes
 
 
 def _mpi_condition(job: dict, kind: str, status: str, reason: str, message: str) -> None:
@@ -119,9 +56,9 @@ def start_mpijob(cluster: Cluster, job: dict) -> None:
     if not cluster.mpi_operator_installed:  # the CRD alone: the object is stored, nothing acts on it
         return
     namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    spec = _operator_defaults(job.get("spec") or {})
+    spec = operator_defaults(job.get("spec") or {})
     job["status"] = {}
-    causes = _operator_validation(name, spec)
+    causes = operator_validation(name, spec)
     if causes:
         texts = [c.text() for c in causes]
         aggregate = texts[0] if len(texts) == 1 else f"[{', '.join(texts)}]"
@@ -138,6 +75,11 @@ def start_mpijob(cluster: Cluster, job: dict) -> None:
         record_event(cluster, job, "Warning", "SetPodTemplateRestartPolicy",
                      "Restart policy in pod template overridden by restart policy in replica spec", OPERATOR)
     _operator_objects(cluster, job, spec)
+    if is_suspended(job):  # created suspended (Kueue's webhook): a suspended launcher Job, no workers
+        _mpi_condition(job, "Created", "True", "MPIJobCreated", f"MPIJob {namespace}/{name} is created.")
+        _create_launcher(cluster, job, spec)
+        sync_mpijob(cluster, job)
+        return
     worker = replicas.get("Worker")
     for index in range(worker["replicas"] if worker else 0):
         if not _create_worker(cluster, job, spec, index):
@@ -298,6 +240,8 @@ def _create_launcher(cluster: Cluster, job: dict, spec: dict) -> None:
     container.setdefault("volumeMounts", []).append({"name": "mpi-job-config", "mountPath": "/etc/mpi"})
     policy = spec["runPolicy"]
     launcher_spec: dict[str, Any] = {"template": template, "podReplacementPolicy": "Failed"}
+    if is_suspended(job):
+        launcher_spec["suspend"] = True
     for key in ("backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished"):
         if policy.get(key) is not None:
             launcher_spec[key] = policy[key]
@@ -329,15 +273,22 @@ def sync_mpijob(cluster: Cluster, job: dict) -> None:
     there, so its replacement waits for it), and the launcher is created once every worker is Ready under
     WaitForWorkersReady."""
     namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    spec = cluster.operator_specs.get((namespace, name))
-    if cluster.objects["mpijobs"].get((namespace, name)) is not job or spec is None:
+    if cluster.objects["mpijobs"].get((namespace, name)) is not job or (namespace, name) not in cluster.operator_specs:
         return
+    # Each sync reads the job as it is now (what Kueue injected into its templates on admission included).
+    spec = cluster.operator_specs[(namespace, name)] = operator_defaults(job.get("spec") or {})
     if job["metadata"].get("deletionTimestamp"):  # L603-606: a job being deleted is left alone
         return
     if _finished(job) and job["status"].get("completionTime"):
         _clean_up_workers(cluster, job, spec)
         return
     launcher = _launcher_job(cluster, job)
+    if is_suspended(job):
+        hold_suspended(cluster, job, _workers(cluster, job), launcher, _mpi_condition)
+        _sync_discover_hosts(cluster, job, [])
+        return
+    if was_suspended(job):
+        resume(cluster, job, launcher, spec["mpiReplicaSpecs"]["Launcher"]["template"], _mpi_condition)
     launcher_done = launcher is not None and any(
         c["type"] in ("Complete", "Failed") and c.get("status", "True") == "True"
         for c in (launcher.get("status") or {}).get("conditions") or [])
@@ -391,12 +342,16 @@ def sync_mpijob(cluster: Cluster, job: dict) -> None:
     if not _finished(job) and launcher is not None and launcher_running >= 1 and \
             all(p["status"].get("phase") == "Running" for p in workers):
         _mpi_condition(job, "Running", "True", "MPIJobRunning", f"MPIJob {namespace}/{name} is running.")
-    config = cluster.objects["configmaps"].get((namespace, f"{name}-config"))
-    if config is not None:
-        config["data"]["discover_hosts.sh"] = _discover_hosts(
-            job, [p["metadata"]["name"] for p in workers if p["status"].get("phase") == "Running"])
+    _sync_discover_hosts(cluster, job, [p["metadata"]["name"] for p in workers
+                                        if p["status"].get("phase") == "Running"])
     if _finished(job) and job["status"].get("completionTime"):
         _clean_up_workers(cluster, job, spec)
+
+
+def _sync_discover_hosts(cluster: Cluster, job: dict, running: list[str]) -> None:
+    config = cluster.objects["configmaps"].get((job["metadata"]["namespace"], f"{job['metadata']['name']}-config"))
+    if config is not None:
+        config["data"]["discover_hosts.sh"] = _discover_hosts(job, running)
 
 
 def _clean_up_workers(cluster: Cluster, job: dict, spec: dict) -> None:

@@ -38,7 +38,17 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "volumesnapshotclasses": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshotClass", False),
     "storageclasses": ("storage.k8s.io", "v1", "StorageClass", False),
     "leases": ("coordination.k8s.io", "v1", "Lease", True),
+    # Kueue (tests/cluster/kueue_jobs.py), served only where a test installed it (Cluster.kueue_installed).
+    "resourceflavors": ("kueue.x-k8s.io", "v1beta2", "ResourceFlavor", False),
+    "clusterqueues": ("kueue.x-k8s.io", "v1beta2", "ClusterQueue", False),
+    "localqueues": ("kueue.x-k8s.io", "v1beta2", "LocalQueue", True),
+    "workloads": ("kueue.x-k8s.io", "v1beta2", "Workload", True),
+    "workloadpriorityclasses": ("kueue.x-k8s.io", "v1beta2", "WorkloadPriorityClass", False),
+    "localqueues/pendingworkloads": ("visibility.kueue.x-k8s.io", "v1beta2", "PendingWorkloadsSummary", True),
+    "clusterqueues/pendingworkloads": ("visibility.kueue.x-k8s.io", "v1beta2", "PendingWorkloadsSummary", False),
 }
+#: Kueue's API groups: its CRDs and its visibility API server's aggregated API.
+KUEUE_GROUPS = frozenset({"kueue.x-k8s.io", "visibility.kueue.x-k8s.io"})
 
 
 def resource_of(kind: str) -> str:

@@ -22,6 +22,8 @@ from importlib.resources import files
 import jsonschema
 from referencing import Registry, Resource
 
+from tests.cluster.kueue_schemas import KUEUE_SCHEMAS
+
 #: The Kubernetes release whose API the emulator plays (kubernetes-validate bundles 1.25-1.37).
 K8S_VERSION = "1.35.0"
 _DEFS = "https://kubernetes.io/api/_definitions.json#/$defs/"
@@ -137,6 +139,7 @@ VOLUMESNAPSHOTCLASS_SCHEMA = {
     },
 }
 CRD_SCHEMAS = {
+    **KUEUE_SCHEMAS,
     ("kubeflow.org/v2beta1", "MPIJob"): MPIJOB_SCHEMA,
     ("snapshot.storage.k8s.io/v1", "VolumeSnapshot"): VOLUMESNAPSHOT_SCHEMA,
     ("snapshot.storage.k8s.io/v1", "VolumeSnapshotClass"): VOLUMESNAPSHOTCLASS_SCHEMA,

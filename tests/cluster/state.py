@@ -156,6 +156,9 @@ class Cluster:
     #: API groups taken off the cluster, as on one without that CRD (no MPI operator, no external-snapshotter):
     #: discovery does not list them and their resources' paths answer 404 (tests/cluster/discovery.py).
     withheld_groups: set[str] = field(default_factory=set)
+    #: Kueue (v0.19.2: tests/cluster/kueue_jobs.py, kueue_scheduler.py) installed: its CRDs and visibility API
+    #: served, its webhooks and controllers acting on jobs labelled with a queue. Off, as on AKS by default.
+    kueue_installed: bool = False
     #: The node lifecycle controller's --node-monitor-grace-period (50 s since 1.32, 40 s before; shortened
     #: by tests): how long a node may go without a heartbeat before it is Unknown and its pods not Ready.
     node_monitor_grace_s: float = 50.0
@@ -272,7 +275,8 @@ class Cluster:
                     self.add_namespace(stored["metadata"]["name"])
                 resource = resource_of(stored["kind"])
                 namespaced = stored["kind"] not in ("ClusterRole", "ClusterRoleBinding", "Namespace",
-                                                    "StorageClass", "VolumeSnapshotClass", "PersistentVolume")
+                                                    "StorageClass", "VolumeSnapshotClass", "PersistentVolume",
+                                                    "ResourceFlavor", "ClusterQueue", "WorkloadPriorityClass")
                 key = (stored["metadata"].get("namespace", "default") if namespaced else "",
                        stored["metadata"]["name"])
                 self.objects[resource][key] = stored

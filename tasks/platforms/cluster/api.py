@@ -84,6 +84,15 @@ def apis(platform: ClusterPlatform) -> tuple[kubernetes.client.CoreV1Api, kubern
             kubernetes.client.CustomObjectsApi(client))
 
 
+def get_path(client: kubernetes.client.ApiClient, path: str) -> Any:
+    """GET an API path the generated clients have no method for (an aggregated API's subresource, such as
+    Kueue's pending workloads), as JSON; a non-2xx answer raises ``ApiException`` as theirs do."""
+    response = client.call_api(*client.param_serialize(method="GET", resource_path=path,
+                                                        auth_settings=["BearerToken"]))
+    response.read()
+    return client.response_deserialize(response_data=response, response_types_map={"200": "object"}).data
+
+
 def call(platform: ClusterPlatform, verb: str, resource: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """One API call with retries on 429 (Retry-After), 5xx and connection errors; 403 names the permission."""
     delay = platform.api_retry_delay_s
