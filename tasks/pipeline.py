@@ -237,7 +237,7 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
     handle = platform.submit_training(spec)  # adopts the running job; restarts an interrupted one
     progress_id = create_progress_artifact(progress=0.0, key=f"progress-{spec.job_name}",
                                            description=f"training {spec.job_name}")
-    state: dict[str, int] = {"total": 0}
+    state: dict[str, float] = {"total": 0, "progress": 0.0}
     # A job adopted as already finished replays its log: nothing is left to judge.
     judge, asked = (judge_of(spec.job_name) if handle.state != "succeeded" else None), []
 
@@ -276,7 +276,9 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
             logger.info("step %s: loss %.4f, lr %.4g, %.1f img/s, input stall %.0f%%%s", event["step"], event["loss"],
                         event["lr"], event["img_per_s"], 100 * event["input_stall"], on)
             if state["total"]:
-                update_progress_artifact(progress_id, min(100.0, 100.0 * event["step"] / state["total"]))
+                state["progress"] = min(100.0, 100.0 * event["step"] / state["total"])
+                update_progress_artifact(progress_id, state["progress"],
+                                         description=f"training {spec.job_name}")
         elif kind == "workers":  # an elastic run lost or gained workers and trains on
             state["total"] = int(event.get("total_steps") or state["total"])
             said = describe_world_change(event, spec.elastic.max_workers if spec.elastic else None)
@@ -290,6 +292,10 @@ def wait_for_training(platform: Platform, spec: TrainingSpec, timeout_s: float) 
                         selection_accuracy(event), event.get("accuracy", 0.0))
             if judge is not None and not asked:
                 hear(event)
+        elif kind == "queued":  # the platform's scheduler (Kueue) holds the job: why, where in the queue
+            (logger.warning if event.get("state") == "preempted" else logger.info)("%s", event["message"])
+            update_progress_artifact(progress_id, state["progress"],
+                                     description=f"training {spec.job_name}: {event['message']}")
         elif kind in ("epoch", "checkpoint", "eval", "preempted", "stopped", "done"):
             logger.info("%s: %s", kind, json.dumps({k: v for k, v in event.items() if k != "event"}))
 

@@ -47,7 +47,7 @@ from tasks.platforms.base import (
     VolumeRef,
     check_cooldown,
 )
-from tasks.platforms.cluster import jobs, snapshots, training, volumes
+from tasks.platforms.cluster import gpu_jobs, jobs, snapshots, training, volumes
 from tasks.platforms.cluster.api import NamespaceNotFound, _ClientCache
 from training.data.sources import Artifact
 
@@ -73,6 +73,11 @@ class ClusterPlatform(Platform):
     shm_size: str = Field("8Gi", description="/dev/shm size of worker pods")
     service_account: str = Field("laneflow-training", description="service account of the job pods")
     runai_project: str | None = Field(None, description="schedule with Run:ai in namespace runai-<project>")
+    kueue_queue: str | None = Field(None, description="Kueue LocalQueue for every MPIJob and GPU Job: created "
+                                    "suspended, they wait for Kueue to admit them (quota, priority, preemption), "
+                                    "and the run's log says why while they wait (deployments/kueue)")
+    kueue_priority_class: str | None = Field(None, description="Kueue WorkloadPriorityClass of those jobs, e.g. "
+                                             "laneflow-nightly (with kueue_queue)")
     poll_interval_s: float = Field(5.0, gt=0, description="how often job state and logs are read")
     pod_problem_grace_s: float = Field(60.0, ge=0, description="how long a stage's pod may stay unable to run (image "
                                        "pull, scheduling, configuration) before the stage fails naming why")
@@ -159,6 +164,18 @@ class ClusterPlatform(Platform):
     def _names_are_subdomains(cls, value: str, info: ValidationInfo) -> str:
         return validate_subdomain(value, info.field_name)
 
+    @model_validator(mode="after")
+    def _one_scheduler(self) -> ClusterPlatform:
+        if self.kueue_queue and self.runai_project:
+            raise ValueError("runai_project and kueue_queue are both set: Run:ai's scheduler and Kueue would each "
+                             "decide when a job runs; set one of them")
+        if self.kueue_priority_class and not self.kueue_queue:
+            raise ValueError("kueue_priority_class is set without kueue_queue: name the LocalQueue the jobs go to")
+        for field, value in (("kueue_queue", self.kueue_queue), ("kueue_priority_class", self.kueue_priority_class)):
+            if value is not None:
+                validate_subdomain(value, field)
+        return self
+
     @field_validator("runai_project")
     @classmethod
     def _project_makes_a_namespace(cls, value: str | None) -> str | None:
@@ -220,19 +237,19 @@ class ClusterPlatform(Platform):
 
     def evaluate(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, log: LogSink,
                  out_dir: str | None = None) -> dict[str, Any]:
-        return jobs.evaluate(self, volume, run_dir, data_dir, split, log, out_dir)
+        return gpu_jobs.evaluate(self, volume, run_dir, data_dir, split, log, out_dir)
 
     def package_model(self, volume: VolumeRef, run_dir: str, data_dir: str, split: str, lineage: dict[str, Any],
                       log: LogSink) -> dict[str, Any]:
-        return jobs.package_model(self, volume, run_dir, data_dir, split, lineage, log)
+        return gpu_jobs.package_model(self, volume, run_dir, data_dir, split, lineage, log)
 
     def predict(self, volume: VolumeRef, package: str, inputs: str, out_dir: str, backend: str,
                 log: LogSink) -> dict[str, Any]:
-        return jobs.predict(self, volume, package, inputs, out_dir, backend, log)
+        return gpu_jobs.predict(self, volume, package, inputs, out_dir, backend, log)
 
     def publish_package(self, volume: VolumeRef, package: str, tracking_uri: str, run_id: str, artifact_path: str,
                         env: dict[str, str], log: LogSink) -> dict[str, Any]:
-        return jobs.publish_package(self, volume, package, tracking_uri, run_id, artifact_path, env, log)
+        return gpu_jobs.publish_package(self, volume, package, tracking_uri, run_id, artifact_path, env, log)
 
     # --- launcher ------------------------------------------------------------------------------------
     def submit_training(self, spec: TrainingSpec) -> TrainingHandle:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import logging
 import time
 import uuid
@@ -20,6 +19,7 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from tasks.k8s.diagnose import terminated_problems
+from tasks.k8s.kueue import QUEUE_LABEL
 from tasks.k8s.logs import LogCursor
 from tasks.k8s.manifests import (
     MOUNT_PATH,
@@ -36,9 +36,9 @@ from tasks.platforms.base import (
     StageDeadlineExceeded,
     VolumeReadFailed,
     VolumeRef,
-    paths_in,
 )
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt, wait_deleted
+from tasks.platforms.cluster.kueue import AdmissionWatch
 from tasks.platforms.cluster.pod_logs import follow_log
 from tasks.platforms.cluster.problems import check_pods, problem_clock
 from training.data.sources import Artifact, dataset_key, validate_artifacts
@@ -78,11 +78,27 @@ def run_job(platform: ClusterPlatform, body: dict, log: LogSink, timeout_s: floa
 
     deadline = time.monotonic() + timeout_s
     clock = problem_clock(platform)
+    # A Job under Kueue waits, suspended, for its admission: not stuck.
+    admission = AdmissionWatch(platform, f"job {namespace}/{name}", lambda _: None, log) \
+        if (body["metadata"].get("labels") or {}).get(QUEUE_LABEL) else None
     try:
         while True:
             job = call(platform, "get", "jobs", batch.read_namespaced_job, name, namespace)
             status = job.status
             finished = bool(status and (status.succeeded or status.failed))
+            if admission is not None and not finished and (job.spec.suspend or admission.waiting):
+                try:
+                    waits = admission.observe(job.metadata.uid).waits
+                except StageBlocked:
+                    delete_after = True
+                    raise
+                if waits:
+                    if time.monotonic() > deadline:
+                        delete_after = True
+                        raise StageDeadlineExceeded(f"job {namespace}/{name} was not admitted by Kueue within "
+                                                    f"{timeout_s:.0f} s ({admission.said}); it was deleted")
+                    time.sleep(platform.poll_interval_s)
+                    continue
             if not finished:
                 try:
                     check_pods(platform, core, f"job-name={name}", clock, log, "its Job was deleted")
@@ -312,75 +328,3 @@ def write_text(platform: ClusterPlatform, volume: VolumeRef, relative_path: str,
               "open(sys.argv[1] + '.tmp', 'w').write(sys.argv[2])\n"
               "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
     file_job(platform, "write", volume, relative_path, script, text)
-
-
-# --- stages on one GPU ------------------------------------------------------------------------------
-def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, labels: dict[str, str],
-             args: list[str], event: str, log: LogSink, timeout_s: float = 6 * 3600, gpus: int = 1,
-             env: dict[str, str] | None = None) -> dict[str, Any]:
-    """``python -m <args>`` as a Job in the training image on ``gpus`` GPUs (one by default), the claim at
-    /data, ``env`` in its environment; its event. A Job on GPUs is scheduled as the training workers are (the
-    block's tolerations, node selector, affinity, priority class and requests): on AKS the GPU pools are
-    tainted, and a pod asking for a GPU without the pool's tolerations is never scheduled anywhere."""
-    name = validate_name(name[:63].rstrip("-"), "job")
-    body = render_claim_job(name, platform.layout(), volume.name, ["python", "-m", *args],
-                            platform.job_labels(run, labels))
-    container = body["spec"]["template"]["spec"]["containers"][0]
-    container["image"] = platform.image
-    if gpus:  # on the GPU pools, as the training workers are: the block's tolerations, selector, priority, requests
-        scheduling = platform.layout().scheduling
-        container["resources"] = scheduling.resources(gpus)
-        body["spec"]["template"]["spec"].update(scheduling.pod_fields())
-    if env:
-        container["env"] = [{"name": key, "value": value} for key, value in sorted(env.items())]
-    lines = run_job(platform, body, log, timeout_s=timeout_s, delete_after=True)
-    result = last_event(lines, event, f"job {name}")
-    result.pop("event", None)
-    return result
-
-
-def evaluate(platform: ClusterPlatform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
-             log: LogSink, out_dir: str | None = None) -> dict[str, Any]:
-    """The evaluation Job; one scoring for another folder (``out_dir``: a nightly re-scoring its champion) is a
-    Job of its own name, so two nightlies re-scoring one champion never share a Job or files."""
-    run = run_dir.rstrip("/").rsplit("/", 1)[-1]
-    out = ["--out", f"{MOUNT_PATH}/{out_dir}"] if out_dir else []
-    for_out = f"-{hashlib.sha256(out_dir.encode()).hexdigest()[:8]}" if out_dir else ""
-    return _gpu_job(platform, f"eval-{run}-{split}{for_out}", volume, run, {"split": split},
-                    ["training.evaluate", "--run-dir", f"{MOUNT_PATH}/{run_dir}",
-                     "--data-root", f"{MOUNT_PATH}/{data_dir}", "--split", split, *out], "eval", log)
-
-
-def package_model(platform: ClusterPlatform, volume: VolumeRef, run_dir: str, data_dir: str, split: str,
-                  lineage: dict[str, Any], log: LogSink) -> dict[str, Any]:
-    run = run_dir.rstrip("/").rsplit("/", 1)[-1]
-    summary = _gpu_job(platform, f"package-{run}", volume, run, {"step": "package"},
-                       ["training.package", "--run-dir", f"{MOUNT_PATH}/{run_dir}", "--data-root",
-                        f"{MOUNT_PATH}/{data_dir}", "--split", split, "--lineage", json.dumps(lineage)],
-                       "packaged", log)
-    return paths_in(run_dir, summary, ("package", "archive"))
-
-
-def publish_package(platform: ClusterPlatform, volume: VolumeRef, package: str, tracking_uri: str, run_id: str,
-                    artifact_path: str, env: dict[str, str], log: LogSink) -> dict[str, Any]:
-    """The package logged to MLflow by a Job in the training image (no GPU) with the claim mounted: only a pod
-    reads the claim's files, so the pod uploads them, to the tracking server as pods reach it."""
-    run = package.rstrip("/").split("/")[1] if package.startswith("runs/") else "package"
-    return _gpu_job(platform, f"mlflow-{run}-{run_id[:8]}", volume, run, {"step": "mlflow"},
-                    ["training.publish_package", "--package", f"{MOUNT_PATH}/{package}", "--tracking-uri",
-                     tracking_uri, "--run-id", run_id, "--artifact-path", artifact_path], "published", log,
-                    timeout_s=3600, gpus=0, env=env)
-
-
-def predict(platform: ClusterPlatform, volume: VolumeRef, package: str, inputs: str, out_dir: str, backend: str,
-            log: LogSink) -> dict[str, Any]:
-    for path in (package, inputs, out_dir):
-        stays_on(volume, path)
-    digest = hashlib.sha256(f"{package}|{inputs}|{out_dir}".encode()).hexdigest()[:8]
-    summary = _gpu_job(platform, f"predict-{digest}-{uuid.uuid4().hex[:8]}", volume, f"predict-{digest}",
-                       {"step": "predict"},
-                       ["training.predict", "--package", f"{MOUNT_PATH}/{package}", "--input",
-                        f"{MOUNT_PATH}/{inputs}", "--out", f"{MOUNT_PATH}/{out_dir}", "--backend", backend],
-                       "predicted", log)
-    return paths_in(out_dir, summary, ("predictions", "overlay"))
-

@@ -14,11 +14,11 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from tasks.handover import handed_over
 from tasks.k8s.diagnose import node_silent
+from tasks.k8s.kueue import ELASTIC_REFUSED, is_suspended, queued
 from tasks.k8s.logs import LogCursor
 from tasks.k8s.manifests import another_owner, render_mpijob
 from tasks.launch import (
@@ -42,6 +42,7 @@ from tasks.platforms.base import (
 )
 from tasks.platforms.cluster.api import STRICT, apis, call, create_or_adopt, wait_deleted
 from tasks.platforms.cluster.isolation import isolate
+from tasks.platforms.cluster.kueue import AdmissionWatch
 from tasks.platforms.cluster.mpijob_ends import (
     SeenPods,
     launcher_failed_on_its_own,
@@ -49,6 +50,7 @@ from tasks.platforms.cluster.mpijob_ends import (
     read_failure,
     say_launcher_replacements,
 )
+from tasks.platforms.cluster.operator_answers import check_operator_answers, check_warnings
 from tasks.platforms.cluster.pod_logs import follow_log
 from tasks.platforms.cluster.problems import check_pods, list_pods, problem_clock
 
@@ -56,24 +58,20 @@ if TYPE_CHECKING:
     from tasks.platforms.cluster import ClusterPlatform
 
 MPI = ("kubeflow.org", "v2beta1", "mpijobs")
-#: The MPI operator refuses an invalid job with a Warning event of this reason and sets no condition
-#: (kubeflow/mpi-operator pkg/controller/mpi_job_controller.go, syncHandler): it never starts.
-REFUSED_REASON = "ValidationError"
-#: The operator's Warning when it cannot create a job's pods or its launcher (forbidden, quota exceeded, a
-#: service account not found): ``mpiJobFailedReason`` with "worker pod created failed: <error>"; it retries,
-#: so the warning repeats while the cause lasts.
-CREATE_FAILED_REASON = "MPIJobFailed"
 
 
 def mpijob_body(platform: ClusterPlatform, spec: TrainingSpec) -> dict:
     """The MPIJob laneflow sends for ``spec``, labelled with the run's lineage."""
     labels = platform.job_labels(spec.job_name, spec.labels)
     elastic = (spec.elastic.min_workers, spec.elastic.max_workers) if spec.elastic else None
-    return render_mpijob(spec.job_name, platform.layout(), spec.volume.name, spec.preset, spec.workers,
+    body = render_mpijob(spec.job_name, platform.layout(), spec.volume.name, spec.preset, spec.workers,
                          spec.data_dir, spec.run_dir, spec.settings, labels, elastic)
+    return queued(body, platform.kueue_queue, platform.kueue_priority_class)
 
 
 def submit(platform: ClusterPlatform, spec: TrainingSpec) -> TrainingHandle:
+    if spec.elastic is not None and platform.kueue_queue:
+        raise StageBlocked(f"MPIJob {spec.job_name}: {ELASTIC_REFUSED}")
     _, _, custom = apis(platform)
     namespace = platform.effective_namespace()
     body = mpijob_body(platform, spec)
@@ -213,6 +211,9 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
     last_line_at = float("-inf")  # when the launcher's log last advanced
     launchers_seen: dict[str, bool] = {}  # launcher pod -> whether its removal was said
     replacements_stopped = False
+    # Under Kueue the job waits, suspended, until Kueue admits it (and again after a preemption): not stuck.
+    admission = AdmissionWatch(platform, f"MPIJob {name}", output.on_event, output.on_log) \
+        if platform.kueue_queue else None
 
     def feed(text: str) -> None:
         nonlocal last_line_at
@@ -224,10 +225,22 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
             job = call(platform, "get", "mpijobs", custom.get_namespaced_custom_object, group, version,
                        platform.effective_namespace(), plural, name)
             state = mpijob_state(job)
+            if admission is not None and state in ("pending", "running") and \
+                    (is_suspended(job) or admission.waiting):
+                try:
+                    if admission.observe(job["metadata"]["uid"]).waits:
+                        if time.monotonic() > deadline:
+                            raise TrainingFailed(f"MPIJob {name} was not admitted by Kueue within {timeout_s:.0f} s "
+                                                 f"({admission.said}); it was deleted", list(output.tail))
+                        time.sleep(platform.poll_interval_s)
+                        continue
+                except (StageBlocked, TrainingFailed):
+                    platform.cancel_training(name, handle.spec.volume, owner)
+                    raise
             if state == "pending":  # not running yet: refused? waiting on something? (Warning events say)
                 try:
-                    _check_warnings(platform, core, job, warnings_seen, output.on_log)
-                    _check_operator_answers(platform, job, time.monotonic() - followed_since, bool(warnings_seen))
+                    check_warnings(platform, core, job, warnings_seen, output.on_log)
+                    check_operator_answers(platform, job, time.monotonic() - followed_since, bool(warnings_seen))
                 except StageBlocked:
                     platform.cancel_training(name, handle.spec.volume, owner)
                     raise
@@ -323,61 +336,6 @@ def _all_events(platform: ClusterPlatform, handle: TrainingHandle, output: JobOu
         on_log(f"laneflow: could not read {handle.spec.run_dir}/metrics.jsonl after the log gap ({exc}); the "
                "outcome is from the events streamed")
         return output.events
-
-
-def _check_operator_answers(platform: ClusterPlatform, job: dict, waited_s: float, operator_spoke: bool) -> None:
-    """An MPIJob no operator handles has no status at all: past the block's ``operator_grace_s`` waiting longer
-    would wait for ever. An operator that cannot create the job's pods writes no status either (``syncHandler``
-    returns before ``updateMPIJobStatus``), but it says so in Warning events: those are judged instead."""
-    if (job.get("status") or {}).get("conditions") or operator_spoke or waited_s <= platform.operator_grace_s:
-        return
-    name, namespace = job["metadata"]["name"], platform.effective_namespace()
-    raise StageBlocked(
-        f"MPIJob {name} got no status from the MPI operator in {waited_s:.0f} s: no operator is handling it. "
-        f"Check that the MPI operator (kubeflow/mpi-operator, v2beta1 MPIJobs) is installed and running "
-        f"(kubectl get pods -A -l app.kubernetes.io/name=mpi-operator), and that it watches namespace {namespace} "
-        f"(its --namespace flag, when set, must name it); the job was deleted")
-
-
-#: What to check for the causes the operator's create warnings name (apiserver's wording in each).
-CREATE_ADVICE = (
-    ("service account", "create the service account the block names (service_account; deployments/workloads)"),
-    ("exceeded quota", "the namespace's ResourceQuota has no room: ask for less (workers, gpus_per_worker, "
-                       "worker_cpu/worker_memory) or raise the quota"),
-    ("forbidden", "an admission policy (Pod Security, a webhook) or RBAC refuses the pod: see the message"),
-)
-
-
-def _check_warnings(platform: ClusterPlatform, core: kubernetes.client.CoreV1Api, job: dict,
-                    seen: dict[str, tuple[float, int]], on_log: LogSink) -> None:
-    """Fail fast when the operator refused the job: it then only records a Warning event, no condition; and
-    fail when its warnings that it cannot create the job's pods outlast ``operator_grace_s`` and still recur
-    (the event's count went up since laneflow first saw it: the operator tried again and failed again; one
-    that stopped recurring was a moment's shortage the operator got past).
-
-    Other Warning events of a job that is not running yet (a template setting it overrides) go to the log
-    once each.
-    """
-    name, uid = job["metadata"]["name"], job["metadata"].get("uid")
-    found = call(platform, "list", "events", core.list_namespaced_event, platform.effective_namespace(),
-                 field_selector=f"involvedObject.kind=MPIJob,involvedObject.name={name},type=Warning").items
-    for event in found:
-        if uid and event.involved_object.uid not in (None, uid):
-            continue  # about an earlier job of the same name
-        if event.reason == REFUSED_REASON:
-            raise TrainingFailed(f"the MPI operator refused MPIJob {name}: {event.message}")
-        key = f"{event.reason}: {event.message}"
-        if key not in seen:
-            seen[key] = (time.monotonic(), event.count or 1)
-            on_log(f"warning from the MPI operator: {key}")
-        first_seen, first_count = seen[key]
-        if event.reason == CREATE_FAILED_REASON and (event.count or 1) > first_count and \
-                time.monotonic() - first_seen > platform.operator_grace_s:
-            message = event.message or ""
-            advice = next((text for words, text in CREATE_ADVICE if words in message.lower()),
-                          "see the message; kubectl describe mpijob " + name)
-            raise StageBlocked(f"the MPI operator cannot create MPIJob {name}'s pods ({message}; for "
-                               f"{platform.operator_grace_s:.0f} s): {advice}; the job was deleted")
 
 
 def expired(jobs: list[dict], now: datetime, ttl_s: float) -> list[str]:
