@@ -8,7 +8,7 @@ and snapshots, the snapshots, comparisons, and the local server (serve, deploy, 
     laneflow lineage <run-or-snapshot> [--platform local]
     laneflow compare [PLATFORM:][VOLUME/]RUN-OR-SNAPSHOT ... [--baseline R] [--target 0.9] [--prices F] [--out DIR]
     laneflow snapshots [--platform local]
-    laneflow serve [--home .laneflow/serve] [--port 4200] [--gpu-slots N]
+    laneflow serve [--home .laneflow/serve] [--port 4200] [--gpu-slots N] [--database URL --redis URL]
     laneflow deploy [--home .laneflow/serve] [--port 4200] [--gpu-slots N]
     laneflow stop-server [--home .laneflow/serve]
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from flows.local_server import DEFAULT_PORT, ServerNotOurs, stop_server
 from flows.serving import deploy_command, serve
+from flows.team_server import BackendsInvalid, team_backends
 
 #: What ``laneflow --help`` says first (plain text: argparse prints it as it is).
 DESCRIPTION = ("laneflow: lane-detection training as Prefect flows. Start and follow training runs and sweeps, "
@@ -223,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="set the 'gpu' concurrency limit to N, the GPUs runs may train on together (each run "
                               "takes one slot per GPU; default: left as it is, created at this machine's GPUs, "
                               "or CPU cores without GPUs)")
+        if sub.prog.endswith(" serve"):
+            sub.add_argument("--database", default=None, metavar="URL",
+                             help="a team's server: PostgreSQL for its database, e.g. postgresql://prefect@db:5432/"
+                                  "prefect (with a password: $LANEFLOW_SERVER_DATABASE instead); needs --redis")
+            sub.add_argument("--redis", default=None, metavar="URL",
+                             help="a team's server: Redis for its events, ordering and concurrency leases, e.g. "
+                                  "redis://cache:6379/0 ($LANEFLOW_SERVER_REDIS); needs --database")
     server_options(command("stop-server", "stop the local Prefect server started by demo or serve"), port=False)
     predict_cmd = command("predict", "lanes on images or a video with a model package")
     predict_cmd.add_argument("input", help="an image, a folder, a glob (quote it) or a video file")
@@ -277,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         return compare_command(args)
     if args.command == "serve":
         try:
-            return serve(args.home, args.port, args.gpu_slots)
+            return serve(args.home, args.port, args.gpu_slots, team_backends(args.database, args.redis))
+        except BackendsInvalid as exc:
+            print(f"laneflow serve: {exc}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:  # before the worker started (server start-up, deploy): nothing else to stop
             print("laneflow serve: interrupted before the worker started", file=sys.stderr)
             return 130

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from flows.team_server import REDIS_LEASE_STORAGE, TeamBackends
 from tasks.processes import group_alive, stop_group, stop_process
 
 DEFAULT_PORT = 4200
@@ -109,12 +110,15 @@ def server_env(home: Path, port: int) -> dict[str, str]:
     }
 
 
-def server_process_env(home: Path, port: int, host: str = "127.0.0.1") -> dict[str, str]:
+def server_process_env(home: Path, port: int, host: str = "127.0.0.1",
+                       backends: TeamBackends | None = None) -> dict[str, str]:
     """The server process's own settings on top: where it listens (``host``; 0.0.0.0: every address of this
-    machine, for clients elsewhere — pods of a cluster on this machine), who it lets in, where it keeps leases."""
+    machine, for clients elsewhere — pods of a cluster on this machine), who it lets in, where it keeps leases
+    and, for a team's server, its database and Redis (``flows.team_server``)."""
     return {
         **server_env(home, port),
         **LEASE_STORAGE,
+        **(backends.settings() if backends else {}),
         "PREFECT_SERVER_API_HOST": host,
         "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_SERVER_API_AUTH_STRING": auth_string(home),
@@ -124,18 +128,21 @@ def server_process_env(home: Path, port: int, host: str = "127.0.0.1") -> dict[s
 
 
 def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S,
-                 host: str = "127.0.0.1") -> subprocess.Popen:
+                 host: str = "127.0.0.1", backends: TeamBackends | None = None) -> subprocess.Popen:
     """Start ``prefect server start`` in its own session (it outlives this process) and wait until it is
-    healthy; it listens at ``host`` (see ``server_env``)."""
+    healthy; it listens at ``host`` (see ``server_env``). With ``backends``, a team's API process: on PostgreSQL and
+    Redis, without the background services (``start_services`` runs them once, beside any number of these)."""
     url = api_url(port)
     home = home.resolve()
     (home / "prefect").mkdir(parents=True, exist_ok=True)
     log_path = home / "prefect" / "server.log"
     prefect = str(Path(sys.executable).parent / "prefect")
     with log_path.open("ab") as log:
-        process = subprocess.Popen([prefect, "server", "start", "--host", host, "--port", str(port)],
+        process = subprocess.Popen([prefect, "server", "start", "--host", host, "--port", str(port),
+                                    *(["--no-services"] if backends else [])],
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **server_process_env(home, port, host)}, start_new_session=True)
+                                   env={**os.environ, **server_process_env(home, port, host, backends)},
+                                   start_new_session=True)
     (home / "prefect" / "server.pid").write_text(f"{process.pid}\n")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -150,15 +157,34 @@ def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S,
     raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout_s:.0f} s; see {log_path}")
 
 
-def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
-    """The API URL of a healthy local server on ``port``: reused if one answers, started (detached) if not."""
+def start_services(home: Path, port: int, backends: TeamBackends) -> subprocess.Popen:
+    """A team's background services (``prefect server services start``: scheduler, late runs, triggers, the
+    event persister...) in one process of its own session, on the same backends as its API processes; its log
+    ``<home>/prefect/services.log``. Prefect runs them once per server, however many API replicas it has."""
+    home = home.resolve()
+    (home / "prefect").mkdir(parents=True, exist_ok=True)
+    prefect = str(Path(sys.executable).parent / "prefect")
+    with (home / "prefect" / "services.log").open("ab") as log:
+        process = subprocess.Popen([prefect, "server", "services", "start"], stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   env={**os.environ, **server_process_env(home, port, backends=backends)})
+    (home / "prefect" / "services.pid").write_text(f"{process.pid}\n")
+    return process
+
+
+def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = STARTUP_TIMEOUT_S,
+                  backends: TeamBackends | None = None) -> str:
+    """The API URL of a healthy local server on ``port``: reused if one answers, started (detached) if not — with
+    ``backends``, a team's API process and its background services."""
     url = api_url(port)
     if not is_healthy(url):
-        start_server(home, port, timeout_s)
+        start_server(home, port, timeout_s, backends=backends)  # migrates the database first
+        if backends:
+            start_services(home, port, backends)
         return url
     check_ours(url, home, port)
     if (storage := lease_storage_of(url, auth_string(home))) not in (
-            None, LEASE_STORAGE["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"]):
+            None, LEASE_STORAGE["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"], REDIS_LEASE_STORAGE):
         print(f"laneflow: the Prefect server on 127.0.0.1:{port} keeps concurrency leases in {storage}: restarting it "
               "would leak the 'gpu' slots of runs in flight and abort a running nightly. Restart it once, while "
               f"nothing runs: 'laneflow stop-server --home {home}', then this command again.", file=sys.stderr,
@@ -213,13 +239,16 @@ def lease_storage_of(url: str, auth: str | None = None) -> str | None:
 
 
 def stop_server(home: Path, grace_s: float = 30.0) -> bool:
-    """Stop the server started from ``home`` (its pid file) and wait until its process group is gone
-    (SIGKILL after ``grace_s``); False when none was running."""
-    pid = take_pid_file(home.resolve() / "prefect" / "server.pid")
-    if pid is None or not _is_prefect_server(pid) or not group_alive(pid):
-        return False
-    stop_group(pid, (signal.SIGTERM,), grace_s)
-    return True
+    """Stop the server started from ``home`` (its pid files: the server, and a team's services) and wait until
+    their process groups are gone (SIGKILL after ``grace_s``); False when none was running."""
+    stopped = False
+    for name in ("services.pid", "server.pid"):  # a team's services first: they act on what the API holds
+        pid = take_pid_file(home.resolve() / "prefect" / name)
+        if pid is None or not _is_prefect_server(pid) or not group_alive(pid):
+            continue
+        stop_group(pid, (signal.SIGTERM,), grace_s)
+        stopped = True
+    return stopped
 
 
 def take_pid_file(pid_file: Path) -> int | None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from flows.local_server import AUTH_FILE, ensure_server, server_env
+from flows.team_server import TeamBackends
 from tasks.processes import PREFECT_WORKER_SIGNALS, stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -141,13 +142,16 @@ def deploy_command(home: Path, port: int, gpu_slots: int | None = None) -> int:
     return 0
 
 
-def serve(home: Path, port: int, gpu_slots: int | None = None) -> int:
-    """Start (or reuse) the server, apply prefect.yaml and the alerts, and run a worker until interrupted."""
+def serve(home: Path, port: int, gpu_slots: int | None = None, backends: TeamBackends | None = None) -> int:
+    """Start (or reuse) the server, apply prefect.yaml and the alerts, and run a worker until interrupted. With
+    ``backends``, a team's server: on PostgreSQL and Redis, its API and background services apart."""
     from flows.alerts import AlertSetupError
 
     home = home.resolve()
-    print(f"laneflow serve: Prefect server on 127.0.0.1:{port} (first start takes a minute or two)...", flush=True)
-    api = ensure_server(home, port)
+    on = " on PostgreSQL and Redis" if backends else ""
+    print(f"laneflow serve: Prefect server{on} on 127.0.0.1:{port} (first start takes a minute or two)...",
+          flush=True)
+    api = ensure_server(home, port, backends=backends)
     env = deployment_environment(home, {**os.environ, **server_env(home, port),
                                         "LANEFLOW_HOME": os.environ.get("LANEFLOW_HOME", str(home / "home"))})
     try:

@@ -67,6 +67,19 @@ if as_root_with_apt && ! { command -v buildah && command -v debootstrap; } >/dev
         echo "bootstrap: warning: could not install buildah/debootstrap; make image fails and the cluster tests skip" >&2
 fi
 
+# PostgreSQL and Redis: a team's Prefect server runs on them (laneflow serve --database/--redis), and the tests
+# of that start a real one of each. Installed without starting the packages' own services (policy-rc.d says
+# no, for the install only): nothing of theirs runs until laneflow or a test starts it.
+if as_root_with_apt && ! { ls /usr/lib/postgresql/*/bin/postgres && command -v redis-server; } >/dev/null 2>&1; then
+    echo "bootstrap: installing postgresql redis-server (Debian packages, for a team's Prefect server)"
+    policy=/usr/sbin/policy-rc.d
+    own_policy=0
+    if [ ! -e "$policy" ]; then printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && own_policy=1; fi
+    apt_install postgresql redis-server ||
+        echo "bootstrap: warning: could not install PostgreSQL/Redis; the tests of a team's server skip" >&2
+    if [ "$own_policy" = 1 ]; then rm -f "$policy"; fi
+fi
+
 echo "bootstrap: installing horovod"
 scripts/install_horovod.sh "$VENV/bin/python"
 

@@ -20,10 +20,16 @@ CHUNK = 64 * 1024
 
 
 class Forwarder:
-    """Connections to ``listen_host:port`` are piped to ``target_host:port``; closing stops everything it opened."""
+    """Connections to ``listen_host:port`` are piped to ``target_host:port``; closing stops everything it opened.
+    With ``targets``, a load balancer in front of several replicas: each connection goes to the next target in
+    turn, and to the one after it when that one refuses (a replica restarting), as a balancer's passive health
+    check does."""
 
-    def __init__(self, listen_host: str, port: int, target_host: str = "127.0.0.1") -> None:
-        self.listen, self.target = (listen_host, port), (target_host, port)
+    def __init__(self, listen_host: str, port: int, target_host: str = "127.0.0.1",
+                 targets: list[tuple[str, int]] | None = None) -> None:
+        self.listen = (listen_host, port)
+        self.targets = targets or [(target_host, port)]
+        self._next = 0
         self._listener: socket.socket | None = None
         self._open: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -72,9 +78,8 @@ class Forwarder:
             except OSError:
                 return
             client.settimeout(None)
-            try:
-                upstream = socket.create_connection(self.target, timeout=10)
-            except OSError:  # the server is down (a restart): the client sees its connection closed, as it would
+            upstream = self._connect()
+            if upstream is None:  # every server is down (a restart): the client sees its connection closed
                 client.close()
                 continue
             upstream.settimeout(None)
@@ -85,6 +90,17 @@ class Forwarder:
                     return
                 self._open.update((client, upstream))
             self._start(self._serve, client, upstream, name="forward")
+
+    def _connect(self) -> socket.socket | None:
+        """A connection to the next target that accepts one, round robin; None when none does."""
+        for _ in range(len(self.targets)):
+            target = self.targets[self._next % len(self.targets)]
+            self._next += 1
+            try:
+                return socket.create_connection(target, timeout=10)
+            except OSError:
+                continue
+        return None
 
     def _serve(self, client: socket.socket, upstream: socket.socket) -> None:
         """Both directions of one connection; both sockets closed once both have ended."""
