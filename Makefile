@@ -9,7 +9,7 @@ DEMO_DIR ?= .laneflow/demo
 DATASET ?= tusimple
 PORT ?= 4200
 
-.PHONY: demo serve stop-server test image image-gpu lint bench bench-accuracy bench-overhead bench-sweep bench-models soak install clean clean-work
+.PHONY: demo serve stop-server test image image-gpu lint bench bench-accuracy bench-overhead bench-sweep bench-models bench-server soak install clean clean-work
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt scripts/versions.env
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -70,6 +70,10 @@ bench-accuracy: $(STAMP)
 
 bench-sweep: $(STAMP)
 	$(PY) bench/sweep.py
+
+# The Prefect server under a sweep of 16 trials, 8 at once: SQLite against PostgreSQL + Redis (docs/performance.md).
+bench-server: $(STAMP)
+	$(PY) bench/server_load.py
 
 # SCNN against the row-anchor detector: parameters, inference img/s at one input size, steps and seconds to a
 # val accuracy (docs/performance.md).

@@ -135,3 +135,19 @@ def test_a_sweep_a_nightly_and_a_ui_run_side_by_side_on_two_api_replicas_outlive
         [(state.name, state.message) for state in ended], worker_log.read_text()[-3000:])
     logs = "\n".join((home / "prefect" / name).read_text(errors="replace") for name in ("server.log", "services.log"))
     assert not DATABASE_ERRORS.findall(logs), [line for line in logs.splitlines() if DATABASE_ERRORS.search(line)][:10]
+
+
+def test_the_helm_values_give_the_clusters_server_every_setting_laneflow_serve_gives_its_processes() -> None:
+    """deployments/prefect-server-values.yaml (Prefect's chart) and `laneflow serve --database --redis` must run
+    the same server: each setting the latter sets is in the values' environment or in a Secret they name."""
+    import yaml
+
+    path = PROJECT_ROOT / "deployments" / "prefect-server-values.yaml"
+    values = yaml.safe_load(path.read_text())
+    from_values = {entry["name"] for entry in values["global"]["prefect"]["env"]}
+    from_secrets = set(re.findall(r"--from-literal=(PREFECT_[A-Z_]+)=", path.read_text()))
+    database_secret = values["secret"]["name"] if not values["secret"]["create"] else None
+    assert database_secret and "connection-string" in path.read_text()  # the chart's database URL, from a Secret
+    settings = set(TeamBackends("postgresql+asyncpg://db/prefect", "redis://cache:6379/0").settings())
+    assert settings - {"PREFECT_API_DATABASE_CONNECTION_URL"} <= from_values | from_secrets
+    assert values["backgroundServices"]["runAsSeparateDeployment"] is True and values["server"]["replicaCount"] >= 2
