@@ -157,13 +157,11 @@ class Tally:
 
 def _counts() -> dict[str, int]:
     """Flow and task runs the server holds (a fresh server: all of them the sweep's), by its count endpoints."""
-    import httpx
+    from prefect import get_client
 
-    from flows.local_server import auth_header
-
-    api, headers = os.environ["PREFECT_API_URL"], auth_header(os.environ["PREFECT_API_AUTH_STRING"])
-    return {kind: httpx.post(f"{api}/{kind}/count", json={}, headers=headers, timeout=60).raise_for_status().json()
-            for kind in ("flow_runs", "task_runs")}
+    with get_client(sync_client=True) as client:
+        return {"flow_runs": client.count_flow_runs(),
+                "task_runs": int(client.request("POST", "/task_runs/count", json={}).json())}
 
 
 def report(figures: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:

@@ -157,6 +157,10 @@ def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S,
     raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout_s:.0f} s; see {log_path}")
 
 
+#: Where laneflow records the pid of a team server's background-services process.
+SERVICES_PID = "background-services.pid"
+
+
 def start_services(home: Path, port: int, backends: TeamBackends) -> subprocess.Popen:
     """A team's background services (``prefect server services start``: scheduler, late runs, triggers, the
     event persister...) in one process of its own session, on the same backends as its API processes; its log
@@ -168,7 +172,9 @@ def start_services(home: Path, port: int, backends: TeamBackends) -> subprocess.
         process = subprocess.Popen([prefect, "server", "services", "start"], stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True,
                                    env={**os.environ, **server_process_env(home, port, backends=backends)})
-    (home / "prefect" / "services.pid").write_text(f"{process.pid}\n")
+    # Not services.pid: Prefect's own CLI keeps that one in PREFECT_HOME and refuses to start when it names a
+    # live process — this one, were it ours.
+    (home / "prefect" / SERVICES_PID).write_text(f"{process.pid}\n")
     return process
 
 
@@ -242,7 +248,7 @@ def stop_server(home: Path, grace_s: float = 30.0) -> bool:
     """Stop the server started from ``home`` (its pid files: the server, and a team's services) and wait until
     their process groups are gone (SIGKILL after ``grace_s``); False when none was running."""
     stopped = False
-    for name in ("services.pid", "server.pid"):  # a team's services first: they act on what the API holds
+    for name in (SERVICES_PID, "server.pid"):  # a team's services first: they act on what the API holds
         pid = take_pid_file(home.resolve() / "prefect" / name)
         if pid is None or not _is_prefect_server(pid) or not group_alive(pid):
             continue

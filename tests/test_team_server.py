@@ -125,6 +125,12 @@ def test_a_sweep_a_nightly_and_a_ui_run_side_by_side_on_two_api_replicas_outlive
 
                     ended = wait_until("the nightly and the UI run ended", both_ended, timeout_s=600)
                     limit = client.read_global_concurrency_limit_by_name("gpu")
+                    # The services ran all along: their task-run recorder put the runs' task runs in the database
+                    # (from the events in Redis), as the UI shows them.
+                    assert replicas[2].poll() is None, (home / "prefect" / "services.log").read_text()[-2000:]
+                    wait_until("the task runs recorded", lambda: (
+                        count if (count := client.request("POST", "/task_runs/count", json={}).json()) >= 60
+                        else None), timeout_s=120)
             result = json.loads(output.read_text().strip().splitlines()[-1])
         finally:
             for process in reversed(replicas):
