@@ -86,11 +86,14 @@ def test_a_run_under_kueue_says_why_it_waits_in_its_log_and_artifact_and_trains_
     messages = flow_run_messages(str(flow_run.id))
     assert expected in messages, messages[-20:]
     assert result["metrics"]["images"] == 3
-    # Both the MPIJob and the scoring Job went through the queue, and ran on the flavor's nodes.
-    workloads = {w["metadata"]["name"].rsplit("-", 1)[0]: w for w in cluster.objects["workloads"].values()}
-    assert {key.split("-")[0] for key in workloads} == {"mpijob", "job"}
-    assert all(any(c["type"] == "Finished" and c["status"] == "True" for c in w["status"]["conditions"])
-               for w in workloads.values())
+    # Both the MPIJob and the scoring Job went through the queue (the Job, deleted once it ended, took its Workload
+    # with it), and ran on the flavor's nodes.
+    admitted = {(e["involvedObject"]["kind"], e["involvedObject"]["name"].split("-")[0])
+                for e in cluster.objects["events"].values()
+                if e["reason"] == "Started" and e["message"] == "Admitted by clusterQueue laneflow"}
+    assert admitted == {("MPIJob", "train"), ("Job", "eval")}, admitted
+    (workload,) = cluster.objects["workloads"].values()  # the MPIJob's, kept with it
+    assert any(c["type"] == "Finished" and c["status"] == "True" for c in workload["status"]["conditions"])
     placed = {e["involvedObject"]["name"]: e["message"].rsplit(" to ", 1)[-1]
               for e in cluster.objects["events"].values() if e["reason"] == "Scheduled"}
     workers = [pod for pod in placed if "-worker-" in pod]
@@ -118,7 +121,8 @@ def test_a_run_preempted_by_a_higher_priority_job_waits_for_kueue_and_resumes_fr
     def nightly_arrives(cluster: Cluster, namespace: str, pod: str, line: str) -> None:
         if nightly or "-launcher-" not in pod or '"event": "step"' not in line:
             return
-        if json.loads(line[line.index("{"):])["step"] >= 4:
+        event, _ = json.JSONDecoder().raw_decode(line, line.index("{"))  # the line may go on after the event
+        if event["step"] >= 4:
             nightly.append(1)
             threading.Thread(target=batch.create_namespaced_job, daemon=True, args=("lanes", {
                 "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "nightly", "labels": {

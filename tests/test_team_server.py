@@ -73,7 +73,7 @@ def _deployed(home: Path, env: dict[str, str], artifacts: list[dict[str, str]]) 
 def test_a_sweep_a_nightly_and_a_ui_run_side_by_side_on_two_api_replicas_outlive_a_replica_restart(
         tmp_path: Path, synthetic_archive: tuple[Path, str], synthetic_artifacts: list[dict[str, str]]) -> None:
     """PostgreSQL, Redis, two API replicas behind a round-robin balancer and one services process; the
-    deployments applied through the balancer, a real process worker. A sweep of four trials (two at a time),
+    deployments applied through the balancer, a real process worker. A sweep of three trials (two at a time),
     a nightly retrain and a run started as from the UI go side by side under a 'gpu' limit of 3, and one
     replica is restarted while they train."""
     if missing := servers_missing():
@@ -92,9 +92,9 @@ def test_a_sweep_a_nightly_and_a_ui_run_side_by_side_on_two_api_replicas_outlive
             with Forwarder("127.0.0.1", balancer, targets=targets):
                 env = _deployed(home, {**os.environ, **server_env(home, balancer),
                                        "LANEFLOW_HOME": str(tmp_path / "laneflow")}, synthetic_artifacts)
-                base = params_for(synthetic_archive, volume="team", workers=1, snapshot=False, epochs=2)
+                base = params_for(synthetic_archive, volume="team", workers=1, snapshot=False, epochs=1)
                 arguments = {**json.loads(json.dumps(base, default=lambda v: v.model_dump(mode="json"))),
-                             "grid": {"lr": [0.05, 0.02, 0.1, 0.03]}, "max_concurrent": 2}
+                             "grid": {"lr": [0.05, 0.02, 0.1]}, "max_concurrent": 2}
                 output, worker_log = tmp_path / "sweep.log", tmp_path / "worker.log"
                 with output.open("wb") as sink, worker_log.open("wb") as worker_sink, \
                         running_worker(env, worker_sink), \
@@ -129,13 +129,13 @@ def test_a_sweep_a_nightly_and_a_ui_run_side_by_side_on_two_api_replicas_outlive
                     # (from the events in Redis), as the UI shows them.
                     assert replicas[2].poll() is None, (home / "prefect" / "services.log").read_text()[-2000:]
                     wait_until("the task runs recorded", lambda: (
-                        count if (count := client.request("POST", "/task_runs/count", json={}).json()) >= 60
+                        count if (count := client.request("POST", "/task_runs/count", json={}).json()) >= 50
                         else None), timeout_s=120)
             result = json.loads(output.read_text().strip().splitlines()[-1])
         finally:
             for process in reversed(replicas):
                 stop_process(process, grace_s=30)
-    assert result == ["Completed"] * 4, output.read_text()[-3000:]
+    assert result == ["Completed"] * 3, output.read_text()[-3000:]
     assert (limit.limit, limit.active_slots) == (3, 0)  # every slot handed back, across the restart
     assert [state.type.value for state in ended] == ["COMPLETED", "COMPLETED"], (
         [(state.name, state.message) for state in ended], worker_log.read_text()[-3000:])

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def _dependents(cluster: Cluster, uid: str) -> list[tuple[str, dict]]:
     return [(resource, child) for resource in ("jobs", "pods", "secrets", "configmaps", "services",
-                                                    "networkpolicies")
+                                                    "networkpolicies", "workloads")
             for child in list(cluster.objects[resource].values())
             if any(ref.get("uid") == uid for ref in child["metadata"].get("ownerReferences") or [])]
 
