@@ -159,6 +159,8 @@ def start_server(home: Path, port: int, timeout_s: float = STARTUP_TIMEOUT_S,
 
 #: Where laneflow records the pid of a team server's background-services process.
 SERVICES_PID = "background-services.pid"
+#: How long a just-started services process is watched for an exit at start (Redis or the database unreachable).
+SERVICES_SETTLE_S = 3.0
 
 
 def start_services(home: Path, port: int, backends: TeamBackends) -> subprocess.Popen:
@@ -175,7 +177,22 @@ def start_services(home: Path, port: int, backends: TeamBackends) -> subprocess.
     # Not services.pid: Prefect's own CLI keeps that one in PREFECT_HOME and refuses to start when it names a
     # live process — this one, were it ours.
     (home / "prefect" / SERVICES_PID).write_text(f"{process.pid}\n")
-    return process
+    try:  # one that cannot reach its backends ends at once: said here, not found missing later
+        code = process.wait(timeout=SERVICES_SETTLE_S)
+    except subprocess.TimeoutExpired:
+        return process
+    tail = (home / "prefect" / "services.log").read_text(errors="replace").splitlines()[-20:]
+    raise RuntimeError(f"the Prefect background services exited with code {code} at start; log tail:\n"
+                       + "\n".join(tail))
+
+
+def services_running(home: Path) -> bool:
+    """Whether the background services this home started still run (their pid file names a live one)."""
+    try:
+        pid = int((home.resolve() / "prefect" / SERVICES_PID).read_text())
+    except (OSError, ValueError):
+        return False
+    return _is_prefect_server(pid) and group_alive(pid)
 
 
 def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = STARTUP_TIMEOUT_S,
@@ -185,12 +202,17 @@ def ensure_server(home: Path, port: int = DEFAULT_PORT, timeout_s: float = START
     url = api_url(port)
     if not is_healthy(url):
         start_server(home, port, timeout_s, backends=backends)  # migrates the database first
-        if backends:
+        if backends and not services_running(home):
             start_services(home, port, backends)
         return url
     check_ours(url, home, port)
-    if (storage := lease_storage_of(url, auth_string(home))) not in (
-            None, LEASE_STORAGE["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"], REDIS_LEASE_STORAGE):
+    storage = lease_storage_of(url, auth_string(home))
+    if backends and storage != REDIS_LEASE_STORAGE:
+        raise ServerNotOurs(f"the Prefect server on 127.0.0.1:{port} runs on SQLite, not on the database and Redis "
+                            f"asked for: stop it first ('laneflow stop-server --home {home}'), or use another --port")
+    if backends and not services_running(home):
+        start_services(home, port, backends)
+    if storage not in (None, LEASE_STORAGE["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"], REDIS_LEASE_STORAGE):
         print(f"laneflow: the Prefect server on 127.0.0.1:{port} keeps concurrency leases in {storage}: restarting it "
               "would leak the 'gpu' slots of runs in flight and abort a running nightly. Restart it once, while "
               f"nothing runs: 'laneflow stop-server --home {home}', then this command again.", file=sys.stderr,

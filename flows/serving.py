@@ -37,6 +37,7 @@ def ensure_local_setup(gpu_slots: int | None = None) -> None:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
 
+    from flows.params import TrainParams
     from flows.train import GPU_LIMIT
     from tasks.platforms import PLATFORM_TYPES
 
@@ -52,9 +53,15 @@ def ensure_local_setup(gpu_slots: int | None = None) -> None:
             client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpu_slots)
             return
         try:
-            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+            existing = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
         except ObjectNotFound:
             client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, local_gpu_slots())
+            return
+        workers = TrainParams.model_fields["workers"].default
+        if existing.limit < workers:  # made when a run took one slot whatever its GPUs (before GPU slots)
+            print(f"laneflow: the '{GPU_LIMIT}' limit has {existing.limit} slot(s), and a run now takes one per GPU: "
+                  f"a default run ({workers} workers) could never start. Set it to the GPUs runs may use: "
+                  f"--gpu-slots N, or 'prefect gcl update {GPU_LIMIT} --limit N'", file=sys.stderr, flush=True)
 
 
 def apply_deployments(env: dict[str, str]) -> None:

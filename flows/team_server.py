@@ -1,10 +1,11 @@
 """A team's Prefect server, as Prefect documents self-hosting at scale: PostgreSQL for the database and Redis
 for what one process otherwise keeps in memory — the event bus (``prefect_redis.messaging``), causal ordering of
 events (``prefect_redis.ordering``), concurrency leases (``prefect_redis.lease_storage``: the ``gpu`` slots of
-runs in flight survive an API process's restart and are seen by every replica) and the background-task queue
-(Prefect's docket). Then the API can run as several replicas (``prefect server start --no-services``) beside one
-process of background services (``prefect server services start``: the scheduler, late runs, triggers...), and
-any of them can be restarted without losing a lease or a run.
+runs in flight survive an API process's restart and are seen by every replica), the background-task queue
+(Prefect's docket) and the workers' clean-up queue (``prefect_redis.cleanup_queue``). Then the API can run as
+several replicas (``prefect server start --no-services``) beside one process of background services (``prefect
+server services start``: the scheduler, late runs, triggers...), and any of them can be restarted without losing a
+lease or a run.
 
 ``laneflow serve --database URL --redis URL`` (or ``LANEFLOW_SERVER_DATABASE`` / ``LANEFLOW_SERVER_REDIS``) starts
 one API process and the services on this machine; on a cluster, Prefect's Helm chart with
@@ -46,6 +47,10 @@ class TeamBackends:
             "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": REDIS_LEASE_STORAGE,
             "PREFECT_REDIS_MESSAGING_URL": self.redis_url,
             "PREFECT_SERVER_DOCKET_URL": self.redis_url,
+            # The services queue a cancelled run's clean-up for its worker, whose websocket any API process may
+            # hold: in memory (the default) the message never reaches a worker on another process.
+            "PREFECT_SERVER_WORKER_CHANNEL_CLEANUP_QUEUE_STORAGE": "prefect_redis.cleanup_queue",
+            "PREFECT_REDIS_WORKER_CLEANUP_QUEUE_URL": self.redis_url,
         }
 
 

@@ -56,7 +56,9 @@ def test_a_run_under_kueue_says_why_it_waits_in_its_log_and_artifact_and_trains_
     cluster.load(base + queues)
     name = saved(emu, "emu-kueue", namespace="laneflow", kueue_queue="laneflow",
                  kueue_priority_class="laneflow-trial", scheduling_grace_s=2, operator_grace_s=30)
-    params = params_for(served_archive, platform=name, volume="queued", snapshot=False, workers=1, max_steps=1)
+    # A timeout of its own: a run left queued by a failing assertion ends rather than outlive the test.
+    params = params_for(served_archive, platform=name, volume="queued", snapshot=False, workers=1, max_steps=1,
+                        timeout_minutes=8)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(contextvars.copy_context().run,
                               train_pipeline.with_options(flow_run_name="queued-run"), **params)
@@ -147,7 +149,7 @@ def test_a_run_preempted_by_a_higher_priority_job_waits_for_kueue_and_resumes_fr
     assert batch.read_namespaced_job("nightly", "lanes").status.succeeded == 1
 
 
-def test_an_elastic_run_and_a_block_with_two_schedulers_are_refused_before_anything_is_made(emulator: tuple) -> None:
+def test_an_elastic_run_two_schedulers_and_a_cluster_without_kueue_are_each_refused_saying_why(emulator: tuple) -> None:
     emu, cluster = emulator
     cluster.kueue_installed = True
     platform = cluster_platform(emu, kueue_queue="laneflow")
@@ -156,6 +158,12 @@ def test_an_elastic_run_and_a_block_with_two_schedulers_are_refused_before_anyth
         platform.submit_training(elastic)
     assert ELASTIC_REFUSED in str(refused.value)
     assert not cluster.objects["mpijobs"]
+    # A block that names a queue on a cluster without Kueue: said as such, and nothing left suspended.
+    cluster.kueue_installed = False
+    handle = platform.submit_training(spec_for("data", workers=1))
+    with pytest.raises(StageBlocked, match=r"serves no kueue.x-k8s.io/v1beta2 Workloads: install Kueue v0.19"):
+        platform.wait_for_training(handle, lambda _: None, lambda _: None, timeout_s=60)
+    cluster.wait_empty("mpijobs", timeout_s=60)  # deleted: Kueue would never admit it here
     with pytest.raises(ValueError, match="runai_project and kueue_queue are both set"):
         cluster_platform(emu, kueue_queue="laneflow", runai_project="perception")
     with pytest.raises(ValueError, match="kueue_priority_class is set without kueue_queue"):

@@ -174,6 +174,8 @@ class ClusterPlatform(Platform):
         for field, value in (("kueue_queue", self.kueue_queue), ("kueue_priority_class", self.kueue_priority_class)):
             if value is not None:
                 validate_subdomain(value, field)
+                if len(value) > 63:  # it goes into a label of each job, whose values hold 63 characters
+                    raise ValueError(f"{field} {value!r} is {len(value)} characters: a label value holds at most 63")
         return self
 
     @field_validator("runai_project")

@@ -22,9 +22,16 @@ def workload_of(platform: ClusterPlatform, job_uid: str) -> dict[str, Any] | Non
     """The Workload Kueue made of the job with uid ``job_uid`` (it labels it so), None before it made one."""
     _, _, custom = apis(platform)
     group, version, plural = WORKLOADS
-    found = call(platform, "list", "workloads", custom.list_namespaced_custom_object, group, version,
-                 platform.effective_namespace(), plural,
-                 label_selector=f"{JOB_UID_LABEL}={job_uid}").get("items") or []
+    try:
+        found = call(platform, "list", "workloads", custom.list_namespaced_custom_object, group, version,
+                     platform.effective_namespace(), plural,
+                     label_selector=f"{JOB_UID_LABEL}={job_uid}").get("items") or []
+    except ApiException as exc:
+        if exc.status == 404:  # no such API: Kueue is not installed, or too old to serve v1beta2
+            raise StageBlocked(f"the block names Kueue LocalQueue {platform.kueue_queue}, but the cluster serves no "
+                               f"{group}/{version} Workloads: install Kueue v0.19 or later (kubectl get crd "
+                               "workloads.kueue.x-k8s.io), or clear kueue_queue; the job was deleted") from None
+        raise
     return found[0] if found else None
 
 
@@ -37,7 +44,7 @@ def queue_position(platform: ClusterPlatform, workload: str) -> dict[str, Any] |
             f"{platform.kueue_queue}/pendingworkloads")
     try:
         summary = get_path(client, path)
-    except (ApiException, OSError):
+    except Exception:  # a courtesy: whatever keeps it from answering (404, 403, a timeout) never stops the wait
         return None
     return next((item for item in (summary or {}).get("items") or []
                  if (item.get("metadata") or {}).get("name") == workload), None)
