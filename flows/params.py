@@ -167,6 +167,14 @@ class TrainParams(BaseModel):
                                                  "pruner reads these scores")
     loader_workers: int = Field(2, ge=0, le=64, description="DataLoader worker processes per Horovod process")
     eval_split: Literal["val", "test"] = Field("test", description="split the evaluate stage scores")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="the forward pass's precision; auto: the fastest safe one on the machine (bf16 where "
+                            "the GPU or CPU does it natively and, on a CPU, a short calibration confirms it)")
+    memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
+        "auto", description="the activations' layout; auto: channels-last on GPUs, the faster one on a CPU")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="run the network through torch.compile; auto: only where measured faster (not yet: "
+                            "off); on is refused with elastic")
     snapshot: bool = Field(True, description="capture dataset + run as a snapshot with lineage")
     package: bool = Field(True, description="export the model as a package (TorchScript, ONNX, contract, lineage)")
     promote: bool = Field(False, description="move the volume to a faster service level while training")
@@ -186,6 +194,9 @@ class TrainParams(BaseModel):
     def _elastic_start(self) -> TrainParams:
         if self.elastic is not None:
             self.elastic.check_start(self.workers)
+            if self.compile == "on":
+                raise ValueError("compile='on' cannot be used with elastic: a worker that joins would compile its "
+                                 "graph while the others wait; use compile 'auto' or 'off'")
         return self
 
     @field_validator("volume")
@@ -219,6 +230,8 @@ class TrainParams(BaseModel):
                 # only when set: a training image from before eval_every (or models) still takes every other setting
                 **({"eval_every": str(self.eval_every)} if self.eval_every else {}),
                 **({"model": self.model} if self.model != "scnn" else {}),
+                **{name: getattr(self, name) for name in ("precision", "memory_format", "compile")
+                   if getattr(self, name) != "auto"},
                 **({"elastic": "1", "commit_every": str(self.elastic.commit_every),
                     "min_workers": str(self.elastic.min_workers)} if self.elastic else {})}
 

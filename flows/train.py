@@ -193,7 +193,8 @@ def _score_and_package(params: TrainParams, platform: Any, volume: VolumeRef, sp
         run=run, flow_run_id=str(current_run.id), flow_run_name=current_run.name, platform=params.platform,
         volume=volume.name, dataset=dataset, code=code_version(), parameters=params.for_record(),
         training={"steps": outcome.steps, "resumed_from": outcome.resumed_from,
-                  "duration_s": outcome.duration_s, "trainer_eval": outcome.eval, "model": outcome.model},
+                  "duration_s": outcome.duration_s, "trainer_eval": outcome.eval, "model": outcome.model,
+                  "numerics": outcome.numerics},
         evaluation=evaluation, snapshot=snapshot, service_level=service_level)
     package = None
     if params.package:  # inside the run's folder: the snapshot carries it

@@ -89,6 +89,9 @@ def render_lineage_markdown(lineage: dict) -> str:
         *([f"| archive sha256 | `{lineage['archive_sha256']}` |"] if lineage.get("archive_sha256") else []),
         f"| dataset records | {_counts(lineage.get('dataset_counts') or {})} |",
         f"| code version | `{lineage.get('code_version')}` |",
+        *([f"| numerics | {_cell(numerics.get('precision'))}, {_cell(numerics.get('memory_format'))}"
+           f"{', compiled' if numerics.get('compile') else ''}: {_cell(numerics.get('numerics_reason'))} |"]
+          if (numerics := (lineage.get("training") or {}).get("numerics")) else []),
         f"| snapshot | `{lineage.get('snapshot') or 'none'}` |",
         "",
         "## Metrics",

@@ -9,7 +9,9 @@ turns tracking off even where the variable is set (one worker opting out).
 
 What a run logs, in experiment ``laneflow-<volume>`` under the laneflow run name (``train-...``):
 
-- parameters: the lineage's ``parameters`` flattened (``source_artifacts.0.url``, ...);
+- parameters: the lineage's ``parameters`` flattened (``source_artifacts.0.url``, ...), and what the
+  trainer resolved them to (``numerics.precision``, ``numerics.memory_format``, ``numerics.compile``,
+  ``numerics.numerics_reason``: ``precision: auto`` on this machine);
 - step metrics from the run's ``metrics.jsonl``, at their step, under TensorBoard's names
   (``train/loss``, ``train/lr``, ``train/images_per_second``, ``train/input_stall``, ``val/accuracy``,
   ``val/untimed_accuracy``, ``val/fp``, ``val/fn``);
@@ -120,6 +122,13 @@ def flatten_params(parameters: Mapping[str, Any], prefix: str = "") -> dict[str,
         else:
             flat[_key(name)] = _param_value(value)
     return flat
+
+
+def run_params(lineage: Mapping[str, Any]) -> dict[str, str]:
+    """The MLflow parameters of a run: what it was asked (``parameters``) and the numerics it resolved them to."""
+    numerics = (lineage.get("training") or {}).get("numerics") or {}
+    return {**flatten_params(lineage.get("parameters") or {}),
+            **flatten_params({"numerics": numerics} if numerics else {})}
 
 
 def _number(value: Any) -> float | None:
@@ -308,8 +317,7 @@ def log_training_run(client: Any, uri: str, lineage: Mapping[str, Any], events: 
     run_id = client.create_run(experiment_id, run_name=run, tags=run_tags(lineage, prefect_ui_url)).info.run_id
     try:
         client.log_batch(run_id, metrics=_metric_entities(points),
-                         params=[Param(key, value) for key, value in
-                                 flatten_params(lineage.get("parameters") or {}).items()])
+                         params=[Param(key, value) for key, value in run_params(lineage).items()])
         client.log_dict(run_id, dict(lineage), LINEAGE_ARTIFACT)
     except BaseException:
         with contextlib.suppress(Exception):  # shown failed, not running forever; the first error is reported

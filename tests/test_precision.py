@@ -16,28 +16,129 @@ from tasks.processes import run_to_end
 from tests.test_train import events, prepared, run, train_cmd  # noqa: F401  (prepared is a fixture)
 from training.checkpoints import load_latest_checkpoint
 from training.config import TRAIN_PRESETS, parse_overrides
+from training.cpu_features import parse_cpuinfo, this_cpu
 from training.evaluate import predict
 from training.model import SCNN, SCNNLoss, model_config
-from training.precision import Device, MixedPrecision, resolve_memory_format, resolve_precision
+from training.precision import Calibration, Device, MixedPrecision, resolve, resolve_compile
 
-H200 = Device("cuda", bf16=True)
-T4 = Device("cuda", bf16=False)
-CPU = Device("cpu", bf16=False)
+H200 = Device("cuda", bf16=True, name="NVIDIA H200")
+T4 = Device("cuda", bf16=False, name="Tesla T4")
+CPU = Device("cpu", bf16=False, name="AMD EPYC 7763")
+CPU_BF16 = Device("cpu", bf16=True, name="Intel Xeon Platinum 8480+")
 
 
-def test_auto_picks_the_fastest_safe_precision_and_layout_for_the_device() -> None:
-    assert [resolve_precision("auto", device) for device in (H200, T4, CPU)] == ["bf16", "fp16", "fp32"]
-    assert [resolve_precision(p, CPU) for p in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
-    assert resolve_memory_format("auto", H200) == torch.channels_last
-    assert resolve_memory_format("auto", CPU) == torch.contiguous_format
-    assert resolve_memory_format("channels_last", CPU) == torch.channels_last
-    assert TRAIN_PRESETS["tusimple"].precision == "auto" and TRAIN_PRESETS["cpu-demo"].precision == "fp32"
+def never_calibrate(candidates: list) -> Calibration:
+    raise AssertionError(f"nothing to calibrate, yet asked to time {candidates}")
+
+
+def forced(**milliseconds: float):
+    """A calibration that answers these step times (``bf16_channels_last=48``...) and records what it was asked."""
+    asked: list = []
+
+    def calibrate(candidates: list) -> Calibration:
+        asked.append(list(candidates))
+        return Calibration({c: milliseconds[f"{c[0]}_{c[1]}"] / 1000 for c in candidates}, "forced by the test")
+    calibrate.asked = asked  # type: ignore[attr-defined]
+    return calibrate
+
+
+def test_on_gpus_auto_picks_the_native_half_precision_and_channels_last_without_calibrating() -> None:
+    chosen = [resolve("auto", "auto", device, never_calibrate) for device in (H200, T4)]
+    assert [(n.precision, n.memory_format) for n in chosen] == [("bf16", "channels_last"), ("fp16", "channels_last")]
+    assert "NVIDIA H200" in chosen[0].reason
+    assert resolve("fp32", "contiguous", H200, never_calibrate).memory_format == "contiguous"
+
+
+def test_on_a_cpu_with_native_bf16_auto_takes_the_calibrations_fastest_and_keeps_fp32_where_nothing_pays() -> None:
+    fast = forced(fp32_contiguous=100, fp32_channels_last=75, bf16_contiguous=70, bf16_channels_last=48)
+    numerics = resolve("auto", "auto", CPU_BF16, fast)
+    assert (numerics.precision, numerics.memory_format) == ("bf16", "channels_last")
+    assert fast.asked == [[("fp32", "contiguous"), ("fp32", "channels_last"), ("bf16", "contiguous"),
+                           ("bf16", "channels_last")]]
+    assert numerics.reason.startswith("bf16/channels_last: 2.08x faster a step than fp32/contiguous")
+    assert "forced by the test" in numerics.reason
+    # A calibration that shows no gain of at least 1.1x keeps the plain path, whatever is marginally faster.
+    flat = forced(fp32_contiguous=100, fp32_channels_last=97, bf16_contiguous=120, bf16_channels_last=95)
+    numerics = resolve("auto", "auto", CPU_BF16, flat)
+    assert (numerics.precision, numerics.memory_format) == ("fp32", "contiguous")
+    assert "nothing measured at least 1.1x faster" in numerics.reason
+    # An explicit setting narrows what is compared, and wins.
+    layout_only = forced(bf16_contiguous=70, bf16_channels_last=48)
+    assert resolve("bf16", "auto", CPU_BF16, layout_only).memory_format == "channels_last"
+    assert layout_only.asked == [[("bf16", "contiguous"), ("bf16", "channels_last")]]
+    assert resolve("fp16", "contiguous", CPU_BF16, never_calibrate).precision == "fp16"
+
+
+def test_on_a_cpu_without_native_bf16_auto_never_tries_bf16() -> None:
+    fast = forced(fp32_contiguous=100, fp32_channels_last=80)
+    numerics = resolve("auto", "auto", CPU, fast)
+    assert (numerics.precision, numerics.memory_format) == ("fp32", "channels_last")
+    assert fast.asked == [[("fp32", "contiguous"), ("fp32", "channels_last")]]
+    assert "AMD EPYC 7763" in numerics.reason and "would emulate" in numerics.reason
+    numerics = resolve("auto", "contiguous", CPU, never_calibrate)
+    assert (numerics.precision, numerics.memory_format) == ("fp32", "contiguous")
+    assert "has no native bf16" in numerics.reason
+
+
+# /proc/cpuinfo as each kind of machine writes it (abridged to the lines read).
+SAPPHIRE_RAPIDS = """processor	: 0
+vendor_id	: GenuineIntel
+model name	: Intel(R) Xeon(R) Platinum 8480+
+flags		: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+
+processor	: 1
+model name	: Intel(R) Xeon(R) Platinum 8480+
+flags		: fpu sse2 avx2 fma avx512f
+"""
+ZEN4 = """processor	: 0
+vendor_id	: AuthenticAMD
+model name	: AMD EPYC 9V74 80-Core Processor
+flags		: fpu sse2 avx2 fma avx512f avx512_bf16 avx512_vnni
+"""
+ZEN3 = """processor	: 0
+vendor_id	: AuthenticAMD
+model name	: AMD EPYC 7763 64-Core Processor
+flags		: fpu sse2 avx2 fma
+"""
+GRAVITON3 = """processor	: 0
+BogoMIPS	: 2100.00
+Features	: fp asimd sve bf16 i8mm
+CPU implementer	: 0x41
+CPU part	: 0xd40
+"""
+GRAVITON2 = """processor	: 0
+Features	: fp asimd atomics
+CPU implementer	: 0x41
+CPU part	: 0xd0c
+"""
+
+
+def test_native_bf16_is_read_from_the_cpus_flags_on_intel_amd_and_arm() -> None:
+    cpus = [parse_cpuinfo(text) for text in (SAPPHIRE_RAPIDS, ZEN4, ZEN3, GRAVITON3, GRAVITON2)]
+    assert [cpu.native_bf16 for cpu in cpus] == [("amx_bf16", "avx512_bf16"), ("avx512_bf16",), (), ("bf16",), ()]
+    assert cpus[0].model == "Intel(R) Xeon(R) Platinum 8480+" and cpus[0].logical_cpus == 2
+    assert cpus[3].model == "arm implementer 0x41 part 0xd40"
+    # A machine is known to a calibration cache by its CPU and the flags that pick kernels, nothing else.
+    assert cpus[1].key() != cpus[2].key() and cpus[0].key() == parse_cpuinfo(SAPPHIRE_RAPIDS + "\n").key()
+    assert Device.of(torch.device("cpu"), cpus[1]).bf16 and not Device.of(torch.device("cpu"), cpus[2]).bf16
+    this = this_cpu()
+    assert this.logical_cpus >= 1 and this.model
+
+
+def test_settings_are_checked_and_compile_on_is_refused_with_elastic() -> None:
+    assert TRAIN_PRESETS["tusimple"].precision == "auto" and TRAIN_PRESETS["cpu-demo"].precision == "auto"
     assert parse_overrides("cpu-demo", ["precision=bf16", "memory_format=channels_last",
-                                        "compression=fp16"]).precision == "bf16"
+                                        "compression=fp16", "compile=on"]).compile == "on"
     with pytest.raises(ValueError, match="setting 'precision' must be one of auto, fp32, bf16, fp16, got 'fp8'"):
         parse_overrides("cpu-demo", ["precision=fp8"])
     with pytest.raises(ValueError, match="setting 'compression' must be one of none, fp16"):
         parse_overrides("cpu-demo", ["compression=int8"])
+    with pytest.raises(ValueError, match="setting 'compile' must be one of auto, on, off, got 'yes'"):
+        parse_overrides("cpu-demo", ["compile=yes"])
+    with pytest.raises(ValueError, match="'compile=on' cannot be used with elastic=1"):
+        parse_overrides("cpu-demo", ["compile=on", "elastic=1"])
+    assert resolve_compile("auto", "cpu", elastic=False)[0] is False
+    assert resolve_compile("on", "cpu", elastic=False) == (True, "compile=on: set")
 
 
 def test_the_fp16_loss_scale_is_checkpointed_and_resumed_in_any_precision() -> None:
@@ -97,7 +198,7 @@ def losses(stdout: str) -> np.ndarray:
 def test_a_bf16_run_follows_the_fp32_loss_curve_and_checkpoints_cross_precisions(
         prepared: Path, tmp_path: Path) -> None:  # noqa: F811
     steps = ["--set", "max_steps=30", "--set", "epochs=10", "--set", "checkpoint_every=10"]
-    fp32 = run(train_cmd(prepared, tmp_path / "fp32", *steps))
+    fp32 = run(train_cmd(prepared, tmp_path / "fp32", *steps, "--set", "precision=fp32"))
     bf16 = run(train_cmd(prepared, tmp_path / "bf16", *steps, "--set", "precision=bf16"))
     assert fp32.returncode == 0 and bf16.returncode == 0, bf16.stderr[-2000:]
     assert next(e for e in events(bf16.stdout) if e["event"] == "start")["precision"] == "bf16"
@@ -121,7 +222,7 @@ def test_a_bf16_run_follows_the_fp32_loss_curve_and_checkpoints_cross_precisions
     assert "has no loss scale (another precision): starting a fresh scaler" in fp16.stderr
     state = load_latest_checkpoint(tmp_path / "bf16")
     assert state["step"] == 32 and state["precision"] == "fp16" and state["scaler"]["scale"] > 0
-    back = run(train_cmd(prepared, tmp_path / "bf16", *more, "--set", "max_steps=34"))
+    back = run(train_cmd(prepared, tmp_path / "bf16", *more, "--set", "max_steps=34", "--set", "precision=fp32"))
     assert back.returncode == 0 and "(the checkpoint's is dropped)" in back.stderr
     assert json.loads((tmp_path / "bf16" / "eval.json").read_text())["images"] == 4
 
@@ -134,3 +235,44 @@ def test_the_gpu_bench_dry_run_exercises_every_configuration_on_cpu(tmp_path: Pa
     assert [(r["precision"], r["memory_format"]) for r in results] == [
         (p, m) for p in ("fp32", "bf16", "fp16") for m in ("contiguous", "channels_last")]
     assert all(r["img_per_s"] > 0 and 0 <= r["input_stall"] <= 1 for r in results)
+
+
+def start_of(stdout: str) -> dict:
+    return next(e for e in events(stdout) if e["event"] == "start")
+
+
+def test_auto_on_this_cpu_is_calibrated_once_cached_and_a_forced_answer_keeps_fp32(
+        prepared: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The real trainer on this machine: with native bf16 (AMX, AVX512-BF16) auto resolves to bf16 and
+    channels-last; without, to fp32. The calibration is measured once and cached; a cached answer that
+    shows no gain (forced here by rewriting the cache) keeps fp32/contiguous; a damaged cache is measured again."""
+    cache = tmp_path / "cache"
+    two_steps = ("--set", "max_steps=2", "--set", "epochs=1")
+    first = run(train_cmd(prepared, tmp_path / "first", *two_steps), LANEFLOW_CACHE_DIR=str(cache))
+    assert first.returncode == 0, first.stderr[-3000:]
+    start = start_of(first.stdout)
+    if this_cpu().native_bf16:
+        assert (start["precision"], start["memory_format"]) == ("bf16", "channels_last"), start["numerics_reason"]
+    else:
+        assert start["precision"] == "fp32", start["numerics_reason"]
+    assert "calibration measured now, cached in" in start["numerics_reason"] and start["compile"] is False
+    [cached] = (cache / "calibration").glob("scnn-*.json")
+    record = json.loads(cached.read_text())
+    assert record["inputs"]["model"] == "scnn" and record["inputs"]["threads"] == 1  # OMP_NUM_THREADS=1
+    assert set(record["seconds_per_step"]) == {f"{p}/{f}" for p in (["fp32", "bf16"] if this_cpu().native_bf16
+                                                                   else ["fp32"])
+                                              for f in ("contiguous", "channels_last")}
+
+    # The calibration's answer forced: every candidate as fast as fp32/contiguous, so nothing pays.
+    record["seconds_per_step"] = dict.fromkeys(record["seconds_per_step"], 0.05)
+    cached.write_text(json.dumps(record))
+    forced = run(train_cmd(prepared, tmp_path / "forced", *two_steps), LANEFLOW_CACHE_DIR=str(cache))
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    start = start_of(forced.stdout)
+    assert (start["precision"], start["memory_format"]) == ("fp32", "contiguous")
+    assert f"calibration cached in {cached}" in start["numerics_reason"]
+
+    cached.write_text("{not json")  # damaged: measured again, the run unaffected
+    again = run(train_cmd(prepared, tmp_path / "again", *two_steps), LANEFLOW_CACHE_DIR=str(cache))
+    assert again.returncode == 0 and "calibration measured now" in start_of(again.stdout)["numerics_reason"]
+    assert json.loads(cached.read_text())["seconds_per_step"]

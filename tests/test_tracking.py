@@ -248,9 +248,16 @@ def test_nightly_tracks_the_challenger_and_makes_it_the_registered_champion(
     assert params["lr"] == "0.05" and params["batch_size"] == "2" and params["max_steps"] == "20"
     assert params["source_artifacts.0.sha256"] == synthetic_archive[1]
 
-    # Step metrics: the run's own metrics.jsonl, value for value, step for step.
     run_dir = laneflow_home / "volumes" / "tracked" / challenger["run_dir"]
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # What precision=auto became on this machine, as the trainer said when it started (it differs by CPU).
+    start = next(e for e in events if e["event"] == "start")
+    assert params["precision"] == "auto" and start["precision"] in ("fp32", "bf16")
+    assert {key: params[f"numerics.{key}"] for key in ("precision", "memory_format", "compile")} == {
+        "precision": start["precision"], "memory_format": start["memory_format"], "compile": "false"}
+    assert params["numerics.numerics_reason"] == start["numerics_reason"]
+
+    # Step metrics: the run's own metrics.jsonl, value for value, step for step.
     steps = [e for e in events if e["event"] == "step"]
     vals = [e for e in events if e["event"] == "val"]
     assert [e["step"] for e in steps] == [10, 20] and [e["step"] for e in vals] == [10]  # the end: an eval event

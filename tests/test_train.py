@@ -41,9 +41,9 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def env() -> dict[str, str]:
+def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-            "PYTHONPATH": str(REPO)}
+            "PYTHONPATH": str(REPO), **extra}
 
 
 def train_cmd(data_root: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -60,8 +60,8 @@ def events(stdout: str) -> list[dict]:
     return found
 
 
-def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return run_to_end(cmd, timeout, env=env(), cwd=REPO)
+def run(cmd: list[str], timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
+    return run_to_end(cmd, timeout, env=env(**extra_env), cwd=REPO)
 
 
 def curves_in_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -154,10 +154,16 @@ def test_plain_run_writes_checkpoints_metrics_model_and_eval(prepared: Path, tmp
 
 def test_horovodrun_two_ranks_end_identical_and_only_rank0_writes(prepared: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
+    # Channels-last activations (what auto picks on GPUs and on many CPUs): Horovod allreduces only contiguous
+    # tensors, so the weights and their gradients must stay contiguous whatever the activations' layout.
     cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
-           *train_cmd(prepared, run_dir, "--set", "epochs=1", "--set", "checkpoint_every=2")]
+           *train_cmd(prepared, run_dir, "--set", "epochs=1", "--set", "checkpoint_every=2",
+                      "--set", "memory_format=channels_last")]
     done = run(cmd, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    # One run, one numeric path: rank 0's choice (precision auto) is every rank's.
+    chosen = re.findall(r"rank(\d) laneflow.train numerics \(rank \d\): (\S+)", done.stderr)
+    assert len(chosen) == 2 and len({c for _, c in chosen}) == 1 and chosen[0][1].endswith("/channels_last:"), chosen
     digests = dict(re.findall(r"final weights sha256 ([0-9a-f]{64}) \(rank (\d)\)", done.stdout + done.stderr))
     assert len(set(re.findall(r"final weights sha256 ([0-9a-f]{64}) \(rank (\d)\)",
                               done.stdout + done.stderr))) == 2, "both ranks must report"

@@ -42,10 +42,14 @@ class TrainConfig:
     #: Horovod coordination cycle in ms (0: Horovod's default). Longer cycles leave CPU cores to the
     #: training step when there is one grouped allreduce per step.
     cycle_time_ms: float = 25.0
-    #: fp32 | bf16 | fp16 | auto (training.precision): mixed precision for the forward pass.
-    precision: str = "fp32"
-    #: contiguous | channels_last | auto (channels-last on GPUs).
+    #: fp32 | bf16 | fp16 | auto (training.precision): mixed precision for the forward pass. ``auto``: the fastest
+    #: safe one on the machine (bf16 where the GPU or CPU does it natively and, on a CPU, a calibration confirms).
+    precision: str = "auto"
+    #: contiguous | channels_last | auto: the activations' layout (auto: channels-last on GPUs; on CPUs
+    #: whichever the calibration finds faster).
     memory_format: str = "auto"
+    #: on | off | auto: run the network through ``torch.compile`` (auto: where it measured faster; not yet).
+    compile: str = "auto"
     #: none | fp16: Horovod gradient compression. Off by default: slower on CPUs here, not yet measured
     #: on several GPUs (docs/performance.md).
     compression: str = "none"
@@ -124,5 +128,6 @@ def validate(config: TrainConfig) -> None:
                          "must be >= 0")
     if config.elastic not in (0, 1):
         raise ValueError(f"setting 'elastic' must be 0 or 1, got {config.elastic}")
-    precision.validate(config.precision, config.memory_format, config.compression)
+    precision.validate(config.precision, config.memory_format, config.compression, config.compile)
+    precision.resolve_compile(config.compile, "cpu", bool(config.elastic))  # refuses compile=on + elastic
     get_model(config.model).settings(config.preset, **config.model_overrides)

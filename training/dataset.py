@@ -161,13 +161,14 @@ class LaneDataset(Dataset):
                 torch.tensor(self.samples[index].existence, dtype=torch.float32))
 
 
-def normalize(images: torch.Tensor) -> torch.Tensor:
+def normalize(images: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """uint8 NHWC BGR batch (as OpenCV decodes) -> float NCHW RGB normalized with ImageNet statistics.
 
-    One fused pass per channel (convert, reorder, scale, shift) on the batch's device.
+    One fused pass per channel (convert, reorder, scale, shift) on the batch's device, written straight into
+    the layout the network runs in (no second copy for channels-last).
     """
     n, h, w, _ = images.shape
-    out = torch.empty((n, 3, h, w), dtype=torch.float32, device=images.device)
+    out = torch.empty((n, 3, h, w), dtype=torch.float32, device=images.device, memory_format=memory_format)
     for rgb, (mean, std) in enumerate(zip(IMAGENET_MEAN, IMAGENET_STD, strict=True)):
         torch.add(torch.tensor(-mean / std, device=images.device), images[..., 2 - rgb],
                   alpha=1.0 / (255.0 * std), out=out[:, rgb])

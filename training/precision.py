@@ -1,28 +1,45 @@
-"""Numeric precision, memory format and gradient compression: settings resolved for the device found.
+"""Numeric precision, memory format, compilation and gradient compression: settings resolved for the machine.
 
 - ``precision``: ``fp32`` | ``bf16`` | ``fp16`` | ``auto``. Mixed precision runs the forward pass under
   ``torch.autocast`` (weights, optimizer state and the loss stay fp32). ``fp16`` needs a gradient scaler
   (its loss scale is part of every checkpoint, so a resumed run keeps it); ``bf16`` has fp32's range and
-  needs none. ``auto`` is the fastest safe choice: ``bf16`` on a GPU that supports it, ``fp16`` on other
-  GPUs, ``fp32`` on CPUs (where autocast is slower than fp32 on most processors).
-- ``memory_format``: ``contiguous`` | ``channels_last`` | ``auto`` (channels-last on GPUs, where cuDNN's
-  convolutions prefer NHWC, contiguous on CPUs).
+  needs none.
+- ``memory_format``: ``contiguous`` | ``channels_last`` | ``auto``: the layout of the activations. The
+  weights stay contiguous whatever it says: Horovod allreduces only contiguous tensors (``mpi_ops.py``
+  ``_check_function``), and oneDNN and cuDNN run a convolution channels-last when its input is.
+- ``compile``: ``on`` | ``off`` | ``auto``: ``torch.compile`` of the network (``resolve_compile``).
 - ``compression``: ``none`` | ``fp16`` — Horovod's gradient compression for the allreduce.
+
+``auto`` is the fastest numerically safe choice on the machine the rank runs on:
+- on a GPU, bf16 where it is native (Ampere and newer), fp16 elsewhere, and channels-last (cuDNN's
+  convolutions prefer NHWC);
+- on a CPU, the fastest of the candidates a short calibration measures (``training.calibration``, cached per
+  machine and model): fp32 and, where the CPU does bf16 natively (``training.cpu_features``), bf16; each
+  contiguous and channels-last. A candidate wins only when it is at least ``MIN_GAIN`` times faster than
+  fp32/contiguous, so noise never moves a run off the plain path. A CPU that would emulate bf16 keeps fp32.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from training.cpu_features import CpuFeatures, this_cpu
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
+COMPILES = ("auto", "on", "off")
 COMPRESSIONS = ("none", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: How much faster than fp32/contiguous a calibrated candidate must be to be chosen.
+MIN_GAIN = 1.1
+
+#: A (precision, memory format) pair, e.g. ("bf16", "channels_last").
+Combo = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -30,13 +47,47 @@ class Device:
     """What matters about the device for these choices."""
 
     type: str  # "cpu" | "cuda"
-    bf16: bool  # bf16 arithmetic is native (Ampere and newer GPUs)
+    bf16: bool  # bf16 arithmetic is native (Ampere and newer GPUs; CPUs with AMX, AVX512-BF16 or Arm BF16)
+    name: str = ""  # the GPU's or CPU's model, for the reason a choice gives
 
     @classmethod
-    def of(cls, device: torch.device) -> Device:
+    def of(cls, device: torch.device, cpu: CpuFeatures | None = None) -> Device:
         if device.type == "cuda":
-            return cls("cuda", bool(torch.cuda.is_bf16_supported()))
-        return cls(device.type, False)
+            return cls("cuda", bool(torch.cuda.is_bf16_supported()), torch.cuda.get_device_name(device))
+        cpu = cpu or this_cpu()
+        return cls(device.type, bool(cpu.native_bf16), cpu.model)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a run computes, resolved from its settings on its device, with the reason (logged and recorded)."""
+
+    precision: str
+    memory_format: str  # "contiguous" | "channels_last"
+    compile: bool = False
+    reason: str = ""
+
+    @property
+    def torch_memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.memory_format == "channels_last" else torch.contiguous_format
+
+    def record(self) -> dict[str, Any]:
+        """The start event's and the lineage's fields."""
+        return {"precision": self.precision, "memory_format": self.memory_format, "compile": self.compile,
+                "numerics_reason": self.reason}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Numerics:
+        return cls(str(record["precision"]), str(record["memory_format"]), bool(record.get("compile")),
+                   str(record.get("numerics_reason") or ""))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Seconds per training step of each candidate on this machine, and where the figures came from."""
+
+    seconds: Mapping[Combo, float]
+    source: str  # "measured now" | "cached <path>"
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -45,27 +96,79 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def resolve_precision(setting: str, device: Device) -> str:
-    """The precision a run uses on ``device`` (``auto`` resolved)."""
-    _choice("precision", setting, PRECISIONS)
-    if setting != "auto":
-        return setting
+def cpu_candidates(precision: str, memory_format: str, device: Device) -> list[Combo]:
+    """What a CPU calibration compares, baseline first: the settings given, and for ``auto`` every safe value."""
+    precisions = [precision] if precision != "auto" else ["fp32", "bf16"] if device.bf16 else ["fp32"]
+    formats = [memory_format] if memory_format != "auto" else ["contiguous", "channels_last"]
+    return [(p, f) for p in precisions for f in formats]
+
+
+def label(combo: Combo) -> str:
+    return f"{combo[0]}/{combo[1]}"
+
+
+def fastest(calibration: Calibration, candidates: list[Combo]) -> tuple[Combo, str]:
+    """The candidate to run with and why: the fastest, when it beats the baseline (the first) by ``MIN_GAIN``."""
+    baseline = candidates[0]
+    times = calibration.seconds
+    best = min(candidates, key=lambda combo: times[combo])
+    gain = times[baseline] / times[best]
+    figures = ", ".join(f"{label(c)} {times[c] * 1000:.0f} ms" for c in sorted(candidates, key=lambda c: times[c]))
+    if best == baseline or gain < MIN_GAIN:
+        return baseline, (f"{label(baseline)}: nothing measured at least {MIN_GAIN}x faster a step ({figures}; "
+                          f"calibration {calibration.source})")
+    return best, f"{label(best)}: {gain:.2f}x faster a step than {label(baseline)} ({figures}; " \
+                 f"calibration {calibration.source})"
+
+
+def resolve(precision: str, memory_format: str, device: Device,
+            calibrate: Callable[[list[Combo]], Calibration]) -> Numerics:
+    """The precision and memory format a run uses on ``device``; ``calibrate`` times CPU candidates (called only
+    when there is more than one). Explicit settings win."""
+    _choice("precision", precision, PRECISIONS)
+    _choice("memory_format", memory_format, MEMORY_FORMATS)
     if device.type == "cuda":
-        return "bf16" if device.bf16 else "fp16"
-    return "fp32"
+        chosen = precision if precision != "auto" else "bf16" if device.bf16 else "fp16"
+        layout = memory_format if memory_format != "auto" else "channels_last"
+        why = ("set" if precision != "auto" else f"{chosen} autocast: the fastest this GPU ({device.name}) does "
+               f"{'natively' if device.bf16 else 'with a loss scale'}")
+        return Numerics(chosen, layout, reason=f"{label((chosen, layout))}: {why}")
+    candidates = cpu_candidates(precision, memory_format, device)
+    if len(candidates) == 1:
+        why = "set" if precision != "auto" else f"this CPU ({device.name}) has no native bf16 (it would be emulated, " \
+                                                 "slower than fp32)"
+        return Numerics(*candidates[0], reason=f"{label(candidates[0])}: {why}")
+    chosen_combo, why = fastest(calibrate(candidates), candidates)
+    if precision == "auto" and not device.bf16:
+        why += f"; no bf16: this CPU ({device.name}) would emulate it"
+    return Numerics(*chosen_combo, reason=why)
 
 
-def resolve_memory_format(setting: str, device: Device) -> torch.memory_format:
-    _choice("memory_format", setting, MEMORY_FORMATS)
-    if setting == "auto":
-        setting = "channels_last" if device.type == "cuda" else "contiguous"
-    return torch.channels_last if setting == "channels_last" else torch.contiguous_format
+def resolve_compile(setting: str, device_type: str, elastic: bool) -> tuple[bool, str]:
+    """Whether the network runs through ``torch.compile``, and why.
+
+    ``auto`` is off: on CPUs the compiled SCNN and UFLD steps measured slower than eager after minutes of
+    compiling (bench/train_step.py, docs/performance.md); on GPUs it is not measured yet. ``on`` is refused in
+    elastic runs: a rank that joins would compile (minutes) while the others wait in the reset.
+    """
+    _choice("compile", setting, COMPILES)
+    if setting == "on":
+        if elastic:
+            raise ValueError("setting 'compile=on' cannot be used with elastic=1: a rank that joins the run would "
+                             "compile its graph while the others wait in their reset; use compile=off (or auto)")
+        return True, "compile=on: set"
+    if setting == "off":
+        return False, "compile=off: set"
+    if device_type == "cuda":
+        return False, "compile=auto: off, not yet measured on GPUs (bench/gpu.py --compile measures it; set on to try)"
+    return False, "compile=auto: off, compiled steps measured no faster than eager on CPUs (docs/performance.md)"
 
 
-def validate(precision: str, memory_format: str, compression: str) -> None:
+def validate(precision: str, memory_format: str, compression: str, compile_setting: str = "auto") -> None:
     _choice("precision", precision, PRECISIONS)
     _choice("memory_format", memory_format, MEMORY_FORMATS)
     _choice("compression", compression, COMPRESSIONS)
+    _choice("compile", compile_setting, COMPILES)
 
 
 class MixedPrecision:

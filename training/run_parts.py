@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from training import precision
+from training.calibration import resolve_numerics
 from training.checkpoints import check_compatible, check_same_data, load_latest_checkpoint, save_checkpoint
 from training.config import TrainConfig
 from training.data.preprocess import load_manifest
@@ -26,7 +26,7 @@ from training.dataset import LaneDataset, normalize
 from training.evaluate import evaluate_run, score_split
 from training.models import LaneModel, get_model
 from training.models.base import Criterion, ModelSettings, TrainingDiverged
-from training.precision import MixedPrecision
+from training.precision import MixedPrecision, Numerics
 from training.stop_request import STOP_REQUEST, StopRequest, read_stop_request
 from training.tensorboard_log import TENSORBOARD_DIR, TensorBoardLog
 
@@ -117,7 +117,7 @@ def train_step(model: torch.nn.Module, images: torch.Tensor, masks: torch.Tensor
     """One SGD step on a uint8 batch: moved without blocking, normalised on the device, forward in the
     run's precision, loss in fp32. Shared with bench/gpu.py so the bench times what training runs."""
     device = next(model.parameters()).device
-    batch = normalize(images.to(device, non_blocking=True)).contiguous(memory_format=memory_format)
+    batch = normalize(images.to(device, non_blocking=True), memory_format)
     with mixed.autocast():
         outputs = model(batch)
     loss, parts = criterion(tuple(output.float() for output in outputs), masks.to(device, non_blocking=True),
@@ -138,8 +138,7 @@ class RunParts:
     dist: Distributed
     stop: StopRequest
     device: torch.device
-    run_precision: str
-    memory_format: torch.memory_format
+    numerics: Numerics
     mixed: MixedPrecision
     lane_model: LaneModel
     model_cfg: ModelSettings
@@ -148,6 +147,9 @@ class RunParts:
     optimizer: torch.optim.Optimizer
     criterion: Criterion
     closing: contextlib.ExitStack
+    #: What runs the forward pass: the network, or its ``torch.compile``d wrapper (same parameters). Everything
+    #: else — checkpoints, Horovod's hooks, scoring, export — works on ``model`` itself.
+    forward: torch.nn.Module | None = None
     board: TensorBoardLog | None = None
     #: The data's version (its manifest's), kept in every checkpoint: a resume on other data is refused.
     dataset_version: str | None = None
@@ -162,23 +164,29 @@ class RunParts:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest kernels once
-        found = precision.Device.of(device)
-        run_precision = precision.resolve_precision(config.precision, found)
-        memory_format = precision.resolve_memory_format(config.memory_format, found)
         lane_model = get_model(config.model)
         model_cfg = lane_model.settings(config.preset, **config.model_overrides)
+        numerics = resolve_numerics(config, lane_model, model_cfg, device, dist)
+        log.info("numerics (rank %d): %s", dist.rank, numerics.reason)
         dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True,
                               cache=config.cache)
-        model = lane_model.network(model_cfg).to(device, memory_format=memory_format)
+        # Weights stay contiguous (Horovod allreduces only contiguous gradients); a channels-last batch makes
+        # every convolution run channels-last.
+        model = lane_model.network(model_cfg).to(device)
         if weights:
             count = lane_model.load_backbone(model, weights)
             log.info("loaded %d backbone tensors from %s", count, weights)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr * dist.size, momentum=config.momentum,
                                     weight_decay=config.weight_decay, nesterov=True)
-        return cls(config, data_root, run_dir, dist, stop, device, run_precision, memory_format,
-                   MixedPrecision(run_precision, device.type), lane_model, model_cfg, dataset, model, optimizer,
-                   lane_model.criterion(model_cfg, check_finite=run_precision != "fp16"), closing,
+        return cls(config, data_root, run_dir, dist, stop, device, numerics,
+                   MixedPrecision(numerics.precision, device.type), lane_model, model_cfg, dataset, model, optimizer,
+                   lane_model.criterion(model_cfg, check_finite=numerics.precision != "fp16"), closing,
+                   forward=torch.compile(model) if numerics.compile else model,
                    dataset_version=(load_manifest(data_root) or {}).get("dataset_version"))
+
+    @property
+    def run_precision(self) -> str:
+        return self.numerics.precision
 
     @property
     def is_main(self) -> bool:
@@ -228,7 +236,7 @@ class RunParts:
                 "step": step, "model": self.model.state_dict(), "optimizer": optimizer.state_dict(),
                 "model_name": self.lane_model.name, "model_config": asdict(self.model_cfg),
                 "train_config": asdict(self.config),
-                "world_size": self.dist.size, "precision": self.run_precision, "scaler": self.mixed.state_dict(),
+                "world_size": self.dist.size, **self.numerics.record(), "scaler": self.mixed.state_dict(),
                 "dataset_version": self.dataset_version, **extra})
             self.record("checkpoint", step, step=step, path=str(path))
 
@@ -250,8 +258,7 @@ class RunParts:
 
     def start_event(self, step: int, total_steps: int, resumed: bool, **extra: object) -> None:
         self.record("start", step, step=step, total_steps=total_steps, world_size=self.dist.size, resumed=resumed,
-                    precision=self.run_precision, memory_format="channels_last"
-                    if self.memory_format == torch.channels_last else "contiguous", device=self.device.type,
+                    **self.numerics.record(), device=self.device.type,
                     model=self.lane_model.name, model_settings=asdict(self.model_cfg), **extra)
 
     def step(self, images: torch.Tensor, masks: torch.Tensor, exist: torch.Tensor, optimizer: torch.optim.Optimizer,
@@ -259,8 +266,9 @@ class RunParts:
         """One SGD step; a diverged loss names the step and the learning rate it had (exit 2: running it again
         diverges again)."""
         try:
-            return train_step(self.model, images, masks, exist, self.criterion, optimizer, self.mixed,
-                              self.memory_format, distributed=optimizer is not self.optimizer)  # Horovod's
+            distributed = optimizer is not self.optimizer  # Horovod's
+            return train_step(self.forward or self.model, images, masks, exist, self.criterion, optimizer,
+                              self.mixed, self.numerics.torch_memory_format, distributed=distributed)
         except TrainingDiverged as exc:
             raise TrainingDiverged(f"{exc} at step {step + 1}, learning rate {optimizer.param_groups[0]['lr']:.4g} "
                                    f"(lr {self.config.lr} x {self.dist.size} worker(s), poly schedule): lower lr") \

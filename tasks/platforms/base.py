@@ -169,6 +169,8 @@ class TrainingOutcome(BaseModel):
     val: list[dict[str, Any]] = Field(default_factory=list, description="the periodic val scores (eval_every)")
     model: dict[str, Any] = Field(default_factory=dict, description="the lane model trained: its name and settings, "
                                                                     "as the last attempt's start event gave them")
+    numerics: dict[str, Any] = Field(default_factory=dict, description="how the last attempt computed: precision, "
+                                       "memory format, compile and the reason for them (its start event's)")
 
 
 class SnapshotRef(BaseModel):
@@ -179,6 +181,10 @@ class SnapshotRef(BaseModel):
     ready: bool
     location: str
     lineage: dict[str, Any] = Field(default_factory=dict)
+
+
+#: What a start event says about how the attempt computes (``training.precision.Numerics.record``).
+NUMERICS_FIELDS = ("precision", "memory_format", "compile", "numerics_reason")
 
 
 def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s: float,
@@ -200,7 +206,8 @@ def outcome_from_events(job_name: str, events: list[dict[str, Any]], duration_s:
         stopped=_payload(stopped[-1]) if stopped else None,
         val=[_payload(e) for e in events if e.get("event") == "val"],
         model={"name": starts[-1]["model"], "settings": starts[-1].get("model_settings") or {}}
-        if starts and starts[-1].get("model") else {})
+        if starts and starts[-1].get("model") else {},
+        numerics={key: starts[-1][key] for key in NUMERICS_FIELDS if key in starts[-1]} if starts else {})
 
 
 def _payload(event: dict[str, Any]) -> dict[str, Any]:

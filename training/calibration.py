@@ -1,0 +1,156 @@
+"""A CPU's numeric candidates timed on the run's own model: the measurement behind ``precision: auto`` on CPUs.
+
+A few training steps of each candidate (precision x memory format) on a fresh copy of the network, with
+random data of the run's image size, decide what is fastest on *this* machine — the flags in /proc/cpuinfo
+say what the CPU can do, not what oneDNN makes of it for this network. The figures are cached per machine
+(CPU model, its kernel-relevant flags, the threads a rank uses, torch's version) and model (its name, its
+settings, the batch measured), as JSON under ``$LANEFLOW_CACHE_DIR`` (default ``~/.cache/laneflow``), so a
+machine pays for the calibration once per model. A cache that cannot be read or written costs a new
+measurement or a warning, never the run. The run's random state is left as it was: a cached and a measured
+calibration train the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from training.cpu_features import CpuFeatures, this_cpu
+from training.models.base import LaneModel, ModelSettings
+from training.precision import Calibration, Combo, Device, MixedPrecision, Numerics, label, resolve, resolve_compile
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
+    from training.run_parts import Distributed
+
+log = logging.getLogger("laneflow.calibration")
+
+#: Images a calibration step trains on: per-image cost is what differs between candidates, and a small batch
+#: keeps the calibration of a large preset to seconds.
+CALIBRATION_BATCH = 2
+WARMUP_STEPS = 1
+TIMED_STEPS = 3
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("LANEFLOW_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "laneflow"
+
+
+def calibration_inputs(cpu: CpuFeatures, lane_model: LaneModel, settings: ModelSettings, candidates: list[Combo],
+                       batch_size: int) -> dict[str, Any]:
+    """What a calibration's figures depend on: its cache key is their digest."""
+    return {"machine": cpu.fingerprint(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "model": lane_model.name, "settings": json.loads(json.dumps(asdict(settings))),
+            "batch": min(batch_size, CALIBRATION_BATCH), "candidates": [label(c) for c in candidates]}
+
+
+def cache_path(inputs: dict[str, Any], folder: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+    return (folder or cache_dir()) / "calibration" / f"{inputs['model']}-{digest}.json"
+
+
+def read_cached(path: Path, inputs: dict[str, Any], candidates: list[Combo]) -> dict[Combo, float] | None:
+    """The cached step times for exactly these inputs; None when absent, unreadable or not for these inputs."""
+    try:
+        record = json.loads(path.read_text())
+        seconds = {combo: float(record["seconds_per_step"][label(combo)]) for combo in candidates}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if record.get("inputs") != inputs or not all(value > 0 for value in seconds.values()):
+        return None
+    return seconds
+
+
+def write_cached(path: Path, inputs: dict[str, Any], seconds: dict[Combo, float]) -> None:
+    """Atomically: ranks calibrating side by side each write a whole file, and the last one stays."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"inputs": inputs, "seconds_per_step": {label(c): s for c, s in seconds.items()},
+              "measured_at": datetime.now(UTC).isoformat(timespec="seconds")}
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".calibration-", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(record, out, indent=2)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def step_seconds(lane_model: LaneModel, settings: ModelSettings, combo: Combo, batch: int) -> float:
+    """The median time of a training step (uint8 batch in, SGD step out) of a fresh network in ``combo``."""
+    from training.run_parts import train_step  # the loop's own step, so the calibration times what training runs
+
+    precision, layout = combo
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    network = lane_model.network(settings).train()
+    optimizer = torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.9)
+    criterion = lane_model.criterion(settings, check_finite=False)
+    mixed = MixedPrecision(precision, "cpu")
+    height, width = settings.input_height, settings.input_width
+    images = torch.randint(0, 256, (batch, height, width, 3), dtype=torch.uint8)
+    masks = torch.randint(0, 5, (batch, height, width), dtype=torch.uint8)
+    exist = torch.randint(0, 2, (batch, 4)).float()
+    timings = []
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        started = time.perf_counter()
+        train_step(network, images, masks, exist, criterion, optimizer, mixed, memory_format, distributed=False)
+        if step >= WARMUP_STEPS:  # the first steps pick kernels and grow the allocator's pools
+            timings.append(time.perf_counter() - started)
+    return statistics.median(timings)
+
+
+def calibrate(cpu: CpuFeatures, lane_model: LaneModel, settings: ModelSettings, batch_size: int,
+              candidates: list[Combo], folder: Path | None = None) -> Calibration:
+    """Each candidate's step time on this machine: cached, or measured now (and cached)."""
+    inputs = calibration_inputs(cpu, lane_model, settings, candidates, batch_size)
+    path = cache_path(inputs, folder)
+    if (cached := read_cached(path, inputs, candidates)) is not None:
+        return Calibration(cached, f"cached in {path}")
+    log.info("calibrating %s on this CPU (%s): a few training steps of %s, once per machine and model",
+             lane_model.name, cpu.model, ", ".join(label(c) for c in candidates))
+    with torch.random.fork_rng(devices=[]):  # the run trains from the same random state, calibrated or not
+        seconds = {combo: step_seconds(lane_model, settings, combo, inputs["batch"]) for combo in candidates}
+    try:
+        write_cached(path, inputs, seconds)
+        source = f"measured now, cached in {path}"
+    except OSError as exc:
+        log.warning("could not cache the calibration in %s (%s): the next run measures again; set "
+                    "LANEFLOW_CACHE_DIR to a writable folder", path, exc)
+        source = "measured now, not cached"
+    return Calibration(seconds, source)
+
+
+def resolve_numerics(config: TrainConfig, lane_model: LaneModel, settings: ModelSettings, device: torch.device,
+                     dist: Distributed) -> Numerics:
+    """The run's precision, memory format and compilation on this rank's device. In a fixed-size run rank 0
+    decides (calibrating if it must) and every rank uses its choice: one run, one numeric path. In an elastic run
+    each rank decides for the machine it runs on (a rank that joins later may land on another kind of node, and
+    a collective here would wait for ranks already training)."""
+    compiled, compile_why = resolve_compile(config.compile, device.type, bool(config.elastic))
+    cpu = this_cpu()
+
+    def decide() -> Numerics:
+        return resolve(config.precision, config.memory_format, Device.of(device, cpu),
+                       lambda candidates: calibrate(cpu, lane_model, settings, config.batch_size, candidates))
+
+    if dist.size > 1 and not config.elastic:
+        record = dist.hvd.broadcast_object(decide().record() if dist.rank == 0 else None, root_rank=0,
+                                           name="numerics")
+        numerics = Numerics.from_record(record)
+    else:
+        numerics = decide()
+    return replace(numerics, compile=compiled, reason=f"{numerics.reason}; {compile_why}")
