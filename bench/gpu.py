@@ -5,7 +5,7 @@
 
 Generates a synthetic TuSimple set, builds the decoded-sample cache first (the timed loops read a warm
 cache, as every epoch after the first does), then for each of fp32 / bf16 (when the GPU supports it) /
-fp16 with a gradient scaler, times the trainer's own step (``training.run_parts.train_step``: uint8 batches
+fp16 with a gradient scaler, times the trainer's own step (``training.step.train_step``: uint8 batches
 moved without blocking and normalised on the device) with contiguous and channels-last tensors. Per
 configuration: img/s after warm-up, the input stall (the share of wall time spent waiting for the
 loader) and the peak GPU memory. Prints one JSON line per configuration and a table; ``--json`` also
@@ -31,7 +31,7 @@ from training.dataset import LaneDataset, make_loader
 from training.model import SCNN, model_config
 from training.models import get_model
 from training.precision import Device, MixedPrecision
-from training.run_parts import train_step
+from training.step import train_step
 
 
 def configurations(device: Device) -> list[tuple[str, str]]:

@@ -1,22 +1,117 @@
-"""Train-step time of the ``tusimple`` preset: laneflow's message passing vs a plain per-slice loop.
+"""One training step of a preset against this machine's own limit, for every precision and memory format.
 
-The baseline is the same architecture and weights with message passing written the textbook way:
-slice every row/column, convolve, add, and concatenate the Python list. Target >= 1.0x (never slower).
+In one run, on this machine:
 
-    .venv/bin/python bench/train_step.py [--batch-size 2] [--steps 4]
+1. its GEMM rate per dtype: ``torch.mm`` of large square matrices in fp32 and bf16, best of several — the
+   most FLOP/s this machine's matrix units give PyTorch;
+2. the step's FLOPs (forward and backward), by PyTorch's flop counter's formulas, and the share of them each
+   dtype computed: under bf16 every convolution and matrix product should be bf16 (an fp32 share is a
+   silent fallback in the hot loop);
+3. each precision x memory format: ms/step (the trainer's own step, ``training.step.train_step``), the
+   achieved TFLOP/s and its share of that dtype's GEMM rate, and the ratio to fp32/contiguous;
+4. what ``precision: auto`` / ``memory_format: auto`` resolve to here (the trainer's own calibration) and
+   that step's ratio to fp32/contiguous (target >= 3x on CPUs with native bf16);
+5. the profiler's top ops of the ``auto`` step;
+6. laneflow's message passing against the textbook per-slice loop, in the ``auto`` numerics (target >= 1.0x).
+
+    .venv/bin/python bench/train_step.py [--preset tusimple] [--batch-size 2] [--steps 4] [--skip-loop]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import statistics
+import sys
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
-from training.model import SCNN, MessagePassing, SCNNLoss, model_config
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from training.calibration import calibrate, step_seconds
+from training.cpu_features import this_cpu
+from training.model import MessagePassing
+from training.models import get_model
+from training.precision import Device, MixedPrecision, label, resolve
+from training.step import train_step
+
+COMBOS = [(p, f) for p in ("fp32", "bf16") for f in ("contiguous", "channels_last")]
+GEMM_SIZES = {"fp32": 2048, "bf16": 4096}
+
+
+class FlopsByDtype(TorchDispatchMode):
+    """FLOPs of every op PyTorch's flop counter knows (convolutions, matrix products), summed by the dtype of
+    the op's first tensor argument — the dtype the op computes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            first = next(a for a in args if isinstance(a, torch.Tensor))
+            self.flops[str(first.dtype).removeprefix("torch.")] += int(count(*args, **kwargs, out_val=out))
+        return out
+
+
+def gemm_tflops(dtype_name: str, repeats: int = 5) -> float:
+    """This machine's best square-matrix-product rate in ``dtype_name`` (TFLOP/s)."""
+    n = GEMM_SIZES[dtype_name]
+    dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # kernels chosen, memory touched
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * n**3 / best / 1e12
+
+
+def _timed(work) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+def batch_for(settings, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    height, width = settings.input_height, settings.input_width
+    return (torch.randint(0, 256, (batch_size, height, width, 3), dtype=torch.uint8),
+            torch.randint(0, 5, (batch_size, height, width), dtype=torch.uint8),
+            torch.randint(0, 2, (batch_size, 4)).float())
+
+
+def step_flops(lane_model, settings, combo: tuple[str, str], batch_size: int) -> dict[str, int]:
+    """One training step's FLOPs in ``combo``, by dtype."""
+    network = lane_model.network(settings).train()
+    optimizer = torch.optim.SGD(network.parameters(), lr=1e-3)
+    counter = FlopsByDtype()
+    images, masks, exist = batch_for(settings, batch_size)
+    layout = torch.channels_last if combo[1] == "channels_last" else torch.contiguous_format
+    with counter:
+        train_step(network, images, masks, exist, lane_model.criterion(settings, check_finite=False), optimizer,
+                   MixedPrecision(combo[0], "cpu"), layout, distributed=False)
+    return dict(counter.flops)
+
+
+def top_ops(lane_model, settings, combo: tuple[str, str], batch_size: int, count: int = 8) -> str:
+    network = lane_model.network(settings).train()
+    optimizer = torch.optim.SGD(network.parameters(), lr=1e-3)
+    criterion = lane_model.criterion(settings, check_finite=False)
+    images, masks, exist = batch_for(settings, batch_size)
+    layout = torch.channels_last if combo[1] == "channels_last" else torch.contiguous_format
+    mixed = MixedPrecision(combo[0], "cpu")
+    train_step(network, images, masks, exist, criterion, optimizer, mixed, layout, distributed=False)  # warm
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        train_step(network, images, masks, exist, criterion, optimizer, mixed, layout, distributed=False)
+    return profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=count, max_name_column_width=40)
 
 
 class LoopMessagePassing(nn.Module):
@@ -42,55 +137,97 @@ class LoopMessagePassing(nn.Module):
         return torch.cat(out, dim=dim)
 
 
-def step_seconds(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int) -> float:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    criterion = SCNNLoss()
-    images, masks, exist = batch
-    timings = []
-    for i in range(steps + 1):
-        started = time.perf_counter()
-        logits, existence = model(images)
-        loss, _ = criterion(logits, existence, masks, exist)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if i:  # the first step warms allocator and kernels
-            timings.append(time.perf_counter() - started)
-    return sorted(timings)[len(timings) // 2]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--preset", default="tusimple")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    config = model_config(args.preset)
-    ours = SCNN(config)
+def loop_comparison(lane_model, settings, combo: tuple[str, str], batch_size: int, steps: int) -> tuple[float, float]:
+    """(textbook loop, laneflow) seconds per step of SCNN in ``combo``: best of 2 alternating rounds each."""
+    ours = lane_model.network(settings)
     baseline = copy.deepcopy(ours)
     baseline.message_passing = nn.Sequential(*(LoopMessagePassing(m) for m in baseline.message_passing))
-    batch = (torch.randn(args.batch_size, 3, config.input_height, config.input_width),
-             torch.randint(0, 5, (args.batch_size, config.input_height, config.input_width)),
-             torch.randint(0, 2, (args.batch_size, 4)).float())
+    probe = torch.randn(1, 3, settings.input_height, settings.input_width)
     with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(batch[0])[0], baseline.eval()(batch[0])[0], rtol=1e-4, atol=1e-4)
-    ours.train()
-    baseline.train()
-    # Alternate to spread machine noise over both.
-    base_t, ours_t = [], []
-    for _ in range(2):
-        base_t.append(step_seconds(baseline, batch, args.steps))
-        ours_t.append(step_seconds(ours, batch, args.steps))
-    base_s, ours_s = min(base_t), min(ours_t)
-    print("baseline: the same network and weights with textbook message passing (a Python loop over slices, "
-          "each slice's conv added to the next, torch.cat at the end); best of 2 alternating runs each")
-    print(f"preset {args.preset} at {config.input_width}x{config.input_height}, batch {args.batch_size}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"per-slice loop message passing : {base_s * 1000:8.0f} ms/step")
-    print(f"laneflow message passing       : {ours_s * 1000:8.0f} ms/step")
-    print(f"ratio                          : {base_s / ours_s:8.2f}x  (target >= 1.0x)")
+        torch.testing.assert_close(ours.eval()(probe)[0], baseline.eval()(probe)[0], rtol=1e-4, atol=1e-4)
+    images, masks, exist = batch_for(settings, batch_size)
+    layout = torch.channels_last if combo[1] == "channels_last" else torch.contiguous_format
+    criterion = lane_model.criterion(settings, check_finite=False)
+
+    def median_step(network: nn.Module) -> float:
+        network.train()
+        optimizer = torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.9)
+        mixed = MixedPrecision(combo[0], "cpu")
+        times = [_timed(lambda: train_step(network, images, masks, exist, criterion, optimizer, mixed, layout,
+                                           distributed=False)) for _ in range(steps + 1)]
+        return statistics.median(times[1:])
+
+    rounds = [(median_step(baseline), median_step(ours)) for _ in range(2)]
+    return min(r[0] for r in rounds), min(r[1] for r in rounds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tusimple")
+    parser.add_argument("--model", default="scnn")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration and round")
+    parser.add_argument("--skip-loop", action="store_true", help="leave out the message-passing comparison")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    cpu = this_cpu()
+    lane_model = get_model(args.model)
+    settings = lane_model.settings(args.preset)
+    threads = torch.get_num_threads()
+    print(f"{args.model} preset {args.preset} at {settings.input_width}x{settings.input_height}, batch "
+          f"{args.batch_size}, {threads} threads; CPU {cpu.model}, native bf16: "
+          f"{', '.join(cpu.native_bf16) or 'none (bf16 is emulated)'}; torch {torch.__version__}", flush=True)
+
+    gemm = {dtype: gemm_tflops(dtype) for dtype in ("fp32", "bf16")}
+    print("GEMM rate (torch.mm, best of 5): " + ", ".join(f"{d} {r:.2f} TFLOP/s (n={GEMM_SIZES[d]})"
+                                                          for d, r in gemm.items()), flush=True)
+    flops = {combo: step_flops(lane_model, settings, combo, args.batch_size) for combo in COMBOS}
+    total = sum(flops[COMBOS[0]].values())
+    print(f"step FLOPs (forward + backward, PyTorch's flop counter): {total / 1e9:.0f} GFLOP", flush=True)
+
+    # Two rounds, configurations alternating, so the machine's drift falls on all of them; the better round counts.
+    rounds = [{combo: step_seconds(lane_model, settings, combo, args.batch_size, timed=args.steps)
+               for combo in COMBOS} for _ in range(2)]
+    seconds = {combo: min(r[combo] for r in rounds) for combo in COMBOS}
+    base = seconds[("fp32", "contiguous")]
+    print(f"\n{'precision, memory format':<28}{'ms/step':>9}{'vs fp32':>9}{'TFLOP/s':>9}{'of GEMM':>9}"
+          f"{'  FLOPs in bf16':>15}")
+    rows = []
+    for combo in COMBOS:
+        achieved = total / seconds[combo] / 1e12
+        share = achieved / gemm[combo[0]]
+        in_bf16 = flops[combo].get("bfloat16", 0) / max(1, sum(flops[combo].values()))
+        rows.append({"precision": combo[0], "memory_format": combo[1], "ms_per_step": round(seconds[combo] * 1000, 1),
+                     "vs_fp32": round(base / seconds[combo], 2), "tflops": round(achieved, 3),
+                     "share_of_gemm": round(share, 3), "flops_in_bf16": round(in_bf16, 4)})
+        print(f"{label(combo):<28}{seconds[combo] * 1000:>9.0f}{base / seconds[combo]:>8.2f}x{achieved:>9.2f}"
+              f"{100 * share:>8.0f}%{100 * in_bf16:>14.1f}%")
+
+    auto = resolve("auto", "auto", Device.of(torch.device("cpu"), cpu),
+                   lambda candidates: calibrate(cpu, lane_model, settings, args.batch_size, candidates))
+    chosen = (auto.precision, auto.memory_format)
+    ratio = base / seconds[chosen]
+    print(f"\nauto resolves to {label(chosen)} ({auto.reason})")
+    print(f"auto step vs fp32/contiguous: {ratio:.2f}x (target >= 3x on CPUs with native bf16); "
+          f"{100 * total / seconds[chosen] / 1e12 / gemm[auto.precision]:.0f}% of this machine's "
+          f"{auto.precision} GEMM rate")
+    print(f"\nprofiler's top ops of the auto step ({label(chosen)}), by self CPU time:")
+    print(top_ops(lane_model, settings, chosen, args.batch_size))
+    loop = None
+    if not args.skip_loop and args.model == "scnn":
+        loop_s, ours_s = loop_comparison(lane_model, settings, chosen, args.batch_size, args.steps)
+        loop = {"loop_ms": round(loop_s * 1000, 1), "ours_ms": round(ours_s * 1000, 1)}
+        print(f"message passing in {label(chosen)}: per-slice loop {loop_s * 1000:.0f} ms/step, laneflow's op "
+              f"{ours_s * 1000:.0f} ms/step: {loop_s / ours_s:.2f}x (target >= 1.0x)")
+    if args.json:
+        args.json.write_text(json.dumps({"preset": args.preset, "model": args.model, "batch": args.batch_size,
+                                         "threads": threads, "cpu": cpu.model, "native_bf16": cpu.native_bf16,
+                                         "gemm_tflops": gemm, "step_gflop": total / 1e9, "rows": rows,
+                                         "auto": label(chosen), "auto_vs_fp32": round(ratio, 2),
+                                         "message_passing": loop}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

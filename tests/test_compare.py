@@ -74,7 +74,10 @@ def recomputed(home: Path, run: str) -> dict:
     reached = [e["time"] - first for e in scores if e["untimed_accuracy"] >= TARGET]
     return {"images": images, "seconds": seconds, "stall": stalled / seconds, "wall": wall, "world": world,
             "val": lineage["training"]["trainer_eval"], "test": lineage["metrics"],
-            "to_target": reached[0] if reached else None, "version": lineage["dataset_version"]}
+            "to_target": reached[0] if reached else None, "version": lineage["dataset_version"],
+            # What precision=auto became on the machine that trained (the last attempt's start), as the lineage says.
+            "precision": [e for e in events if e["event"] == "start"][-1]["precision"],
+            "lineage_precision": lineage["training"]["numerics"]["precision"]}
 
 
 def artifact(key: str) -> object:
@@ -120,7 +123,8 @@ def test_the_compare_flow_publishes_figures_recomputed_from_each_runs_records(
         assert math.isclose(row["efficiency"], speed_up / mine["world"], abs_tol=2e-3)
         throughput_ratio = throughput / (base["images"] / base["seconds"])
         assert math.isclose(row["throughput ratio (diagnostic)"], throughput_ratio, abs_tol=2e-3)
-        assert row["precision"] == "fp32" and row["preset"] == "cpu-demo" and row["platform"] == "local"
+        assert row["precision"] == mine["precision"] == mine["lineage_precision"]
+        assert row["preset"] == "cpu-demo" and row["platform"] == "local"
     assert by_run["one"]["comparable"] == "baseline" and by_run["two"]["comparable"] == "yes"
     other_version = recomputed(home, runs["other"]["run"])["version"]
     assert by_run["other"]["comparable"] == (f"NO: dataset version {other_version} (baseline "

@@ -1,4 +1,5 @@
-"""cpu-demo learns: trained within a CI-sized budget it scores clearly above the same model untrained."""
+"""cpu-demo learns: trained within a CI-sized budget it scores clearly above the same model untrained, in
+fp32 and in bf16 + channels-last alike, and the two land within run-to-run noise of each other."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from training.evaluate import evaluate_run
 from training.model import SCNN, model_config
 
 REPO = Path(__file__).resolve().parents[1]
+#: How far bf16/channels-last may land from fp32/contiguous in val accuracy at equal steps (see below).
+PARITY_TOLERANCE = 0.05
 
 
 @pytest.mark.slow
-def test_cpu_demo_trained_beats_untrained(tmp_path: Path):
+def test_cpu_demo_learns_in_fp32_and_in_bf16_channels_last_alike(tmp_path: Path):
     data = tmp_path / "tusimple"
     generate(data, train=64, val=16, test=0, seed=5, width=640, height=360)
     preprocess(data, workers=1)
@@ -31,14 +34,22 @@ def test_cpu_demo_trained_beats_untrained(tmp_path: Path):
     untrained_dir.mkdir()
     untrained = evaluate_run(SCNN(config), config, data, untrained_dir, "val", torch.device("cpu"))
 
-    run_dir = tmp_path / "trained"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = run_to_end(
-        [sys.executable, "-m", "training.train", "--data-root", str(data), "--run-dir", str(run_dir),
-         "--preset", "cpu-demo", "--set", "epochs=10", "--set", "batch_size=4", "--set", "log_every=16"],
-        1800, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    trained = json.loads((run_dir / "eval.json").read_text())
+    trained = {}
+    for precision, layout in (("fp32", "contiguous"), ("bf16", "channels_last")):
+        run_dir = tmp_path / f"trained-{precision}"
+        done = run_to_end(
+            [sys.executable, "-m", "training.train", "--data-root", str(data), "--run-dir", str(run_dir),
+             "--preset", "cpu-demo", "--set", "epochs=10", "--set", "batch_size=4", "--set", "log_every=16",
+             "--set", f"precision={precision}", "--set", f"memory_format={layout}"],
+            1800, env=env, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-3000:]
+        trained[precision] = json.loads((run_dir / "eval.json").read_text())
     print(f"untrained: {untrained}\ntrained: {trained}")
-    assert trained["accuracy"] >= untrained["accuracy"] + 0.3, (untrained, trained)
-    assert trained["fn"] < untrained["fn"]
+    for result in trained.values():
+        assert result["accuracy"] >= untrained["accuracy"] + 0.3, (untrained, trained)
+        assert result["fn"] < untrained["fn"]
+    # bf16 + channels-last (what auto picks on CPUs with native bf16) learns as fp32 does at equal steps (160).
+    # Tolerance from bench/precision_parity.py on this recipe: fp32's val accuracy ranges 0.095 from seed to
+    # seed (0.84-0.94); at the same seed bf16 was within 0.007 of fp32 (3 seeds). Half the seed-to-seed range.
+    assert abs(trained["bf16"]["accuracy"] - trained["fp32"]["accuracy"]) <= PARITY_TOLERANCE, trained

@@ -29,10 +29,10 @@ import torch
 from training.cpu_features import CpuFeatures, this_cpu
 from training.models.base import LaneModel, ModelSettings
 from training.precision import Calibration, Combo, Device, MixedPrecision, Numerics, label, resolve, resolve_compile
+from training.step import train_step
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
-    from training.run_parts import Distributed
 
 log = logging.getLogger("laneflow.calibration")
 
@@ -90,10 +90,10 @@ def write_cached(path: Path, inputs: dict[str, Any], seconds: dict[Combo, float]
         raise
 
 
-def step_seconds(lane_model: LaneModel, settings: ModelSettings, combo: Combo, batch: int) -> float:
-    """The median time of a training step (uint8 batch in, SGD step out) of a fresh network in ``combo``."""
-    from training.run_parts import train_step  # the loop's own step, so the calibration times what training runs
-
+def step_seconds(lane_model: LaneModel, settings: ModelSettings, combo: Combo, batch: int,
+                 timed: int = TIMED_STEPS) -> float:
+    """The median time of a training step (uint8 batch in, SGD step out) of a fresh network in ``combo``: the
+    loop's own step, so the calibration times what training runs (bench/train_step.py times it too)."""
     precision, layout = combo
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     network = lane_model.network(settings).train()
@@ -105,7 +105,7 @@ def step_seconds(lane_model: LaneModel, settings: ModelSettings, combo: Combo, b
     masks = torch.randint(0, 5, (batch, height, width), dtype=torch.uint8)
     exist = torch.randint(0, 2, (batch, 4)).float()
     timings = []
-    for step in range(WARMUP_STEPS + TIMED_STEPS):
+    for step in range(WARMUP_STEPS + timed):
         started = time.perf_counter()
         train_step(network, images, masks, exist, criterion, optimizer, mixed, memory_format, distributed=False)
         if step >= WARMUP_STEPS:  # the first steps pick kernels and grow the allocator's pools
@@ -135,7 +135,7 @@ def calibrate(cpu: CpuFeatures, lane_model: LaneModel, settings: ModelSettings, 
 
 
 def resolve_numerics(config: TrainConfig, lane_model: LaneModel, settings: ModelSettings, device: torch.device,
-                     dist: Distributed) -> Numerics:
+                     dist: Any) -> Numerics:
     """The run's precision, memory format and compilation on this rank's device. In a fixed-size run rank 0
     decides (calibrating if it must) and every rank uses its choice: one run, one numeric path. In an elastic run
     each rank decides for the machine it runs on (a rank that joins later may land on another kind of node, and

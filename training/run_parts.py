@@ -1,6 +1,6 @@
 """What a training loop works with, shared by the fixed-size loop (``training.train``) and the elastic one
 (``training.elastic``): Horovod's few calls (``Distributed``), the model, optimizer, data and precision of a run
-and rank 0's records (``RunParts``), one SGD step (``train_step``, which bench/gpu.py times), and the windows a
+and rank 0's records (``RunParts``), and the windows a
 ``step`` event reports over. Both loops use this module; it uses neither.
 """
 
@@ -22,11 +22,12 @@ from training.calibration import resolve_numerics
 from training.checkpoints import check_compatible, check_same_data, load_latest_checkpoint, save_checkpoint
 from training.config import TrainConfig
 from training.data.preprocess import load_manifest
-from training.dataset import LaneDataset, normalize
+from training.dataset import LaneDataset
 from training.evaluate import evaluate_run, score_split
 from training.models import LaneModel, get_model
 from training.models.base import Criterion, ModelSettings, TrainingDiverged
 from training.precision import MixedPrecision, Numerics
+from training.step import train_step
 from training.stop_request import STOP_REQUEST, StopRequest, read_stop_request
 from training.tensorboard_log import TENSORBOARD_DIR, TensorBoardLog
 
@@ -111,20 +112,13 @@ def emit(event: str, **payload: object) -> None:
 
 
 
-def train_step(model: torch.nn.Module, images: torch.Tensor, masks: torch.Tensor, exist: torch.Tensor,
-               criterion: Criterion, optimizer: torch.optim.Optimizer, mixed: MixedPrecision,
-               memory_format: torch.memory_format, distributed: bool) -> tuple[torch.Tensor, dict[str, float]]:
-    """One SGD step on a uint8 batch: moved without blocking, normalised on the device, forward in the
-    run's precision, loss in fp32. Shared with bench/gpu.py so the bench times what training runs."""
-    device = next(model.parameters()).device
-    batch = normalize(images.to(device, non_blocking=True), memory_format)
-    with mixed.autocast():
-        outputs = model(batch)
-    loss, parts = criterion(tuple(output.float() for output in outputs), masks.to(device, non_blocking=True),
-                            exist.to(device, non_blocking=True))
-    optimizer.zero_grad()  # set_to_none is torch's default; Horovod's wrapper takes no arguments
-    mixed.backward_and_step(loss, optimizer, distributed)
-    return loss, parts
+def compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` through ``torch.compile``, drawing random numbers as eager does (inductor's own generator would
+    give dropout other masks): compiling changes a run's speed, not its results or what a resume continues."""
+    import torch._inductor.config as inductor
+
+    inductor.fallback_random = True
+    return torch.compile(model)
 
 
 @dataclass
@@ -181,7 +175,7 @@ class RunParts:
         return cls(config, data_root, run_dir, dist, stop, device, numerics,
                    MixedPrecision(numerics.precision, device.type), lane_model, model_cfg, dataset, model, optimizer,
                    lane_model.criterion(model_cfg, check_finite=numerics.precision != "fp16"), closing,
-                   forward=torch.compile(model) if numerics.compile else model,
+                   forward=compiled(model) if numerics.compile else None,
                    dataset_version=(load_manifest(data_root) or {}).get("dataset_version"))
 
     @property
@@ -267,8 +261,9 @@ class RunParts:
         diverges again)."""
         try:
             distributed = optimizer is not self.optimizer  # Horovod's
-            return train_step(self.forward or self.model, images, masks, exist, self.criterion, optimizer,
-                              self.mixed, self.numerics.torch_memory_format, distributed=distributed)
+            network = self.model if self.forward is None else self.forward
+            return train_step(network, images, masks, exist, self.criterion, optimizer, self.mixed,
+                              self.numerics.torch_memory_format, distributed=distributed)
         except TrainingDiverged as exc:
             raise TrainingDiverged(f"{exc} at step {step + 1}, learning rate {optimizer.param_groups[0]['lr']:.4g} "
                                    f"(lr {self.config.lr} x {self.dist.size} worker(s), poly schedule): lower lr") \
