@@ -9,7 +9,7 @@ DEMO_DIR ?= .laneflow/demo
 DATASET ?= tusimple
 PORT ?= 4200
 
-.PHONY: demo serve stop-server test image image-gpu lint bench bench-accuracy bench-overhead bench-sweep bench-models bench-server soak install clean clean-work
+.PHONY: demo serve stop-server test image image-gpu lint bench bench-train-step bench-precision bench-accuracy bench-overhead bench-sweep bench-models bench-server soak install clean clean-work
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt scripts/versions.env
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -61,6 +61,14 @@ bench: $(STAMP)
 	$(PY) bench/train_step.py
 	$(PY) bench/scaling.py
 	$(PY) bench/overhead.py
+
+# One training step against this machine's GEMM rate, per precision and memory format (docs/performance.md).
+bench-train-step: $(STAMP)
+	$(PY) bench/train_step.py
+
+# bf16 + channels-last against fp32 in val accuracy at equal steps, over seeds (docs/performance.md).
+bench-precision: $(STAMP)
+	$(PY) bench/precision_parity.py
 
 bench-overhead: $(STAMP)
 	$(PY) bench/overhead.py

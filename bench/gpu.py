@@ -8,8 +8,11 @@ cache, as every epoch after the first does), then for each of fp32 / bf16 (when 
 fp16 with a gradient scaler, times the trainer's own step (``training.step.train_step``: uint8 batches
 moved without blocking and normalised on the device) with contiguous and channels-last tensors. Per
 configuration: img/s after warm-up, the input stall (the share of wall time spent waiting for the
-loader) and the peak GPU memory. Prints one JSON line per configuration and a table; ``--json`` also
-writes them to a file.
+loader), the peak GPU memory, and the step against the GPU's own limit: the step's FLOPs (PyTorch's flop
+counter) over its time, as a share of the GPU's matrix-product rate in that dtype measured in the same run.
+``--compile`` also times each configuration through ``torch.compile`` (and reports its compile time): the
+measurement ``compile: auto`` waits for on GPUs. Prints one JSON line per configuration and a table;
+``--json`` also writes them to a file.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.limits import FlopsByDtype, gemm_tflops
 from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.dataset import LaneDataset, make_loader
@@ -40,11 +44,12 @@ def configurations(device: Device) -> list[tuple[str, str]]:
 
 
 def measure(preset: str, loader, device: torch.device, precision: str, layout: str, warmup: int,
-            steps: int) -> dict:
+            steps: int, compiled: bool = False) -> dict:
     config = model_config(preset)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     torch.manual_seed(0)
-    model = SCNN(config).to(device, memory_format=memory_format).train()
+    model = SCNN(config).to(device).train()  # weights contiguous, as the trainer keeps them (Horovod)
+    network = torch.compile(model) if compiled else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
     mixed = MixedPrecision(precision, device.type)
     criterion = get_model("scnn").criterion(config)
@@ -54,14 +59,20 @@ def measure(preset: str, loader, device: torch.device, precision: str, layout: s
     done = images = 0
     waited = 0.0
     started = None
+    first_step_s = None
     loss = torch.zeros(())
     while done < warmup + steps:
         fetch = time.perf_counter()
         for batch, masks, exist in loader:
             if started is not None:
                 waited += time.perf_counter() - fetch
-            loss, _ = train_step(model, batch, masks, exist, criterion, optimizer, mixed, memory_format,
+            step_started = time.perf_counter()
+            loss, _ = train_step(network, batch, masks, exist, criterion, optimizer, mixed, memory_format,
                                  distributed=False)
+            if first_step_s is None:  # with --compile: the compile itself
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                first_step_s = time.perf_counter() - step_started
             done += 1
             if done == warmup:  # kernels chosen (cudnn.benchmark), allocator warm: start the clock
                 if device.type == "cuda":
@@ -75,10 +86,29 @@ def measure(preset: str, loader, device: torch.device, precision: str, layout: s
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
-    return {"preset": preset, "precision": precision, "memory_format": layout,
+    return {"preset": preset, "precision": precision, "memory_format": layout, "compiled": compiled,
+            "first_step_s": round(first_step_s or 0.0, 2), "step_s": elapsed / max(1, steps),
             "img_per_s": round(images / elapsed, 2), "input_stall": round(waited / elapsed, 4),
             "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
             if device.type == "cuda" else None, "final_loss": round(float(loss), 4)}
+
+
+def limits(preset: str, device: torch.device, batch_size: int, found: Device, dry_run: bool) -> tuple[float, dict]:
+    """The step's GFLOP (fp32 forward and backward) and the device's GEMM rate per dtype measured (TFLOP/s)."""
+    config = model_config(preset)
+    model = SCNN(config).to(device).train()
+    images = torch.randint(0, 256, (batch_size, config.input_height, config.input_width, 3), dtype=torch.uint8)
+    masks = torch.randint(0, 5, (batch_size, config.input_height, config.input_width), dtype=torch.uint8)
+    exist = torch.randint(0, 2, (batch_size, 4)).float()
+    counter = FlopsByDtype()
+    with counter:
+        train_step(model, images, masks, exist, get_model("scnn").criterion(config),
+                   torch.optim.SGD(model.parameters(), lr=1e-3), MixedPrecision("fp32", device.type),
+                   torch.contiguous_format, distributed=False)
+    sizes = (256,) if dry_run else (4096, 8192)
+    dtypes = ["fp32", *(["bf16"] if found.bf16 or device.type == "cpu" else []), "fp16"]
+    return (sum(counter.flops.values()) / 1e9,
+            {dtype: round(gemm_tflops(dtype, device, sizes, repeats=2 if dry_run else 5)[0], 3) for dtype in dtypes})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--compile", action="store_true", help="also time each configuration compiled")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, cpu-demo at 320x180, 1 timed step per configuration: exercises every path")
     args = parser.parse_args(argv)
@@ -116,16 +147,27 @@ def main(argv: list[str] | None = None) -> int:
         header["cache_build_s"] = round(time.perf_counter() - built, 2)
         loader = make_loader(dataset, args.batch_size, None, args.workers, pin_memory=device.type == "cuda")
         for precision_name, layout in configurations(found):
-            result = measure(preset, loader, device, precision_name, layout, args.warmup, args.steps)
-            results.append(result)
-            print(json.dumps(result), flush=True)
-    fp32 = next(r["img_per_s"] for r in results if r["precision"] == "fp32" and r["memory_format"] == "contiguous")
+            for compiled in (False, True) if args.compile else (False,):
+                result = measure(preset, loader, device, precision_name, layout, args.warmup, args.steps, compiled)
+                results.append(result)
+                print(json.dumps(result), flush=True)
+    header["step_gflop"], header["gemm_tflops"] = limits(preset, device, args.batch_size, found, args.dry_run)
+    for result in results:
+        result["tflops"] = round(header["step_gflop"] / 1000 / result["step_s"], 3)
+        result["share_of_gemm"] = round(result["tflops"] / header["gemm_tflops"][result["precision"]], 3)
+    fp32 = next(r["img_per_s"] for r in results if r["precision"] == "fp32" and r["memory_format"] == "contiguous"
+                and not r["compiled"])
     print("\nbaseline: fp32 with the contiguous memory format: the same trainer step, loader, batch and device")
-    print(f"{'precision':<10}{'memory format':<16}{'img/s':>9}{'vs fp32':>9}{'input stall':>13}{'peak GiB':>10}")
+    print(f"step: {header['step_gflop']:.0f} GFLOP; GEMM rate: " + ", ".join(
+        f"{d} {r:.1f} TFLOP/s" for d, r in header["gemm_tflops"].items()))
+    print(f"{'precision':<10}{'memory format':<16}{'compiled':>9}{'img/s':>9}{'vs fp32':>9}{'TFLOP/s':>9}"
+          f"{'of GEMM':>9}{'input stall':>13}{'peak GiB':>10}{'1st step s':>12}")
     for r in results:
         memory = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
-        print(f"{r['precision']:<10}{r['memory_format']:<16}{r['img_per_s']:>9.1f}{r['img_per_s'] / fp32:>8.2f}x"
-              f"{100 * r['input_stall']:>12.1f}%{memory:>10}")
+        print(f"{r['precision']:<10}{r['memory_format']:<16}{'yes' if r['compiled'] else 'no':>9}"
+              f"{r['img_per_s']:>9.1f}{r['img_per_s'] / fp32:>8.2f}x{r['tflops']:>9.2f}"
+              f"{100 * r['share_of_gemm']:>8.0f}%"
+              f"{100 * r['input_stall']:>12.1f}%{memory:>10}{r['first_step_s']:>12.1f}")
     if args.json:
         args.json.write_text(json.dumps({**header, "results": results}, indent=2))
     return 0

@@ -24,18 +24,15 @@ import copy
 import json
 import statistics
 import sys
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.limits import FlopsByDtype, gemm_tflops, timed
 from training.calibration import calibrate, step_seconds
 from training.cpu_features import this_cpu
 from training.model import MessagePassing
@@ -44,41 +41,6 @@ from training.precision import Device, MixedPrecision, label, resolve
 from training.step import train_step
 
 COMBOS = [(p, f) for p in ("fp32", "bf16") for f in ("contiguous", "channels_last")]
-GEMM_SIZES = {"fp32": 2048, "bf16": 4096}
-
-
-class FlopsByDtype(TorchDispatchMode):
-    """FLOPs of every op PyTorch's flop counter knows (convolutions, matrix products), summed by the dtype of
-    the op's first tensor argument — the dtype the op computes in."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops: dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            first = next(a for a in args if isinstance(a, torch.Tensor))
-            self.flops[str(first.dtype).removeprefix("torch.")] += int(count(*args, **kwargs, out_val=out))
-        return out
-
-
-def gemm_tflops(dtype_name: str, repeats: int = 5) -> float:
-    """This machine's best square-matrix-product rate in ``dtype_name`` (TFLOP/s)."""
-    n = GEMM_SIZES[dtype_name]
-    dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # kernels chosen, memory touched
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2 * n**3 / best / 1e12
-
-
-def _timed(work) -> float:
-    started = time.perf_counter()
-    work()
-    return time.perf_counter() - started
 
 
 def batch_for(settings, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,7 +115,7 @@ def loop_comparison(lane_model, settings, combo: tuple[str, str], batch_size: in
         network.train()
         optimizer = torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.9)
         mixed = MixedPrecision(combo[0], "cpu")
-        times = [_timed(lambda: train_step(network, images, masks, exist, criterion, optimizer, mixed, layout,
+        times = [timed(lambda: train_step(network, images, masks, exist, criterion, optimizer, mixed, layout,
                                            distributed=False)) for _ in range(steps + 1)]
         return statistics.median(times[1:])
 
@@ -179,16 +141,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.batch_size}, {threads} threads; CPU {cpu.model}, native bf16: "
           f"{', '.join(cpu.native_bf16) or 'none (bf16 is emulated)'}; torch {torch.__version__}", flush=True)
 
-    gemm = {dtype: gemm_tflops(dtype) for dtype in ("fp32", "bf16")}
-    print("GEMM rate (torch.mm, best of 5): " + ", ".join(f"{d} {r:.2f} TFLOP/s (n={GEMM_SIZES[d]})"
-                                                          for d, r in gemm.items()), flush=True)
+    measured = {dtype: gemm_tflops(dtype) for dtype in ("fp32", "bf16")}
+    gemm = {dtype: rate for dtype, (rate, _) in measured.items()}
+    print("GEMM rate (torch.mm, best over n = 2048, 3072, 4096): " + ", ".join(
+        f"{d} {rate:.2f} TFLOP/s (n={n})" for d, (rate, n) in measured.items()), flush=True)
     flops = {combo: step_flops(lane_model, settings, combo, args.batch_size) for combo in COMBOS}
     total = sum(flops[COMBOS[0]].values())
     print(f"step FLOPs (forward + backward, PyTorch's flop counter): {total / 1e9:.0f} GFLOP", flush=True)
 
-    # Two rounds, configurations alternating, so the machine's drift falls on all of them; the better round counts.
-    rounds = [{combo: step_seconds(lane_model, settings, combo, args.batch_size, timed=args.steps)
-               for combo in COMBOS} for _ in range(2)]
+    # Configurations take turns step by step, so the machine's drift falls on all of them; the better of two
+    # rounds counts.
+    rounds = [step_seconds(lane_model, settings, COMBOS, args.batch_size, timed=args.steps) for _ in range(2)]
     seconds = {combo: min(r[combo] for r in rounds) for combo in COMBOS}
     base = seconds[("fp32", "contiguous")]
     print(f"\n{'precision, memory format':<28}{'ms/step':>9}{'vs fp32':>9}{'TFLOP/s':>9}{'of GEMM':>9}"

@@ -90,27 +90,30 @@ def write_cached(path: Path, inputs: dict[str, Any], seconds: dict[Combo, float]
         raise
 
 
-def step_seconds(lane_model: LaneModel, settings: ModelSettings, combo: Combo, batch: int,
-                 timed: int = TIMED_STEPS) -> float:
-    """The median time of a training step (uint8 batch in, SGD step out) of a fresh network in ``combo``: the
-    loop's own step, so the calibration times what training runs (bench/train_step.py times it too)."""
-    precision, layout = combo
-    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    network = lane_model.network(settings).train()
-    optimizer = torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.9)
-    criterion = lane_model.criterion(settings, check_finite=False)
-    mixed = MixedPrecision(precision, "cpu")
+def step_seconds(lane_model: LaneModel, settings: ModelSettings, candidates: list[Combo], batch: int,
+                 timed: int = TIMED_STEPS) -> dict[Combo, float]:
+    """The median time of a training step (uint8 batch in, SGD step out) of a fresh network in each candidate:
+    the loop's own step, so the calibration times what training runs (bench/train_step.py times it too). The
+    candidates take turns step by step, so a load that comes and goes on the machine falls on all of them."""
     height, width = settings.input_height, settings.input_width
     images = torch.randint(0, 256, (batch, height, width, 3), dtype=torch.uint8)
     masks = torch.randint(0, 5, (batch, height, width), dtype=torch.uint8)
     exist = torch.randint(0, 2, (batch, 4)).float()
-    timings = []
+    criterion = lane_model.criterion(settings, check_finite=False)
+    runners = {}
+    for combo in candidates:
+        network = lane_model.network(settings).train()
+        runners[combo] = (network, torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.9),
+                          MixedPrecision(combo[0], "cpu"),
+                          torch.channels_last if combo[1] == "channels_last" else torch.contiguous_format)
+    timings: dict[Combo, list[float]] = {combo: [] for combo in candidates}
     for step in range(WARMUP_STEPS + timed):
-        started = time.perf_counter()
-        train_step(network, images, masks, exist, criterion, optimizer, mixed, memory_format, distributed=False)
-        if step >= WARMUP_STEPS:  # the first steps pick kernels and grow the allocator's pools
-            timings.append(time.perf_counter() - started)
-    return statistics.median(timings)
+        for combo, (network, optimizer, mixed, memory_format) in runners.items():
+            started = time.perf_counter()
+            train_step(network, images, masks, exist, criterion, optimizer, mixed, memory_format, distributed=False)
+            if step >= WARMUP_STEPS:  # the first steps pick kernels and grow the allocator's pools
+                timings[combo].append(time.perf_counter() - started)
+    return {combo: statistics.median(times) for combo, times in timings.items()}
 
 
 def calibrate(cpu: CpuFeatures, lane_model: LaneModel, settings: ModelSettings, batch_size: int,
@@ -123,7 +126,7 @@ def calibrate(cpu: CpuFeatures, lane_model: LaneModel, settings: ModelSettings, 
     log.info("calibrating %s on this CPU (%s): a few training steps of %s, once per machine and model",
              lane_model.name, cpu.model, ", ".join(label(c) for c in candidates))
     with torch.random.fork_rng(devices=[]):  # the run trains from the same random state, calibrated or not
-        seconds = {combo: step_seconds(lane_model, settings, combo, inputs["batch"]) for combo in candidates}
+        seconds = step_seconds(lane_model, settings, candidates, inputs["batch"])
     try:
         write_cached(path, inputs, seconds)
         source = f"measured now, cached in {path}"
