@@ -5,6 +5,9 @@ configuration and by CPU autocast (the same code, another device type)."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -276,3 +279,51 @@ def test_auto_on_this_cpu_is_calibrated_once_cached_and_a_forced_answer_keeps_fp
     again = run(train_cmd(prepared, tmp_path / "again", *two_steps), LANEFLOW_CACHE_DIR=str(cache))
     assert again.returncode == 0 and "calibration measured now" in start_of(again.stdout)["numerics_reason"]
     assert json.loads(cached.read_text())["seconds_per_step"]
+
+
+def test_on_a_cpu_without_native_bf16_the_trainer_keeps_fp32(prepared: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The other vendor's path on any machine: the real trainer in a mount namespace whose /proc/cpuinfo is a
+    Zen 3's (AVX2, no bf16 instructions) resolves auto to fp32 and says why. Both paths run wherever the suite
+    runs, whichever the machine's own CPU takes."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare to give the trainer another /proc/cpuinfo")
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(ZEN3)
+    command = shlex.join(train_cmd(prepared, tmp_path / "zen3", "--set", "max_steps=2", "--set", "epochs=1"))
+    done = run(["unshare", "--mount", "sh", "-c", f"mount --bind {shlex.quote(str(fake))} /proc/cpuinfo && "
+                                                  f"exec {command}"], LANEFLOW_CACHE_DIR=str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    start = start_of(done.stdout)
+    assert start["precision"] == "fp32" and start["memory_format"] in ("contiguous", "channels_last")
+    assert "AMD EPYC 7763" in start["numerics_reason"] and "would emulate it" in start["numerics_reason"]
+    [cached] = (tmp_path / "cache" / "calibration").glob("scnn-*.json")
+    record = json.loads(cached.read_text())
+    assert set(record["seconds_per_step"]) == {"fp32/contiguous", "fp32/channels_last"}
+    assert record["inputs"]["machine"]["cpu"] == "AMD EPYC 7763 64-Core Processor"
+
+
+def test_the_input_pipeline_and_message_passing_give_the_same_results_channels_last() -> None:
+    """A channels-last batch is normalised straight into that layout, and the network (message passing
+    included) computes what it computes on a contiguous one, forward and backward, weights left contiguous."""
+    from training.dataset import normalize
+
+    torch.manual_seed(0)
+    config = model_config("cpu-demo")
+    images = torch.randint(0, 256, (2, config.input_height, config.input_width, 3), dtype=torch.uint8)
+    plain, nhwc = normalize(images), normalize(images, torch.channels_last)
+    assert nhwc.is_contiguous(memory_format=torch.channels_last) and torch.equal(plain, nhwc)
+    model = SCNN(config)
+    masks = torch.randint(0, 5, (2, config.input_height, config.input_width))
+    exist = torch.randint(0, 2, (2, 4)).float()
+    results = []
+    for batch in (plain, nhwc):
+        model.zero_grad()
+        torch.manual_seed(1)  # the same dropout masks
+        logits, existence = model(batch)
+        loss, _ = SCNNLoss()(logits, existence, masks, exist)
+        loss.backward()
+        results.append((loss.detach(), model.message_passing[2].weight.grad.clone(),
+                        model.backbone[0].weight.grad.clone()))
+    assert all(p.is_contiguous() and p.grad.is_contiguous() for p in model.parameters())  # Horovod's requirement
+    for contiguous, channels_last in zip(*results, strict=True):  # fp32 summed in another order: its noise only
+        torch.testing.assert_close(channels_last, contiguous, rtol=1e-3, atol=1e-3 * float(contiguous.abs().max()))
