@@ -326,4 +326,4 @@ def test_the_input_pipeline_and_message_passing_give_the_same_results_channels_l
                         model.backbone[0].weight.grad.clone()))
     assert all(p.is_contiguous() and p.grad.is_contiguous() for p in model.parameters())  # Horovod's requirement
     for contiguous, channels_last in zip(*results, strict=True):  # fp32 summed in another order: its noise only
-        torch.testing.assert_close(channels_last, contiguous, rtol=1e-3, atol=1e-3 * float(contiguous.abs().max()))
+        assert float((channels_last - contiguous).norm() / contiguous.norm()) < 1e-3
