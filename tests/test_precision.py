@@ -325,5 +325,5 @@ def test_the_input_pipeline_and_message_passing_give_the_same_results_channels_l
         results.append((loss.detach(), model.message_passing[2].weight.grad.clone(),
                         model.backbone[0].weight.grad.clone()))
     assert all(p.is_contiguous() and p.grad.is_contiguous() for p in model.parameters())  # Horovod's requirement
-    for contiguous, channels_last in zip(*results, strict=True):  # fp32 summed in another order: its noise only
-        assert float((channels_last - contiguous).norm() / contiguous.norm()) < 1e-3
+    for contiguous, channels_last in zip(*results, strict=True):  # fp32 in another order: measured 0.2 %
+        assert float((channels_last - contiguous).norm() / contiguous.norm()) < 1e-2  # a layout bug: ~100 %
