@@ -7,11 +7,13 @@ not); every verb laneflow uses is granted to the block's identity (one SelfSubje
 permissions the shipped RBAC manifests list); the MPI operator's API is served and its controller runs (its
 leader Lease renewed); with CSI snapshots, the snapshot API is served; the block's storage class (ANF's
 provisioner when the block moves ANF service levels) and snapshot class exist; a node pool takes the training
-workers (taints tolerated, node selector matched, GPUs enough). The lease, the classes and the nodes are reads the
-flows never need: ``deployments/doctor`` grants them, read-only. With ANF settings, each configured capacity pool
-is listed with the block's Azure credentials. With ``--pull-images``, a probe Job per image shows whether the
-nodes can pull it. Then the Kubernetes work pool, when it exists or is named: a worker online. Locally: Horovod's
-build, free disk where the volumes live. Both: the Prefect server.
+workers (taints tolerated, node selector matched, GPUs enough); with a Kueue LocalQueue, Kueue's API served, the
+queue and its ClusterQueue active and the priority class there; with a Run:ai project, its namespace labelled for
+it and its queue (existing, a leaf, with GPUs). The lease, the classes, the nodes, Kueue's queues, the namespace
+and Run:ai's queues are reads the flows never need: ``deployments/doctor`` grants them, read-only. With ANF
+settings, each configured capacity pool is listed with the block's Azure credentials. With ``--pull-images``, a
+probe Job per image shows whether the nodes can pull it. Then the Kubernetes work pool, when it exists or is
+named: a worker online. Locally: Horovod's build, free disk where the volumes live. Both: the Prefect server.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ from kubernetes.client.exceptions import ApiException
 from flows.local_server import DEFAULT_PORT, api_url, is_healthy
 from tasks.doctor import (
     CLUSTER_WORK_POOL,
+    KUEUE_API,
+    KUEUE_FIX,
     MPI_OPERATOR_FIX,
     OPERATOR_LEASE,
+    RUNAI_FIX,
+    RUNAI_QUEUES,
     SNAPSHOT_API_FIX,
     Check,
     Permission,
@@ -45,11 +51,15 @@ from tasks.doctor import (
     gpu_pool_verdict,
     horovod_verdict,
     image_verdict,
+    local_queue_verdict,
     operator_lease_verdict,
     permissions_verdict,
+    priority_class_verdict,
     pull_state,
     reachable_verdict,
     required_permissions,
+    runai_namespace_verdict,
+    runai_queue_verdict,
     server_verdict,
     shipped_rbac,
     snapshot_class_verdict,
@@ -102,6 +112,10 @@ def cluster_checks(platform: object, pull_images: bool = False) -> list[Check]:
     if snapshot_api is not None and snapshot_api.ok:  # without the API, its class cannot be read (nor be)
         checks.append(snapshot_class_check(client, platform))
     checks.append(gpu_pool_check(client, platform))
+    if platform.kueue_queue:
+        checks += kueue_checks(client, platform)
+    if platform.runai_project:
+        checks += runai_checks(client, platform.runai_project)
     if platform.anf is not None:
         checks.append(anf_check(platform.anf))
     if pull_images:
@@ -214,10 +228,54 @@ def gpu_pool_check(client: kubernetes.client.ApiClient, platform: object) -> Che
     return gpu_pool_verdict(nodes, platform.tolerations, platform.node_selector, platform.gpus_per_worker)
 
 
+def kueue_checks(client: kubernetes.client.ApiClient, platform: object) -> list[Check]:
+    """Kueue's API served, the block's LocalQueue and its ClusterQueue active, the priority class there."""
+    group, version = KUEUE_API
+    served = served_check(client, "Kueue's API", group, version, "workloads", KUEUE_FIX)
+    if not served.ok:
+        return [served]
+    custom = kubernetes.client.CustomObjectsApi(client)
+    namespace, name = platform.effective_namespace(), platform.kueue_queue
+    local, error = _read(lambda: custom.get_namespaced_custom_object(group, version, namespace, "localqueues", name))
+    if error:
+        checks = [unreadable_verdict(f"Kueue LocalQueue {namespace}/{name}", error)]
+    else:
+        target = ((local or {}).get("spec") or {}).get("clusterQueue")
+        queue, error = _read(lambda: custom.get_cluster_custom_object(group, version, "clusterqueues", target)) \
+            if target else (None, None)
+        checks = [unreadable_verdict(f"Kueue ClusterQueue {target}", error) if error
+                  else local_queue_verdict(namespace, name, local, queue)]
+    if platform.kueue_priority_class:
+        found, error = _read(lambda: custom.get_cluster_custom_object(group, version, "workloadpriorityclasses",
+                                                                      platform.kueue_priority_class))
+        checks.append(unreadable_verdict(f"Kueue WorkloadPriorityClass {platform.kueue_priority_class}", error)
+                      if error else priority_class_verdict(platform.kueue_priority_class, found))
+    return [served, *checks]
+
+
+def runai_checks(client: kubernetes.client.ApiClient, project: str) -> list[Check]:
+    """The project's namespace and its label; Run:ai's Queue API served and the project's queue fit to run jobs."""
+    name = f"runai-{project}"
+    found, error = _read(lambda: kubernetes.client.CoreV1Api(client).read_namespace(name))
+    checks = [unreadable_verdict(f"Run:ai project {project}'s namespace {name}", error) if error
+              else runai_namespace_verdict(project, client.sanitize_for_serialization(found) if found else None)]
+    group, version, plural = RUNAI_QUEUES
+    served = served_check(client, "Run:ai's scheduling API", group, version, plural, RUNAI_FIX)
+    if not served.ok:
+        return [*checks, served]
+    listed, error = _read(lambda: kubernetes.client.CustomObjectsApi(client).list_cluster_custom_object(
+        group, version, plural))
+    checks.append(served)
+    checks.append(unreadable_verdict(f"Run:ai queue {project}", error) if error
+                  else runai_queue_verdict(project, (listed or {}).get("items") or []))
+    return checks
+
+
 def permission_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
     """One SelfSubjectAccessReview per permission the shipped manifests grant laneflow's flows."""
     namespace = platform.effective_namespace()
-    needed = required_permissions(shipped_rbac(bool(platform.adopt_claims)), namespace)
+    needed = required_permissions(shipped_rbac(bool(platform.adopt_claims), kueue=bool(platform.kueue_queue)),
+                                  namespace)
     authorization = kubernetes.client.AuthorizationV1Api(client)
     answers: list[tuple[Permission, bool]] = []
     for permission in needed:

@@ -20,6 +20,8 @@ import yaml
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
 RBAC_FILES = ("workloads/rbac.yaml", "base/rbac.yaml")
 ADOPT_RBAC_FILE = "rwo-claims/rbac.yaml"
+#: What the flows read of Kueue when the block names a LocalQueue (its Workloads, the queue's pending list).
+KUEUE_RBAC_FILE = "kueue/rbac.yaml"
 #: The storage provisioner of Azure NetApp Files volumes (NetApp Trident's CSI driver).
 ANF_PROVISIONER = "csi.trident.netapp.io"
 GPU = "nvidia.com/gpu"
@@ -74,9 +76,10 @@ def required_permissions(documents: Iterable[Mapping[str, Any]], namespace: str)
     return list(needed)
 
 
-def shipped_rbac(adopts_claims: bool, deployments: Path = DEPLOYMENTS) -> list[dict[str, Any]]:
-    """The shipped RBAC documents laneflow's flows need (with deployments/rwo-claims when the block adopts claims)."""
-    files = RBAC_FILES + ((ADOPT_RBAC_FILE,) if adopts_claims else ())
+def shipped_rbac(adopts_claims: bool, deployments: Path = DEPLOYMENTS, kueue: bool = False) -> list[dict[str, Any]]:
+    """The shipped RBAC documents laneflow's flows need (with deployments/rwo-claims when the block adopts claims,
+    deployments/kueue's Role when it names a Kueue LocalQueue)."""
+    files = RBAC_FILES + ((ADOPT_RBAC_FILE,) if adopts_claims else ()) + ((KUEUE_RBAC_FILE,) if kueue else ())
     return [doc for name in files for doc in yaml.safe_load_all((deployments / name).read_text()) if doc]
 
 
@@ -98,11 +101,15 @@ def permissions_verdict(answers: Iterable[tuple[Permission, bool]], identity: st
     what = f"every verb laneflow uses granted to {identity}"
     if not missing:
         return Check(what, True, f"{len(answers)} verbs")
+    if all(permission.group.endswith("kueue.x-k8s.io") for permission in missing):
+        return Check(what, False, "denied: " + ", ".join(p.text() for p in missing),
+                     "kubectl apply -k deployments/kueue (its Role laneflow-kueue; set its namespace to the block's): "
+                     "deployments/kueue/rbac.yaml lists what the flows read of Kueue")
     apply = "kubectl apply -k deployments/runai (in the project's namespace)" if runai else \
         "kubectl apply -k deployments/base"
     return Check(what, False, "denied: " + ", ".join(p.text() for p in missing),
                  f"{apply}; deployments/workloads/rbac.yaml and deployments/base/rbac.yaml list every permission "
-                 "(deployments/rwo-claims for adopt_claims)")
+                 "(deployments/rwo-claims for adopt_claims, deployments/kueue for kueue_queue)")
 
 
 def api_served_verdict(what: str, group_version: str, resource: str, served: Iterable[str] | None,
@@ -126,7 +133,8 @@ SNAPSHOT_API_FIX = ("install the external-snapshotter's CRDs and snapshot contro
 
 #: What applying deployments/doctor grants (read-only): the cluster-scoped reads of the next three checks.
 DOCTOR_READS_FIX = ("kubectl apply -k deployments/doctor (read-only: lets laneflow doctor read storage classes, "
-                    "snapshot classes, nodes and the MPI operator's lease), or run laneflow doctor as a user who may")
+                    "snapshot classes, nodes, the MPI operator's lease, Kueue's queues and priority classes, "
+                    "namespaces and Run:ai's queues), or run laneflow doctor as a user who may")
 
 
 def unreadable_verdict(what: str, error: str) -> Check:
@@ -284,6 +292,106 @@ def server_verdict(url: str, error: str | None) -> Check:
     if error is None:
         return Check(what, True)
     return Check(what, False, error, "laneflow serve (the local server), or set PREFECT_API_URL to your server")
+
+
+# --- Kueue -----------------------------------------------------------------------------------------------------
+KUEUE_API = ("kueue.x-k8s.io", "v1beta2")
+KUEUE_FIX = ("install Kueue v0.19 or later, which serves kueue.x-k8s.io/v1beta2 (kubectl apply --server-side -f "
+             "https://github.com/kubernetes-sigs/kueue/releases/download/v0.19.2/manifests.yaml), or clear the "
+             "block's kueue_queue")
+
+
+def _condition(found: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in (found.get("status") or {}).get("conditions") or [] if c.get("type") == kind), None)
+
+
+def local_queue_verdict(namespace: str, name: str, local: Mapping[str, Any] | None,
+                        cluster_queue: Mapping[str, Any] | None) -> Check:
+    """The block's LocalQueue and the ClusterQueue it points at, as the API serves them (None: not found): both
+    must be ``Active`` (Kueue's controllers set it: a missing ClusterQueue, a missing ResourceFlavor, a stopped
+    queue make it False with the reason)."""
+    what = f"Kueue LocalQueue {namespace}/{name} admitting workloads"
+    if local is None:
+        return Check(what, False, "not found",
+                     f"kubectl apply -k deployments/kueue (its LocalQueue laneflow; set its namespace to {namespace}), "
+                     f"or set the block's kueue_queue to one of: kubectl get localqueues -n {namespace}")
+    target = (local.get("spec") or {}).get("clusterQueue", "?")
+    if cluster_queue is None:
+        return Check(what, False, f"its ClusterQueue {target} does not exist",
+                     f"create ClusterQueue {target} (deployments/kueue/queues.yaml is an example), or point the "
+                     "LocalQueue at one of: kubectl get clusterqueues")
+    for found, whose in ((local, f"LocalQueue {name}"), (cluster_queue, f"ClusterQueue {target}")):
+        active = _condition(found, "Active")
+        if active is None or active.get("status") != "True":
+            why = f"{active.get('reason')}: {active.get('message')}" if active else "no Active condition yet"
+            return Check(what, False, f"{whose} is not active ({why})",
+                         f"kubectl describe clusterqueue {target}; its flavors must exist (kubectl get resourceflavors)"
+                         " and it must not be stopped (spec.stopPolicy)")
+    return Check(what, True, f"ClusterQueue {target}")
+
+
+def priority_class_verdict(name: str, found: Mapping[str, Any] | None) -> Check:
+    what = f"Kueue WorkloadPriorityClass {name}"
+    if found is None:
+        return Check(what, False, "not found",
+                     "kubectl apply -k deployments/kueue (laneflow-nightly, laneflow-trial), or set the block's "
+                     "kueue_priority_class to one of: kubectl get workloadpriorityclasses")
+    return Check(what, True, f"value {found.get('value')}")
+
+
+# --- Run:ai ----------------------------------------------------------------------------------------------------
+#: Run:ai's scheduling queues (its scheduler, open-sourced as NVIDIA's KAI Scheduler: deployments/kai-scheduler/crds/
+#: scheduling.run.ai_queues.yaml, cluster-scoped, v2 only). A project's pods carry ``runai/queue: <project>`` and go
+#: to the queue of that name; Run:ai links the project's namespace with the same label (docs.run.ai, "Manually
+#: Create Projects": ``kubectl label ns <ns> runai/queue=<project>``).
+RUNAI_QUEUES = ("scheduling.run.ai", "v2", "queues")
+RUNAI_QUEUE_LABEL = "runai/queue"
+RUNAI_FIX = ("install Run:ai's cluster components (its scheduler serves scheduling.run.ai/v2 Queues), or clear the "
+             "block's runai_project")
+
+
+def runai_namespace_verdict(project: str, namespace: Mapping[str, Any] | None) -> Check:
+    """The project's namespace ``runai-<project>``, linked to the project by its ``runai/queue`` label."""
+    name = f"runai-{project}"
+    what = f"Run:ai project {project}'s namespace {name}"
+    if namespace is None:
+        return Check(what, False, "not found",
+                     f"create project {project} in Run:ai (it creates namespace {name}), or set the block's "
+                     "runai_project to one of: kubectl get ns -l runai/queue")
+    label = ((namespace.get("metadata") or {}).get("labels") or {}).get(RUNAI_QUEUE_LABEL)
+    if label != project:
+        return Check(what, False, f"its label {RUNAI_QUEUE_LABEL} is {label!r}, not {project!r}",
+                     f"kubectl label ns {name} {RUNAI_QUEUE_LABEL}={project} --overwrite")
+    return Check(what, True, f"{RUNAI_QUEUE_LABEL}={project}")
+
+
+def runai_queue_verdict(project: str, queues: Iterable[Mapping[str, Any]]) -> Check:
+    """The project's queue among every Queue of the cluster: it exists, its parent does, it is a leaf (only leaf
+    queues run jobs) and it may have GPUs — a quota (-1: unlimited) or an over-quota limit (-1: none; 0 or unset:
+    nothing beyond the quota), KAI Scheduler's docs/queues."""
+    what = f"Run:ai queue {project} with GPUs for the project's jobs"
+    by_name = {(q.get("metadata") or {}).get("name"): q for q in queues}
+    queue = by_name.get(project)
+    if queue is None:
+        return Check(what, False, "no such queue",
+                     f"create project {project} in Run:ai (it makes its queue), or set the block's runai_project "
+                     "to one of: kubectl get queues.scheduling.run.ai")
+    spec = queue.get("spec") or {}
+    parent = spec.get("parentQueue")
+    if parent and parent not in by_name:
+        return Check(what, False, f"its parent queue {parent} does not exist",
+                     f"create queue {parent} (a Run:ai department), or move project {project} under one that exists")
+    children = sorted(name for name, q in by_name.items() if (q.get("spec") or {}).get("parentQueue") == project)
+    if children:
+        return Check(what, False, f"it is a parent queue (of {', '.join(children)}): only leaf queues run jobs",
+                     "set the block's runai_project to a project, not a department")
+    gpu = (spec.get("resources") or {}).get("gpu") or {}
+    quota, limit = gpu.get("quota", 0), gpu.get("limit", 0)
+    if quota == 0 and limit == 0:
+        return Check(what, False, "GPU quota 0 and no over-quota limit: its jobs can never get a GPU",
+                     f"give project {project} a GPU quota (or an over-quota limit) in Run:ai")
+    shown = {-1: "unlimited", 0: "none"}
+    return Check(what, True, f"GPU quota {shown.get(quota, quota)}, limit {shown.get(limit, limit)}")
 
 
 ANF_ROLE_FIX = ("assign the role deployments/azure/laneflow-anf-role.json to the block's identity (its client_id, "

@@ -27,7 +27,9 @@ from tasks.doctor import (
     exit_code,
     gpu_pool_verdict,
     horovod_verdict,
+    local_queue_verdict,
     operator_lease_verdict,
+    priority_class_verdict,
     required_permissions,
     shipped_rbac,
     snapshot_class_verdict,
@@ -38,7 +40,7 @@ from tasks.doctor import (
 from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS, aks_nodes
 from tests.cluster.node_objects import node_object
 from tests.cluster.operator_lease import micro_time
-from tests.cluster_platform_helpers import saved
+from tests.cluster_platform_helpers import admin_core, saved
 from tests.waiting import wait_until
 
 LANEFLOW = Path(sys.executable).parent / "laneflow"
@@ -446,3 +448,127 @@ def test_the_operator_lease_verdict_reads_the_holder_and_its_age() -> None:
     assert not operator_lease_verdict({"spec": {"leaseDurationSeconds": 15}}, at).ok  # no holder
     refused = operator_lease_verdict(None, at, "403 Forbidden: leases.coordination.k8s.io is forbidden")
     assert not refused.ok and refused.fix == DOCTOR_READS_FIX
+
+
+@pytest.mark.slow
+def test_doctor_checks_kueues_api_the_blocks_queue_its_cluster_queue_and_priority_class(
+        prefect_server: dict, shipped: tuple) -> None:
+    """A block with ``kueue_queue``: each Kueue prerequisite removed in turn turns its own check ✘ with its fix —
+    Kueue not installed, the queues and the flows' Kueue Role not applied, the ClusterQueue gone — and all pass
+    with deployments/kueue applied."""
+    from tests.test_kueue import kueue_queues
+
+    emu, cluster = shipped
+    name = saved(emu, "doctor-kueue", namespace="laneflow", kueue_queue="laneflow",
+                 kueue_priority_class="laneflow-nightly")
+
+    def failed() -> dict:
+        return {check.check: check for check in cluster_only(run_checks(name)) if not check.ok}
+
+    cluster.kueue_installed = False  # its CRDs absent: the API group is not served
+    verbs_check = "every verb laneflow uses granted to the block's identity (namespace laneflow)"
+    found = failed()
+    assert found.keys() == {"Kueue's API (workloads.kueue.x-k8s.io/v1beta2) served", verbs_check}, found
+    assert found["Kueue's API (workloads.kueue.x-k8s.io/v1beta2) served"].fix.startswith("install Kueue v0.19")
+
+    cluster.kueue_installed = True  # installed, nothing of deployments/kueue applied
+    found = failed()
+    assert found.keys() == {verbs_check, "Kueue LocalQueue laneflow/laneflow admitting workloads",
+                            "Kueue WorkloadPriorityClass laneflow-nightly"}, found
+    verbs = found[verbs_check]
+    assert verbs.detail == ("denied: list workloads.kueue.x-k8s.io in laneflow, "
+                            "get localqueues/pendingworkloads.visibility.kueue.x-k8s.io in laneflow"), verbs
+    assert verbs.fix.startswith("kubectl apply -k deployments/kueue")
+    assert found["Kueue LocalQueue laneflow/laneflow admitting workloads"].detail == "not found"
+    assert "kubectl get workloadpriorityclasses" in found["Kueue WorkloadPriorityClass laneflow-nightly"].fix
+
+    cluster.load(kueue_queues(2, 2, namespace="laneflow", rbac=True))
+    def all_passing() -> list | None:
+        checks = cluster_only(run_checks(name))
+        return checks if all(check.ok for check in checks) else None
+
+    checks = wait_until("every check passes with deployments/kueue applied", all_passing, timeout_s=60)
+    lines = [check.line() for check in checks]
+    assert "✔ Kueue's API (workloads.kueue.x-k8s.io/v1beta2) served" in lines
+    assert "✔ Kueue LocalQueue laneflow/laneflow admitting workloads (ClusterQueue laneflow)" in lines
+    assert "✔ Kueue WorkloadPriorityClass laneflow-nightly (value 1000)" in lines
+
+    with cluster.lock:  # an admin deleted the ClusterQueue the LocalQueue points at
+        cluster.objects["clusterqueues"].clear()
+    (gone,) = wait_until("the LocalQueue without its ClusterQueue fails", lambda: list(failed().values()) or None,
+                         timeout_s=60)
+    assert gone.check == "Kueue LocalQueue laneflow/laneflow admitting workloads"
+    assert "ClusterQueue laneflow" in gone.detail and "kubectl get clusterqueues" in gone.fix, gone
+
+
+def test_a_queue_is_judged_by_kueues_active_conditions() -> None:
+    local = {"spec": {"clusterQueue": "laneflow"}, "status": {"conditions": [
+        {"type": "Active", "status": "True", "reason": "Ready", "message": "Can submit new workloads to localQueue"}]}}
+    # Kueue's ClusterQueue controller: a queue whose flavor is missing admits nothing (reason FlavorNotFound).
+    stuck = {"status": {"conditions": [{"type": "Active", "status": "False", "reason": "FlavorNotFound",
+                                        "message": "Can't admit new workloads: references missing ResourceFlavor(s): "
+                                                   "gpu-spot."}]}}
+    verdict = local_queue_verdict("laneflow", "laneflow", local, stuck)
+    assert not verdict.ok and verdict.detail == ("ClusterQueue laneflow is not active (FlavorNotFound: Can't admit new "
+                                                 "workloads: references missing ResourceFlavor(s): gpu-spot.)")
+    assert "kubectl get resourceflavors" in verdict.fix
+    assert local_queue_verdict("laneflow", "laneflow", local, {"status": {}}).detail == (
+        "ClusterQueue laneflow is not active (no Active condition yet)")
+    assert local_queue_verdict("laneflow", "laneflow", local, local).ok
+    assert priority_class_verdict("laneflow-trial", {"value": 100}).line() == (
+        "✔ Kueue WorkloadPriorityClass laneflow-trial (value 100)")
+
+
+def runai_queue(name: str, parent: str | None = None, gpu_quota: float = 0, gpu_limit: float | None = None) -> dict:
+    """A Run:ai scheduling queue as KAI Scheduler's CRD (scheduling.run.ai/v2) has it."""
+    gpu = {"quota": gpu_quota, "overQuotaWeight": 1, **({"limit": gpu_limit} if gpu_limit is not None else {})}
+    return {"apiVersion": "scheduling.run.ai/v2", "kind": "Queue", "metadata": {"name": name},
+            "spec": {**({"parentQueue": parent} if parent else {}), "resources": {"gpu": gpu}}}
+
+
+@pytest.mark.slow
+def test_doctor_checks_a_runai_projects_namespace_and_queue(prefect_server: dict, shipped: tuple) -> None:
+    """A block with ``runai_project``: Run:ai absent, the namespace without its project label, the queue missing,
+    under a missing department, a department itself, or without GPUs each turn a Run:ai line ✘ with its fix."""
+    from tests.test_cluster_pipeline import rendered
+
+    emu, cluster = shipped
+    cluster.add_namespace("runai-perception")
+    cluster.load(rendered("runai"))  # the flows' permissions in the project's namespace
+    name = saved(emu, "doctor-runai", namespace="laneflow", runai_project="perception")
+
+    def runai_lines() -> dict:
+        return {check.check: check for check in run_checks(name) if check.check.startswith("Run:ai")}
+
+    found = runai_lines()
+    namespace = found["Run:ai project perception's namespace runai-perception"]
+    assert not namespace.ok and namespace.fix == "kubectl label ns runai-perception runai/queue=perception --overwrite"
+    api = found["Run:ai's scheduling API (queues.scheduling.run.ai/v2) served"]
+    assert not api.ok and api.fix.startswith("install Run:ai's cluster components")
+
+    with cluster.lock:  # Run:ai installed; its project controller labels the namespace
+        cluster.runai_installed = True
+        cluster.objects["namespaces"][("", "runai-perception")]["metadata"]["labels"]["runai/queue"] = "perception"
+    queue_check = "Run:ai queue perception with GPUs for the project's jobs"
+    assert runai_lines()[queue_check].detail == "no such queue"
+    cluster.load([runai_queue("perception", parent="research", gpu_quota=2)])
+    assert runai_lines()[queue_check].detail == "its parent queue research does not exist"
+    cluster.load([runai_queue("research", gpu_quota=8), runai_queue("perception-night", parent="perception")])
+    assert runai_lines()[queue_check].detail == ("it is a parent queue (of perception-night): only leaf queues run "
+                                                 "jobs")
+    with cluster.lock:
+        del cluster.objects["queues"][("", "perception-night")]
+        cluster.objects["queues"][("", "perception")]["spec"]["resources"]["gpu"]["quota"] = 0
+    failed = runai_lines()[queue_check]
+    assert failed.detail == "GPU quota 0 and no over-quota limit: its jobs can never get a GPU", failed
+    with cluster.lock:
+        cluster.objects["queues"][("", "perception")]["spec"]["resources"]["gpu"].update(quota=2, limit=-1)
+    lines = [check.line() for check in runai_lines().values()]
+    assert lines == ["✔ Run:ai project perception's namespace runai-perception (runai/queue=perception)",
+                     "✔ Run:ai's scheduling API (queues.scheduling.run.ai/v2) served",
+                     "✔ Run:ai queue perception with GPUs for the project's jobs (GPU quota 2, limit unlimited)"], lines
+    admin = kubernetes.client.CustomObjectsApi(admin_core(emu).api_client)
+    with pytest.raises(kubernetes.client.ApiException) as refused:  # the API server validates Queues as KAI's CRD
+        admin.create_cluster_custom_object("scheduling.run.ai", "v2", "queues",
+                                           {**runai_queue("typo"), "spec": {"resources": {"gpu": {"quota": "2 GPUs"}}}})
+    assert refused.value.status == 422

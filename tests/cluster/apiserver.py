@@ -62,7 +62,7 @@ from tests.cluster.watch import WatchStream
 _ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
                     r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|eviction|pendingworkloads))?$")
 _CUSTOM_RESOURCES = {"mpijobs", "volumesnapshots", "volumesnapshotclasses", "resourceflavors", "clusterqueues",
-                     "localqueues", "workloads", "workloadpriorityclasses"}
+                     "localqueues", "workloads", "workloadpriorityclasses", "queues"}
 #: An update of these may change which pods a NetworkPolicy isolates or admits (a policy, a pod's or a namespace's
 #: labels): the policy plugin brings the rules up to date.
 POLICY_INPUTS = {"networkpolicies", "pods", "namespaces"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tests.cluster.objects import KUEUE_GROUPS, RESOURCES
+from tests.cluster.objects import KUEUE_GROUPS, RESOURCES, RUNAI_GROUPS
 
 if TYPE_CHECKING:
     from tests.cluster.state import Cluster
@@ -32,7 +32,8 @@ def withheld_groups(cluster: Cluster) -> frozenset[str]:
     """The API groups a test took off the cluster (``cluster.withheld_groups.add("kubeflow.org")``): as on a cluster
     without that CRD (no MPI operator, no external-snapshotter), discovery does not list them and their resources'
     paths are 404."""
-    return frozenset(cluster.withheld_groups) | (frozenset() if cluster.kueue_installed else KUEUE_GROUPS)
+    return (frozenset(cluster.withheld_groups) | (frozenset() if cluster.kueue_installed else KUEUE_GROUPS)
+            | (frozenset() if cluster.runai_installed else RUNAI_GROUPS))
 
 
 def _resources(group: str, version: str) -> list[dict]:

@@ -46,9 +46,13 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "workloadpriorityclasses": ("kueue.x-k8s.io", "v1beta2", "WorkloadPriorityClass", False),
     "localqueues/pendingworkloads": ("visibility.kueue.x-k8s.io", "v1beta2", "PendingWorkloadsSummary", True),
     "clusterqueues/pendingworkloads": ("visibility.kueue.x-k8s.io", "v1beta2", "PendingWorkloadsSummary", False),
+    # Run:ai's scheduling queues (its scheduler, open-sourced as NVIDIA's KAI Scheduler), served only where a test
+    # installed Run:ai (Cluster.runai_installed): stored and validated, never acted on.
+    "queues": ("scheduling.run.ai", "v2", "Queue", False),
 }
 #: Kueue's API groups: its CRDs and its visibility API server's aggregated API.
 KUEUE_GROUPS = frozenset({"kueue.x-k8s.io", "visibility.kueue.x-k8s.io"})
+RUNAI_GROUPS = frozenset({"scheduling.run.ai"})
 
 
 def resource_of(kind: str) -> str:

@@ -138,8 +138,22 @@ VOLUMESNAPSHOTCLASS_SCHEMA = {
         "driver": {"type": "string"}, "parameters": _string_map(),
     },
 }
+#: Run:ai's Queue (NVIDIA/KAI-Scheduler deployments/kai-scheduler/crds/scheduling.run.ai_queues.yaml, v2, the only
+#: version served): each resource's quota, limit and over-quota weight are numbers (GPU in device fractions, CPU
+#: in millicores, memory in MB; quota -1: unlimited, limit -1: no limit), priority an integer.
+_QUEUE_RESOURCE = {"type": "object", "properties": {
+    "quota": {"type": "number"}, "limit": {"type": "number"}, "overQuotaWeight": {"type": "number"}}}
+QUEUE_SCHEMA = {"type": "object", "properties": {
+    "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
+    "spec": {"type": "object", "properties": {
+        "displayName": {"type": "string"}, "parentQueue": {"type": "string"}, "priority": {"type": "integer"},
+        "preemptMinRuntime": {"type": "string"}, "reclaimMinRuntime": {"type": "string"},
+        "resources": {"type": "object", "properties": {
+            "cpu": _QUEUE_RESOURCE, "gpu": _QUEUE_RESOURCE, "memory": _QUEUE_RESOURCE}}}},
+    "status": {"type": "object"}}}
 CRD_SCHEMAS = {
     **KUEUE_SCHEMAS,
+    ("scheduling.run.ai/v2", "Queue"): QUEUE_SCHEMA,
     ("kubeflow.org/v2beta1", "MPIJob"): MPIJOB_SCHEMA,
     ("snapshot.storage.k8s.io/v1", "VolumeSnapshot"): VOLUMESNAPSHOT_SCHEMA,
     ("snapshot.storage.k8s.io/v1", "VolumeSnapshotClass"): VOLUMESNAPSHOTCLASS_SCHEMA,

@@ -19,7 +19,7 @@ import trustme
 
 from tests.cluster.admission import check
 from tests.cluster.images import ImageRegistry
-from tests.cluster.objects import NAMESPACE_NAME_LABEL, resource_of
+from tests.cluster.objects import NAMESPACE_NAME_LABEL, RESOURCES, resource_of
 from tests.cluster.runtime import ContainerProcess
 from tests.cluster.watch_cache import WatchCache
 
@@ -45,6 +45,11 @@ class Node:
     def __post_init__(self) -> None:
         self.labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
                        **self.labels}
+
+#: The kinds stored without a namespace: RBAC's cluster kinds and every cluster-scoped kind the API serves.
+CLUSTER_SCOPED_KINDS = frozenset({"ClusterRole", "ClusterRoleBinding"}
+                                 | {kind for resource, (_, _, kind, namespaced) in RESOURCES.items()
+                                    if not namespaced and "/" not in resource})
 
 
 #: What an administrator installed before laneflow ran (deployments/base): the ANF storage and snapshot
@@ -159,6 +164,8 @@ class Cluster:
     #: Kueue (v0.19.2: tests/cluster/kueue_jobs.py, kueue_scheduler.py) installed: its CRDs and visibility API
     #: served, its webhooks and controllers acting on jobs labelled with a queue. Off, as on AKS by default.
     kueue_installed: bool = False
+    #: Run:ai's Queue CRD (scheduling.run.ai/v2) served: a cluster with Run:ai (or KAI Scheduler) installed.
+    runai_installed: bool = False
     #: The node lifecycle controller's --node-monitor-grace-period (50 s since 1.32, 40 s before; shortened
     #: by tests): how long a node may go without a heartbeat before it is Unknown and its pods not Ready.
     node_monitor_grace_s: float = 50.0
@@ -274,9 +281,7 @@ class Cluster:
                 if stored["kind"] == "Namespace":
                     self.add_namespace(stored["metadata"]["name"])
                 resource = resource_of(stored["kind"])
-                namespaced = stored["kind"] not in ("ClusterRole", "ClusterRoleBinding", "Namespace",
-                                                    "StorageClass", "VolumeSnapshotClass", "PersistentVolume",
-                                                    "ResourceFlavor", "ClusterQueue", "WorkloadPriorityClass")
+                namespaced = stored["kind"] not in CLUSTER_SCOPED_KINDS
                 key = (stored["metadata"].get("namespace", "default") if namespaced else "",
                        stored["metadata"]["name"])
                 self.objects[resource][key] = stored
