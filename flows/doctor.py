@@ -4,13 +4,14 @@ machine) and prints one line per check. The reading is here; every verdict is a 
 
 On a cluster, in order: the API server answers with the block's credentials (nothing else is asked when it does
 not); every verb laneflow uses is granted to the block's identity (one SelfSubjectAccessReview each, for the
-permissions the shipped RBAC manifests list); the MPI operator's API is served and its controller runs (its
-leader Lease renewed); with CSI snapshots, the snapshot API is served; the block's storage class (ANF's
-provisioner when the block moves ANF service levels) and snapshot class exist; a node pool takes the training
+permissions the shipped RBAC manifests list); the MPI operator's API is served, its CRD knows every field
+laneflow sets (an older operator's would drop them) and its controller runs (its leader Lease renewed); with CSI
+snapshots, the snapshot API is served; the block's storage class (ANF's provisioner when the block moves ANF
+service levels) and snapshot class exist; a node pool takes the training
 workers (taints tolerated, node selector matched, GPUs enough); with a Kueue LocalQueue, Kueue's API served, the
 queue and its ClusterQueue active and the priority class there; with a Run:ai project, its namespace labelled for
-it and its queue (existing, a leaf, with GPUs). The lease, the classes, the nodes, Kueue's queues, the namespace
-and Run:ai's queues are reads the flows never need: ``deployments/doctor`` grants them, read-only. With ANF
+it and its queue (existing, a leaf, with GPUs). The CRD, the lease, the classes, the nodes, Kueue's queues, the
+namespace and Run:ai's queues are reads the flows never need: ``deployments/doctor`` grants them, read-only. With ANF
 settings, each configured capacity pool is listed with the block's Azure credentials. With ``--pull-images``, a
 probe Job per image shows whether the nodes can pull it. Then the Kubernetes work pool, when it exists or is
 named: a worker online. Locally: Horovod's build, free disk where the volumes live. Both: the Prefect server.
@@ -37,6 +38,7 @@ from tasks.doctor import (
     KUEUE_API,
     KUEUE_FIX,
     MPI_OPERATOR_FIX,
+    MPIJOB_CRD,
     OPERATOR_LEASE,
     RUNAI_FIX,
     RUNAI_QUEUES,
@@ -52,6 +54,7 @@ from tasks.doctor import (
     horovod_verdict,
     image_verdict,
     local_queue_verdict,
+    mpijob_crd_verdict,
     operator_lease_verdict,
     permissions_verdict,
     priority_class_verdict,
@@ -102,6 +105,7 @@ def cluster_checks(platform: object, pull_images: bool = False) -> list[Check]:
     mpi_api = served_check(client, "the MPI operator's API", "kubeflow.org", "v2beta1", "mpijobs", MPI_OPERATOR_FIX)
     checks.append(mpi_api)
     if mpi_api.ok:
+        checks.append(mpijob_crd_check(client))
         checks.append(operator_check(client))
     snapshot_api = None
     if platform.snapshotter == "csi":
@@ -199,6 +203,15 @@ def operator_check(client: kubernetes.client.ApiClient) -> Check:
     namespace, name = OPERATOR_LEASE
     found, error = _read(lambda: kubernetes.client.CoordinationV1Api(client).read_namespaced_lease(name, namespace))
     return operator_lease_verdict(client.sanitize_for_serialization(found) if found else None, time.time(), error)
+
+
+def mpijob_crd_check(client: kubernetes.client.ApiClient) -> Check:
+    """The MPIJob CRD (GET customresourcedefinitions/mpijobs.kubeflow.org): the operator's release, by its fields."""
+    found, error = _read(lambda: kubernetes.client.ApiextensionsV1Api(client).read_custom_resource_definition(
+        MPIJOB_CRD))
+    if error:
+        return unreadable_verdict(f"the MPI operator's CRD {MPIJOB_CRD}", error)
+    return mpijob_crd_verdict(client.sanitize_for_serialization(found) if found else None)
 
 
 def storage_class_check(client: kubernetes.client.ApiClient, platform: object) -> Check:

@@ -126,6 +126,44 @@ def api_served_verdict(what: str, group_version: str, resource: str, served: Ite
 MPI_OPERATOR_FIX = ("install the MPI operator v0.5 or later (its CRD kubeflow.org/v2beta1 MPIJob): kubectl apply "
                     "--server-side -f https://raw.githubusercontent.com/kubeflow/mpi-operator/v0.6.0/deploy/"
                     "v2beta1/mpi-operator.yaml")
+#: The MPIJob fields laneflow sets, with the MPI operator release whose CRD first has each (kubeflow/mpi-operator
+#: deploy/v2beta1/mpi-operator.yaml at each tag). An older operator's CRD serves v2beta1 all the same, and its
+#: structural schema drops the fields it lacks without a word: the launcher would start before its workers.
+MPIJOB_FIELDS: dict[str, str] = {
+    "spec.slotsPerWorker": "v0.3.0", "spec.mpiImplementation": "v0.3.0", "spec.sshAuthMountPath": "v0.3.0",
+    "spec.runPolicy.cleanPodPolicy": "v0.3.0", "spec.runPolicy.backoffLimit": "v0.3.0",
+    "spec.runPolicy.ttlSecondsAfterFinished": "v0.3.0",
+    "spec.runPolicy.schedulingPolicy.minAvailable": "v0.4.0",  # elastic runs
+    "spec.runPolicy.suspend": "v0.4.0",  # under Kueue
+    "spec.launcherCreationPolicy": "v0.5.0",
+}
+MPIJOB_CRD = "mpijobs.kubeflow.org"
+
+
+def _schema_has(schema: Mapping[str, Any], path: str) -> bool:
+    node = schema
+    for part in path.split("."):
+        node = (node.get("properties") or {}).get(part)
+        if not isinstance(node, Mapping):
+            return False
+    return True
+
+
+def mpijob_crd_verdict(crd: Mapping[str, Any] | None, version: str = "v2beta1") -> Check:
+    """The MPI operator's CRD (as the API serves it) knows every field laneflow sets in ``version``."""
+    what = f"the MPI operator's CRD {MPIJOB_CRD} has every field laneflow sets"
+    served = next((v for v in ((crd or {}).get("spec") or {}).get("versions") or [] if v.get("name") == version), None)
+    if served is None:
+        return Check(what, False, f"no {version} version in the CRD", MPI_OPERATOR_FIX)
+    schema = (served.get("schema") or {}).get("openAPIV3Schema") or {}
+    missing = [path for path in MPIJOB_FIELDS if not _schema_has(schema, path)]
+    if missing:
+        newest = max((MPIJOB_FIELDS[path] for path in missing), key=lambda tag: tuple(map(int, tag[1:].split("."))))
+        return Check(what, False, f"it lacks {', '.join(missing)}: an MPI operator older than {newest}, whose API "
+                                  "server would drop them without a word", MPI_OPERATOR_FIX)
+    return Check(what, True, "v0.5.0 or later")
+
+
 SNAPSHOT_API_FIX = ("install the external-snapshotter's CRDs and snapshot controller (kubernetes-csi/"
                     "external-snapshotter: client/config/crd and deploy/kubernetes/snapshot-controller); AKS "
                     "ships them")
@@ -133,7 +171,7 @@ SNAPSHOT_API_FIX = ("install the external-snapshotter's CRDs and snapshot contro
 
 #: What applying deployments/doctor grants (read-only): the cluster-scoped reads of the next three checks.
 DOCTOR_READS_FIX = ("kubectl apply -k deployments/doctor (read-only: lets laneflow doctor read storage classes, "
-                    "snapshot classes, nodes, the MPI operator's lease, Kueue's queues and priority classes, "
+                    "snapshot classes, nodes, the MPI operator's CRD and lease, Kueue's queues and priority classes, "
                     "namespaces and Run:ai's queues), or run laneflow doctor as a user who may")
 
 

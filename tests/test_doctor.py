@@ -20,6 +20,7 @@ from flows.doctor import run_checks
 from tasks.doctor import (
     ANF_PROVISIONER,
     DOCTOR_READS_FIX,
+    MPIJOB_FIELDS,
     Check,
     Permission,
     anf_verdict,
@@ -180,6 +181,8 @@ def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests
     verbs = len(required_permissions(shipped_rbac(adopts_claims=False), "laneflow"))
     assert f"✔ every verb laneflow uses granted to the block's identity (namespace laneflow) ({verbs} verbs)" in lines
     assert "✔ the MPI operator's API (mpijobs.kubeflow.org/v2beta1) served" in lines
+    assert ("✔ the MPI operator's CRD mpijobs.kubeflow.org has every field laneflow sets (v0.5.0 or later)"
+            in lines), lines
     assert any(line.startswith("✔ the MPI operator's controller running (its leader lease mpi-operator/mpi-operator) "
                                "(leader mpi-operator-7f5c9d8b6-x2kqp, renewed ") for line in lines), lines
     assert "✔ the snapshot API (volumesnapshots.snapshot.storage.k8s.io/v1) served" in lines
@@ -208,7 +211,7 @@ def test_doctor_names_a_verb_the_role_lacks_and_how_to_grant_it(prefect_server: 
 
 
 @pytest.mark.slow
-def test_doctor_says_when_the_mpi_operator_or_the_snapshot_api_is_not_served(
+def test_doctor_says_when_the_mpi_operator_is_missing_or_too_old_or_the_snapshot_api_is_not_served(
         prefect_server: dict, shipped: tuple) -> None:
     emu, cluster = shipped
     name = saved(emu, "doctor-apis", namespace="laneflow")
@@ -217,6 +220,17 @@ def test_doctor_says_when_the_mpi_operator_or_the_snapshot_api_is_not_served(
     (failed,) = [line for line in lines if line.startswith("✘")]
     assert failed.startswith("✘ the MPI operator's API (mpijobs.kubeflow.org/v2beta1) served: the API server does "
                              "not serve kubeflow.org/v2beta1 — install the MPI operator"), failed
+    cluster.withheld_groups = set()
+    with cluster.lock:  # the MPI operator v0.4.0's CRD: v2beta1 served, no launcherCreationPolicy (came in v0.5.0)
+        crd = cluster.objects["customresourcedefinitions"][("", "mpijobs.kubeflow.org")]
+        fields = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        since_v050 = fields.pop("launcherCreationPolicy")
+    (failed,) = [check for check in cluster_only(run_checks(name)) if not check.ok]
+    assert failed.line().startswith("✘ the MPI operator's CRD mpijobs.kubeflow.org has every field laneflow sets: it "
+                                    "lacks spec.launcherCreationPolicy: an MPI operator older than v0.5.0, whose API "
+                                    "server would drop them without a word — install the MPI operator"), failed
+    with cluster.lock:  # the operator upgraded
+        fields["launcherCreationPolicy"] = since_v050
     cluster.withheld_groups = {"snapshot.storage.k8s.io"}  # no external-snapshotter CRDs
     (failed,) = [check for check in cluster_only(run_checks(name)) if not check.ok]
     assert failed.check == "the snapshot API (volumesnapshots.snapshot.storage.k8s.io/v1) served"
@@ -269,7 +283,7 @@ def test_self_subject_access_review_answers_for_the_callers_own_identity(shipped
 @pytest.mark.slow
 def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_cannot_land_on(
         prefect_server: dict, emulator: tuple) -> None:
-    """Without deployments/doctor, the three cluster-scoped reads are refused and each says what to apply. With it,
+    """Without deployments/doctor, the cluster-scoped reads are refused and each says what to apply. With it,
     the classes are read as they are now (deleted ones are missing) and the nodes too: a block without the GPU
     pools' tolerations fits nowhere, and a cordoned pool (a node-image upgrade draining it) is no landing spot."""
     from tests.test_cluster_pipeline import rendered
@@ -281,6 +295,7 @@ def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_
     name = saved(emu, "doctor-reads", namespace="laneflow")
     refused = [check for check in cluster_only(run_checks(name)) if not check.ok]
     assert [check.check for check in refused] == [
+        "the MPI operator's CRD mpijobs.kubeflow.org",
         "the MPI operator's controller running (its leader lease mpi-operator/mpi-operator)",
         "storage class azure-netapp-files", "volume snapshot class csi-anf-snapclass",
         "a node pool for training workers (1 nvidia.com/gpu each)"], refused
@@ -572,3 +587,26 @@ def test_doctor_checks_a_runai_projects_namespace_and_queue(prefect_server: dict
         admin.create_cluster_custom_object("scheduling.run.ai", "v2", "queues",
                                            {**runai_queue("typo"), "spec": {"resources": {"gpu": {"quota": "2 GPUs"}}}})
     assert refused.value.status == 422
+
+
+def test_the_mpijob_fields_are_those_laneflow_sets() -> None:
+    """MPIJOB_FIELDS lists every field of the MPIJob laneflow renders (elastic and under Kueue included), so a CRD
+    that lacks one is caught: the list is held to the manifests, not written beside them."""
+    from tasks.k8s.kueue import queued
+    from tasks.k8s.manifests import ClusterLayout, render_mpijob
+
+    def paths(node: object, prefix: str = "") -> set[str]:
+        if not isinstance(node, dict):
+            return set()
+        return {f"{prefix}{key}" for key in node} | {p for key, value in node.items()
+                                                    for p in paths(value, f"{prefix}{key}.")}
+
+    layout = ClusterLayout(namespace="laneflow", image="laneflow-train:1", data_image="laneflow-data:1",
+                           storage_class="azure-netapp-files", snapshot_class="csi-anf-snapclass")
+    rendered: set[str] = set()
+    for elastic in (None, (1, 2)):
+        job = render_mpijob("train-0123456789ab", layout, "data", "cpu-demo", 1, "datasets/x", "runs/x", {}, {},
+                            elastic=elastic)
+        rendered |= {p for p in paths(queued(job, "laneflow", None)["spec"], "spec.")
+                     if not p.startswith("spec.mpiReplicaSpecs")}
+    assert rendered - {"spec.runPolicy", "spec.runPolicy.schedulingPolicy"} == set(MPIJOB_FIELDS)

@@ -38,6 +38,8 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "volumesnapshotclasses": ("snapshot.storage.k8s.io", "v1", "VolumeSnapshotClass", False),
     "storageclasses": ("storage.k8s.io", "v1", "StorageClass", False),
     "leases": ("coordination.k8s.io", "v1", "Lease", True),
+    # Read by laneflow doctor (the MPI operator's CRD: which fields it knows); tests/cluster/crds.py.
+    "customresourcedefinitions": ("apiextensions.k8s.io", "v1", "CustomResourceDefinition", False),
     # Kueue (tests/cluster/kueue_jobs.py), served only where a test installed it (Cluster.kueue_installed).
     "resourceflavors": ("kueue.x-k8s.io", "v1beta2", "ResourceFlavor", False),
     "clusterqueues": ("kueue.x-k8s.io", "v1beta2", "ClusterQueue", False),

@@ -225,6 +225,10 @@ class Cluster:
         self.changed = threading.Condition(self.lock)
         for namespace in ("default", "kube-system", "kube-public"):  # what every cluster has
             self.add_namespace(namespace)
+        from tests.cluster.crds import installed_crds  # schemas.py imports the lot: not at module level
+
+        for definition in installed_crds():  # the operators installed on the cluster (their CRDs)
+            self.objects["customresourcedefinitions"][("", definition["metadata"]["name"])] = definition
         # What an administrator applied before laneflow ran (deployments/base): the ANF classes.
         self.objects["storageclasses"][("", STORAGE_CLASS)] = {
             "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": STORAGE_CLASS},
