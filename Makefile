@@ -9,7 +9,7 @@ DEMO_DIR ?= .laneflow/demo
 DATASET ?= tusimple
 PORT ?= 4200
 
-.PHONY: demo serve stop-server test image image-gpu lint bench bench-train-step bench-precision bench-accuracy bench-overhead bench-sweep bench-models bench-server soak install clean clean-work
+.PHONY: demo serve stop-server test test-compile image image-gpu lint bench bench-train-step bench-precision bench-accuracy bench-overhead bench-sweep bench-models bench-server soak install clean clean-work
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/install_horovod.sh scripts/constraints.txt scripts/versions.env
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -51,6 +51,10 @@ soak: $(STAMP)
 	$(PY) scripts/images.py build --if-possible
 	LANEFLOW_SOAK_SEEDS=$(SEED) LANEFLOW_SOAK_RUNS=$(RUNS) LANEFLOW_SOAK_DISRUPTIONS=$(DISRUPTIONS) \
 		$(PY) -m pytest -n 0 -s -p no:cacheprovider --timeout 3600 tests/test_soak.py -k "not short_seed"
+
+# torch.compile's scenario on SCNN too (its custom autograd op; ~2 minutes of compiling): the suite runs it on ufld.
+test-compile: $(STAMP)
+	LANEFLOW_TEST_COMPILE_SCNN=1 $(PY) -m pytest -n 0 -p no:cacheprovider tests/test_compile.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
