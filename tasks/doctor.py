@@ -228,13 +228,16 @@ def storage_class_verdict(name: str, found: Mapping[str, Any] | None, anf: bool)
     return Check(what, True, f"provisioner {provisioner}")
 
 
+def presence_verdict(what: str, found: Mapping[str, Any] | None, fix: str, shown: str) -> Check:
+    """An object the block names: there (with ``shown``, a field of it worth a look) or not found (with ``fix``)."""
+    return Check(what, True, shown) if found is not None else Check(what, False, "not found", fix)
+
+
 def snapshot_class_verdict(name: str, found: Mapping[str, Any] | None) -> Check:
-    what = f"volume snapshot class {name}"
-    if found is None:
-        return Check(what, False, "not found",
-                     "kubectl apply -f deployments/base/volumesnapshotclass.yaml, or set the block's snapshot_class "
-                     "(kubectl get volumesnapshotclass)")
-    return Check(what, True, f"driver {found.get('driver', '?')}")
+    return presence_verdict(f"volume snapshot class {name}", found,
+                            "kubectl apply -f deployments/base/volumesnapshotclass.yaml, or set the block's "
+                            "snapshot_class (kubectl get volumesnapshotclass)",
+                            f"driver {(found or {}).get('driver', '?')}")
 
 
 # --- GPU nodes -------------------------------------------------------------------------------------------------
@@ -369,12 +372,10 @@ def local_queue_verdict(namespace: str, name: str, local: Mapping[str, Any] | No
 
 
 def priority_class_verdict(name: str, found: Mapping[str, Any] | None) -> Check:
-    what = f"Kueue WorkloadPriorityClass {name}"
-    if found is None:
-        return Check(what, False, "not found",
-                     "kubectl apply -k deployments/kueue (laneflow-nightly, laneflow-trial), or set the block's "
-                     "kueue_priority_class to one of: kubectl get workloadpriorityclasses")
-    return Check(what, True, f"value {found.get('value')}")
+    return presence_verdict(f"Kueue WorkloadPriorityClass {name}", found,
+                            "kubectl apply -k deployments/kueue (laneflow-nightly, laneflow-trial), or set the "
+                            "block's kueue_priority_class to one of: kubectl get workloadpriorityclasses",
+                            f"value {(found or {}).get('value')}")
 
 
 # --- Run:ai ----------------------------------------------------------------------------------------------------
