@@ -90,7 +90,8 @@ def render_lineage_markdown(lineage: dict) -> str:
         f"| dataset records | {_counts(lineage.get('dataset_counts') or {})} |",
         f"| code version | `{lineage.get('code_version')}` |",
         *([f"| numerics | {_cell(numerics.get('precision'))}, {_cell(numerics.get('memory_format'))}"
-           f"{', compiled' if numerics.get('compile') else ''}: {_cell(numerics.get('numerics_reason'))} |"]
+           f"{', compiled' if numerics.get('compile') else ''}"
+           f"{': ' + _cell(numerics['numerics_reason']) if numerics.get('numerics_reason') else ''} |"]
           if (numerics := (lineage.get("training") or {}).get("numerics")) else []),
         f"| snapshot | `{lineage.get('snapshot') or 'none'}` |",
         "",

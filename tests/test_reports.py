@@ -72,6 +72,13 @@ def test_lineage_markdown_has_every_fact_and_no_secret() -> None:
     for fact in ("train-1", "happy-fox", "dv1", SHA, "train_set.zip", "git:abc", "v-train-1", "0.9000", "cpu-demo"):
         assert fact in text
     assert "secret" not in text and "secret" not in json.dumps(lineage)
+    # What the run computed in (precision: auto resolved on its machine), as its start event said.
+    numerics = {"precision": "bf16", "memory_format": "channels_last", "compile": False,
+                "numerics_reason": "bf16/channels_last: 2.03x faster a step than fp32/contiguous"}
+    assert ("| numerics | bf16, channels_last: bf16/channels_last: 2.03x faster a step than fp32/contiguous |"
+            in render_lineage_markdown({**lineage, "training": {"numerics": numerics}}))
+    older = {"precision": "fp32", "memory_format": "contiguous"}  # a trainer from before the reason was recorded
+    assert "| numerics | fp32, contiguous |" in render_lineage_markdown({**lineage, "training": {"numerics": older}})
 
 
 def test_an_elastic_runs_curve_marks_where_its_worker_count_changed() -> None:
