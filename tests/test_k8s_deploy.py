@@ -73,7 +73,9 @@ def test_rbac_grants_no_wildcards_and_nothing_cluster_wide_but_reading_volumes_u
     # Changing PVs (any PV: RBAC cannot narrow the rule to laneflow's) only where an administrator opts in; the
     # doctor's reads of cluster-scoped objects likewise, and read-only.
     assert cluster_wide == {"base": ["get persistentvolumes"], "rwo-claims": ["patch persistentvolumes"],
-                            "doctor": ["get storageclasses", "get volumesnapshotclasses", "list nodes"]}
+                            "doctor": ["get storageclasses", "get volumesnapshotclasses", "list nodes",
+                                       "get customresourcedefinitions", "get localqueues", "get clusterqueues",
+                                       "get workloadpriorityclasses", "get namespaces", "list queues"]}
 
 
 @needs_kubectl

@@ -327,3 +327,26 @@ def test_the_input_pipeline_and_message_passing_give_the_same_results_channels_l
     assert all(p.is_contiguous() and p.grad.is_contiguous() for p in model.parameters())  # Horovod's requirement
     for contiguous, channels_last in zip(*results, strict=True):  # fp32 in another order: measured 0.2 %
         assert float((channels_last - contiguous).norm() / contiguous.norm()) < 1e-2  # a layout bug: ~100 %
+
+
+def test_an_elastic_run_fixes_its_numerics_once_and_a_rank_that_joins_reads_them(tmp_path: Path) -> None:
+    """Rank 0 decides and records; a rank that joins later (or starts beside it) reads the record instead of
+    calibrating while the others wait in their reset; a damaged record is decided again, never trusted."""
+    from training.calibration import ELASTIC_CHOICE, elastic_choice
+    from training.precision import Numerics
+
+    path = tmp_path / "run" / ELASTIC_CHOICE
+    decided = Numerics("bf16", "channels_last", reason="bf16/channels_last: 2.03x faster a step")
+    assert elastic_choice(path, lambda: decided, decides=True) == decided
+
+    def never() -> Numerics:
+        raise AssertionError("a joining rank calibrated")
+
+    joined = elastic_choice(path, never, decides=False)
+    assert (joined.precision, joined.memory_format) == ("bf16", "channels_last")
+    assert joined.reason == f"the run's choice ({path}): bf16/channels_last: 2.03x faster a step"
+    path.write_text('{"precision": "fp8", "memory_format": "contiguous"}')  # not a choice laneflow makes
+    plain = Numerics("fp32", "contiguous", reason="decided again")
+    assert elastic_choice(path, lambda: plain, decides=True) == plain
+    path.unlink()
+    assert elastic_choice(path, lambda: plain, decides=False, wait_s=1.0) == plain  # rank 0 never wrote one

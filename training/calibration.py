@@ -19,6 +19,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -138,11 +139,11 @@ def calibrate(cpu: CpuFeatures, lane_model: LaneModel, settings: ModelSettings, 
 
 
 def resolve_numerics(config: TrainConfig, lane_model: LaneModel, settings: ModelSettings, device: torch.device,
-                     dist: Any) -> Numerics:
-    """The run's precision, memory format and compilation on this rank's device. In a fixed-size run rank 0
-    decides (calibrating if it must) and every rank uses its choice: one run, one numeric path. In an elastic run
-    each rank decides for the machine it runs on (a rank that joins later may land on another kind of node, and
-    a collective here would wait for ranks already training)."""
+                     dist: Any, run_dir: Path) -> Numerics:
+    """The run's precision, memory format and compilation. In a fixed-size run rank 0 decides (calibrating if it
+    must) and every rank uses its choice: one run, one numeric path. An elastic run fixes its choice once, in the run
+    directory (``ELASTIC_CHOICE``): a rank that joins later reads it instead of calibrating while the others wait in
+    their reset (and a collective here would wait for ranks already training)."""
     compiled, compile_why = resolve_compile(config.compile, device.type, bool(config.elastic))
     cpu = this_cpu()
 
@@ -150,10 +151,53 @@ def resolve_numerics(config: TrainConfig, lane_model: LaneModel, settings: Model
         return resolve(config.precision, config.memory_format, Device.of(device, cpu),
                        lambda candidates: calibrate(cpu, lane_model, settings, config.batch_size, candidates))
 
-    if dist.size > 1 and not config.elastic:
+    if config.elastic:
+        numerics = elastic_choice(run_dir / ELASTIC_CHOICE, decide, decides=dist.rank == 0)
+    elif dist.size > 1:
         record = dist.hvd.broadcast_object(decide().record() if dist.rank == 0 else None, root_rank=0,
                                            name="numerics")
         numerics = Numerics.from_record(record)
     else:
         numerics = decide()
     return replace(numerics, compile=compiled, reason=f"{numerics.reason}; {compile_why}")
+
+
+#: An elastic run's numeric choice, beside its checkpoints (JSON, read back checked: never code).
+ELASTIC_CHOICE = "numerics.json"
+#: How long an elastic rank that is not rank 0 waits for rank 0's choice before making its own.
+ELASTIC_CHOICE_WAIT_S = 300.0
+
+
+def _read_choice(path: Path) -> Numerics | None:
+    try:
+        record = json.loads(path.read_text())
+        numerics = Numerics.from_record(record)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if numerics.precision not in ("fp32", "bf16", "fp16") or numerics.memory_format not in ("contiguous",
+                                                                                             "channels_last"):
+        return None
+    return replace(numerics, reason=f"the run's choice ({path}): {numerics.reason}")
+
+
+def elastic_choice(path: Path, decide: Callable[[], Numerics], decides: bool,
+                   wait_s: float = ELASTIC_CHOICE_WAIT_S) -> Numerics:
+    """The elastic run's numerics: the recorded choice when there is one; else rank 0 (``decides``) decides and
+    records it, and the other ranks wait for it (deciding themselves only if it never comes)."""
+    if (found := _read_choice(path)) is not None:
+        return found
+    if not decides:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if (found := _read_choice(path)) is not None:
+                return found
+        log.warning("no numeric choice from rank 0 in %s after %.0f s: deciding on this rank", path, wait_s)
+        return decide()
+    numerics = decide()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".numerics-", suffix=".tmp")
+    with os.fdopen(handle, "w") as out:
+        json.dump(numerics.record(), out)
+    os.replace(temporary, path)
+    return numerics

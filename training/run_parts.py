@@ -160,7 +160,7 @@ class RunParts:
             torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick the fastest kernels once
         lane_model = get_model(config.model)
         model_cfg = lane_model.settings(config.preset, **config.model_overrides)
-        numerics = resolve_numerics(config, lane_model, model_cfg, device, dist)
+        numerics = resolve_numerics(config, lane_model, model_cfg, device, dist, run_dir)
         log.info("numerics (rank %d): %s", dist.rank, numerics.reason)
         dataset = LaneDataset(data_root, "train", (model_cfg.input_width, model_cfg.input_height), augment=True,
                               cache=config.cache)
