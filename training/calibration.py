@@ -41,7 +41,7 @@ log = logging.getLogger("laneflow.calibration")
 #: keeps the calibration of a large preset to seconds.
 CALIBRATION_BATCH = 2
 WARMUP_STEPS = 1
-TIMED_STEPS = 3
+TIMED_STEPS = 2
 
 
 def cache_dir() -> Path:
