@@ -76,12 +76,10 @@ def read_cached(path: Path, inputs: dict[str, Any], candidates: list[Combo]) -> 
     return seconds
 
 
-def write_cached(path: Path, inputs: dict[str, Any], seconds: dict[Combo, float]) -> None:
-    """Atomically: ranks calibrating side by side each write a whole file, and the last one stays."""
+def write_json_atomically(path: Path, record: dict[str, Any]) -> None:
+    """A whole file or none: processes writing side by side each replace it with a complete one, the last stays."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"inputs": inputs, "seconds_per_step": {label(c): s for c, s in seconds.items()},
-              "measured_at": datetime.now(UTC).isoformat(timespec="seconds")}
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".calibration-", suffix=".tmp")
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
     try:
         with os.fdopen(handle, "w") as out:
             json.dump(record, out, indent=2)
@@ -89,6 +87,11 @@ def write_cached(path: Path, inputs: dict[str, Any], seconds: dict[Combo, float]
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def write_cached(path: Path, inputs: dict[str, Any], seconds: dict[Combo, float]) -> None:
+    write_json_atomically(path, {"inputs": inputs, "seconds_per_step": {label(c): s for c, s in seconds.items()},
+                                 "measured_at": datetime.now(UTC).isoformat(timespec="seconds")})
 
 
 def step_seconds(lane_model: LaneModel, settings: ModelSettings, candidates: list[Combo], batch: int,
@@ -195,9 +198,5 @@ def elastic_choice(path: Path, decide: Callable[[], Numerics], decides: bool,
         log.warning("no numeric choice from rank 0 in %s after %.0f s: deciding on this rank", path, wait_s)
         return decide()
     numerics = decide()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".numerics-", suffix=".tmp")
-    with os.fdopen(handle, "w") as out:
-        json.dump(numerics.record(), out)
-    os.replace(temporary, path)
+    write_json_atomically(path, numerics.record())
     return numerics
