@@ -94,17 +94,33 @@ def started_warm() -> bool:
 
 
 def _state_class(hvd: object) -> type:
-    """``hvd.elastic.TorchState`` that syncs the optimizer before the model. Horovod syncs the model first, then
-    gives a newcomer's still empty optimizer its state by one local step on zero gradients
-    (``broadcast_optimizer_state``), and with weight decay that step moves the newcomer's weights away from
-    rank 0's: the replicas would differ from then on. Synced after, the model is rank 0's on every rank."""
+    """``hvd.elastic.TorchState`` with two fixes to horovod 0.28.1's:
+
+    - it syncs the optimizer before the model. Horovod syncs the model first, then gives a newcomer's still empty
+      optimizer its state by one local step on zero gradients (``broadcast_optimizer_state``), and with weight
+      decay that step moves the newcomer's weights away from rank 0's: the replicas would differ from then on.
+      Synced after, the model is rank 0's on every rank;
+    - it syncs after every change of hosts. Horovod skips the sync when the notices it acted on only removed
+      hosts (``HostsUpdatedInterrupt(skip_sync)``, ``horovod/common/elastic.py`` ``check_host_updates``), but the
+      world is formed later, at the rendezvous, from the hosts listed then: a lost worker's replacement listed
+      meanwhile joins that world and waits in its sync for ranks that skipped theirs — the job hangs (horovod
+      issue #3494, open). Seen here when a spot worker's replacement came back while the survivor reset."""
     from horovod.common.elastic import ObjectState
+    from horovod.common.exceptions import HostsUpdatedInterrupt
 
     class TorchState(hvd.elastic.TorchState):  # type: ignore[attr-defined,name-defined]
         def sync(self) -> None:
             for name in sorted(self._handlers, key=lambda name: name == "model"):
                 self._handlers[name].sync()
             ObjectState.sync(self)
+
+        def check_host_updates(self) -> None:
+            try:
+                super().check_host_updates()
+            except HostsUpdatedInterrupt as interrupt:
+                if interrupt.skip_sync:  # every rank agrees (the decision was broadcast): all sync instead
+                    raise HostsUpdatedInterrupt(skip_sync=False) from interrupt
+                raise
 
     return TorchState
 
