@@ -59,6 +59,16 @@ def test_every_build_argument_the_builder_passes_is_one_the_dockerfile_declares(
         assert {"BASE_IMAGE", *spec.build_args} <= declared, spec
 
 
+def test_the_dockerfiles_default_base_is_docker_hubs_debian_pinned_by_digest() -> None:
+    """A ``docker build`` without ``--build-arg BASE_IMAGE`` gets one base image every time, not whatever the tag
+    names that day (a tag moves with every Debian point release; a digest names one manifest)."""
+    expected = {"deployments/Dockerfile.train": "debian:bookworm",
+                "deployments/Dockerfile.data": "debian:bookworm-slim"}
+    for dockerfile, tag in expected.items():
+        (default,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", (PROJECT_ROOT / dockerfile).read_text(), re.M)
+        assert re.fullmatch(re.escape(tag) + r"@sha256:[0-9a-f]{64}", default), (dockerfile, default)
+
+
 def test_the_flavours_build_under_separate_locks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`make test` builds the CPU images under images.lock; a GPU build beside it (tens of minutes) must not hold
     that lock while it builds: it takes it only to make sure the base exists, then builds under its own."""
