@@ -218,6 +218,12 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
             naming it): one sweep per study at a time
     """
     logger = get_run_logger()
+    if (current_run.run_count or 1) > 1:
+        # This flow run ran before and was stopped without its hooks (its pod's node drained: the worker
+        # reschedules the same flow run). The trials that attempt started are its children still marked running,
+        # holding their 'gpu' slots and level holds: stopped here, before this attempt runs them again.
+        _stop_trials_left_by(str(current_run.id), f"an earlier attempt of sweep {current_run.name} was stopped "
+                             "(its flow run runs again)", logger)
     dimensions: dict[str, SearchDimension] = {}
     if params.source.index is not None:  # every trial trains on the same version, read once
         params = params.pinned_to(read_dataset_index(params.source.index_url())[0])
@@ -254,25 +260,25 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
                                                      str(current_run.id), str(current_run.name), wait_for_study,
                                                      logger.info))
             if lease.took_over_from is not None:  # a killed sweep's process ran no hook: its trials are ours to stop
-                _stop_trials_of_dead_sweep(lease.took_over_from.sweep, lease.took_over_from.name, logger)
+                _stop_trials_left_by(lease.took_over_from.sweep, f"its sweep {lease.took_over_from.name} is gone "
+                                     "(taken over)", logger)
         with trials_stop_with_the_sweep(str(current_run.id)):
             return _run_sweep(params, search, param_sets, varied, max_concurrent, dimensions, trials, seed, kept,
                               pruner, lease)
 
 
-def _stop_trials_of_dead_sweep(sweep_run_id: str, sweep_name: str, logger: Any) -> None:
+def _stop_trials_left_by(sweep_run_id: str, why: str, logger: Any) -> None:
     """What a dead sweep's hook would have done for its trials, before this sweep resumes them: their MPIJobs
     (or horovodruns) stopped, their volume levels and ``gpu`` slots handed back. Never fails the sweep: a trial
-    left as it was still ends — its slot when Prefect's lease on it expires (5 minutes)."""
+    left as it was still ends — its slot when Prefect's lease on it expires (5 minutes), its level hold when that
+    hold's lifetime runs out."""
     try:
         with get_client(sync_client=True) as client:
-            stopped = stop_left_trials(client, sweep_run_id, f"its sweep {sweep_name} is gone (taken over)", logger)
-        logger.info("sweep %s, which held the study before, is gone: %d of its trial run(s) stopped and their slots "
-                    "handed back", sweep_name, stopped)
+            stopped = stop_left_trials(client, sweep_run_id, why, logger)
+        logger.info("%d trial run(s) stopped and their slots and level holds handed back: %s", stopped, why)
     except Exception as exc:
-        logger.warning("could not stop the trial runs of sweep %s, which is gone (%s): a trial resumed now may wait "
-                       "for its earlier run's 'gpu' slot until Prefect's lease on it expires (5 minutes)",
-                       sweep_name, exc)
+        logger.warning("could not stop the trial runs left behind (%s; %s): a trial resumed now may wait for its "
+                       "earlier run's 'gpu' slot until Prefect's lease on it expires (5 minutes)", why, exc)
 
 
 def _run_sweep(params: TrainParams, search: str, param_sets: list[TrainParams], varied: list[str],

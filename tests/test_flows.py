@@ -299,6 +299,66 @@ def test_a_sweep_killed_mid_trial_continues_its_study_and_resumes_that_trial_fro
     assert [start["resumed"] for start in starts] == [False, True] and starts[1]["step"] > 0  # from its checkpoint
 
 
+def test_a_rescheduled_sweep_stops_the_trials_its_killed_attempt_left_before_running_them_again(
+        prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
+    """A drained node's flow pod: the worker reschedules the same flow run (AwaitingRetry) and its process is
+    killed, no hook run. The same sweep then runs again — the same flow run, its second attempt, holding its own
+    study, so nothing is "taken over" — and stops what its first attempt left (the trial's training, its 'gpu'
+    slot, its hold on the volume's level) before running that trial again from its checkpoint. Left as it was,
+    the killed trial kept its level hold for the hold's whole lifetime (a volume left on Premium, seen in the soak)
+    and its slot for Prefect's lease."""
+    import signal
+    import subprocess
+    from uuid import UUID
+
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.flow_engine import run_flow
+    from prefect.states import AwaitingRetry
+
+    from flows.sweep import trial_runs
+    from tasks.processes import running
+
+    base = params_for(synthetic_archive, volume="again", workers=1, snapshot=False, epochs=3)
+    arguments = json.loads(json.dumps(
+        {**base, "search": "random", "space": {"lr": {"low": 0.01, "high": 0.1, "log": True}}, "trials": 1,
+         "seed": 5, "study": "again"}, default=lambda v: v.model_dump(mode="json")))
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run(sweep, parameters=arguments)
+    script = ("import sys, uuid\nfrom prefect import get_client\nfrom prefect.flow_engine import run_flow\n"
+              "from flows.sweep import sweep\nwith get_client(sync_client=True) as client:\n"
+              "    flow_run = client.read_flow_run(uuid.UUID(sys.argv[1]))\n"
+              "run_flow(sweep, flow_run=flow_run, parameters=flow_run.parameters)")
+    env = {**os.environ, **prefect_server, "LANEFLOW_HOME": str(laneflow_home)}
+    runs = laneflow_home / "volumes" / "again" / "runs"
+    output = tmp_path / "attempt-1.log"
+    with operator_gpu_limit(1), output.open("wb") as sink:
+        with running([sys.executable, "-c", script, str(flow_run.id)], stop_signals=(signal.SIGKILL,), env=env,
+                     cwd=PROJECT_ROOT, stdout=sink, stderr=subprocess.STDOUT) as first:
+            deadline = time.monotonic() + 600
+            while not ((found := sorted(runs.glob("train-again-*-0/metrics.jsonl")))
+                       and found[0].read_text().count('"event": "step"') >= 1):
+                assert first.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
+                time.sleep(0.5)
+            first.kill()  # what the drain leaves: no hook ran, the trial's run is still Running
+            first.wait()
+        with get_client(sync_client=True) as client:
+            (killed_trial,) = trial_runs(client, flow_run.id)
+            assert killed_trial.state.is_running()
+            client.set_flow_run_state(flow_run.id, AwaitingRetry(), force=True)  # the worker's reschedule
+            again = client.read_flow_run(flow_run.id)
+        table = run_flow(sweep, flow_run=again, parameters=again.parameters)
+        with get_client(sync_client=True) as client:
+            ended = client.read_flow_run(killed_trial.id)
+            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[UUID(str(flow_run.id))])))
+            assert client.read_flow_run(flow_run.id).run_count == 2
+        assert ended.state.is_cancelled() and "an earlier attempt of sweep" in ended.state.message, ended.state
+        assert lease_released(ended.labels[GPU_LEASE_LABEL])
+    assert [row["trial"] for row in table] == [1] and table[0]["state"] == "Completed", table  # trial 0 again
+    assert table[0]["run"] == found[0].parent.name  # under its run key: resumed, not started over
+    assert len(children) == 2
+
+
 def test_two_sweeps_of_one_study_never_share_it_the_second_is_refused_naming_the_first_or_waits(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str]) -> None:
     """A sweep holds its study; one started beside it is refused at once, naming it; one asked to wait runs
