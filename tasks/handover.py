@@ -11,6 +11,8 @@ engine's control channel and proposes ``AwaitingRetry``; the flow's code then se
 
 What a hand-over must not do is undo the work the next attempt is to carry on: an MPIJob that trains on GPU
 nodes elsewhere is left running (the next attempt adopts it by name), and the volume's service-level hold stays.
+A sweep's trial is the exception: its sweep's next attempt runs it again as a new flow run, which may not adopt
+another run's job, so that attempt stops the job and the trial resumes from its checkpoint (``flows.sweep``).
 """
 
 from __future__ import annotations

@@ -306,7 +306,8 @@ def test_a_rescheduled_sweep_stops_the_trials_its_killed_attempt_left_before_run
     study, so nothing is "taken over" — and stops what its first attempt left (the trial's training, its 'gpu'
     slot, its hold on the volume's level) before running that trial again from its checkpoint. Left as it was,
     the killed trial kept its level hold for the hold's whole lifetime (a volume left on Premium, seen in the soak)
-    and its slot for Prefect's lease."""
+    and its slot for Prefect's lease. Here, where volumes have no service levels, the slot shows it: the level
+    hold goes back in the same ``stop_run`` (the soak checks the volume)."""
     import signal
     import subprocess
     from uuid import UUID

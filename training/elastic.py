@@ -259,6 +259,6 @@ def train_elastic(parts: RunParts) -> int:
             return EXIT_PREEMPTED
         return None
 
-    # A world that shrank without a sync (hosts the discovery script stopped listing) re-partitions here too.
+    # Every reset (a lost rank, a host listed or no longer listed) re-partitions the data over the ranks present.
     state.register_reset_callbacks([state.sampler.reset])
     return loop(state)

@@ -276,7 +276,8 @@ def _follow(platform: ClusterPlatform, handle: TrainingHandle, output: JobOutput
         if handed_over(exc):  # ... unless the run goes on in another attempt, which adopts the job
             output.on_log(f"laneflow: this flow run's process is being stopped to run again elsewhere (its pod was "
                           f"told to stop: a drain of its node); MPIJob {name} trains on, and the next attempt "
-                          "adopts it")
+                          "adopts it (a sweep's trial: the sweep's next attempt stops it and resumes the trial from "
+                          "its checkpoint)")
             raise
         platform.cancel_training(name, handle.spec.volume, owner)
         raise
