@@ -87,6 +87,7 @@ def settle(platform: Platform, volume: VolumeRef, why: str, logger: Any, me: str
     the level it is on. The holds of dead runs are dropped on the way; a record with nobody left and the
     volume home is removed (nobody has moved the volume any more)."""
     current = LEVEL_ORDER[0]
+    home: str | None = None  # the volume's home level, once a record read here has said it
     for _ in range(_SETTLE_MOVES):
         # The level first: reading it waits out any operation on the volume, so the record read next is the
         # one to decide on, not one from before that operation.
@@ -99,13 +100,20 @@ def settle(platform: Platform, volume: VolumeRef, why: str, logger: Any, me: str
                            ", ".join(sorted(record.holds[h].run for h in dead)))
             record = platform.update_level_record(volume, lambda r, dead=dead: without(r, dead))
         if record is None:
-            return None, current
-        quota_tib, ceiling = platform.service_level_limits(volume) or (0.0, LEVEL_ORDER[-1])
-        target = wanted_level(record, quota_tib, ceiling) if quota_tib > 0 else record.home
-        if current == target:
-            if not record.holds:  # home and unheld: forget it, unless someone joined meanwhile
-                platform.update_level_record(volume, lambda r: None if r is not None and not r.holds else r)
-            return record, current
+            # Forgotten by a settle that found the volume home and unheld. A move this settle decided on an
+            # earlier read (another holder was still there) may have landed after that: nobody holds the volume
+            # now, so it goes home — two runs leaving at once left it on Premium otherwise (soak seed 11).
+            if home is None or current == home:
+                return None, current
+            target = home
+        else:
+            home = record.home
+            quota_tib, ceiling = platform.service_level_limits(volume) or (0.0, LEVEL_ORDER[-1])
+            target = wanted_level(record, quota_tib, ceiling) if quota_tib > 0 else record.home
+            if current == target:
+                if not record.holds:  # home and unheld: forget it, unless someone joined meanwhile
+                    platform.update_level_record(volume, lambda r: None if r is not None and not r.holds else r)
+                return record, current
         try:
             if platform.change_service_level(volume, target):
                 changed_level(volume, current, target, why, record, logger)

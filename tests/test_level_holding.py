@@ -135,6 +135,58 @@ def test_concurrent_updates_of_the_record_lose_nothing(arm: tuple, tmp_path: Pat
     assert record is not None and sorted(record.holds) == sorted(f"{w}-{i}" for w in "ab" for i in range(10))
 
 
+def test_two_runs_leaving_at_once_take_the_volume_home_whichever_moves_last(
+        prefect_server: dict, arm: tuple, tmp_path: Path) -> None:
+    """Two holders at 125 MiB/s (Ultra together) leave at once. The first reads the record with the second still
+    in it and decides on Premium; before its move, the second leaves, settles (Standard) and forgets the record.
+    The first's move then lands on Premium, and its next read finds no record: nobody holds the volume, so it
+    goes home. (Soak seed 11 ended on Premium with no holder: that settle stopped at the missing record.)
+    Each run with a block and clients of its own, against the emulated API server and Azure (the
+    level changes go to the test session's Prefect server as events)."""
+    from tasks.holding import settle
+    from tasks.level_holds import without
+
+    emulator, state = arm
+    k8s = KubernetesEmulator(tmp_path / "k8s")
+    on_anf(k8s, state)
+    log = logging.getLogger("test.level")
+    with k8s:
+        first = cluster_platform(k8s, anf=anf_volume(emulator))
+        second = cluster_platform(k8s, anf=anf_volume(emulator))
+        volume = first.ensure_volume("tusimple")
+        first.ensure_shared_access(volume)
+        for holder in ("run-first", "run-second"):
+            hold = LevelHold(run=f"train-{holder}", mib_per_second=125.0, level="Premium", renewed=time.time(),
+                             ttl_s=600.0)
+            first.update_level_record(volume, lambda r, h=holder, hold=hold: joined(r, h, hold, lambda: "Standard"))
+        settle(first, volume, "both joined", log)
+        assert state.pool_of("tusimple") == "pool-ultra"
+
+        class SecondLeavesFirst:
+            """The first run's platform, whose first move waits until the second run has left and settled."""
+
+            def __init__(self) -> None:
+                self.moves: list[str] = []
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(first, name)
+
+            def change_service_level(self, volume_: object, level: str) -> bool:
+                if not self.moves:
+                    second.update_level_record(volume, lambda r: without(r, {"run-second"}))
+                    settle(second, volume, "train-run-second left", log)
+                    assert state.pool_of("tusimple") == "pool-standard" and level_record(k8s) is None
+                self.moves.append(level)
+                return first.change_service_level(volume_, level)
+
+        racing = SecondLeavesFirst()
+        first.update_level_record(volume, lambda r: without(r, {"run-first"}))
+        record, level = settle(racing, volume, "train-run-first left", log)
+        assert racing.moves == ["Premium", "Standard"]  # its stale decision, then home
+        assert (record, level) == (None, "Standard") and state.pool_of("tusimple") == "pool-standard"
+        assert level_record(k8s) is None
+
+
 def test_two_holders_share_the_promotion_and_the_last_one_takes_it_home(
         prefect_server: dict, laneflow_home: Path, arm: tuple, tmp_path: Path) -> None:
     """Together the two read 250 MiB/s: Ultra; alone, one needs Premium; nobody: home (Standard)."""
