@@ -29,7 +29,18 @@ import torch
 
 from training.cpu_features import CpuFeatures, this_cpu
 from training.models.base import LaneModel, ModelSettings
-from training.precision import Calibration, Combo, Device, MixedPrecision, Numerics, label, resolve, resolve_compile
+from training.precision import (
+    MEMORY_FORMATS,
+    PRECISIONS,
+    Calibration,
+    Combo,
+    Device,
+    MixedPrecision,
+    Numerics,
+    label,
+    resolve,
+    resolve_compile,
+)
 from training.step import train_step
 
 if TYPE_CHECKING:
@@ -177,9 +188,9 @@ def _read_choice(path: Path) -> Numerics | None:
         numerics = Numerics.from_record(record)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if numerics.precision not in ("fp32", "bf16", "fp16") or numerics.memory_format not in ("contiguous",
-                                                                                             "channels_last"):
-        return None
+    chosen = (numerics.precision, numerics.memory_format)
+    if "auto" in chosen or numerics.precision not in PRECISIONS or numerics.memory_format not in MEMORY_FORMATS:
+        return None  # a choice names concrete settings, never "auto" or one this laneflow does not know
     return replace(numerics, reason=f"the run's choice ({path}): {numerics.reason}")
 
 
