@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flows.model_settings import ModelSettingValue, check_model_settings, with_changes
 from tasks.dataset_index import check_index_url
 from tasks.names import DNS_LABEL, MAX_NAME, validate_name
 from tasks.platforms.base import ElasticWorkers
@@ -158,6 +159,11 @@ class TrainParams(BaseModel):
                        description="lane model: scnn (SCNN), ufld (row anchors, 5-15x faster inference), or one "
                                    "a package registers in the entry-point group laneflow.models, installed where "
                                    "training runs (docs: Add your model)")
+    model_settings: dict[str, ModelSettingValue] = Field(
+        default_factory=dict, description="the model's own settings over its preset's (the trainer's "
+                                          "model.<name>=value), e.g. {\"cells\": 100, \"backbone\": \"resnet34\"} "
+                                          "for ufld; an unknown name or a bad value is refused before anything runs, "
+                                          "naming the model's settings; a sweep varies one as model_settings.<name>")
     epochs: int = Field(3, ge=1, le=1000, description="passes over the training split")
     batch_size: int = Field(4, ge=1, le=1024, description="images per worker per step")
     workers: int = Field(2, ge=1, le=512, description="Horovod processes (one per GPU on a cluster)")
@@ -189,6 +195,11 @@ class TrainParams(BaseModel):
         None, description="elastic training (spot nodes): keep training when workers are lost and take them back "
                           "when they return, between min_workers and max_workers; it starts once `workers` are there "
                           "and takes every worker there is, up to max_workers")
+
+    @model_validator(mode="after")
+    def _model_settings(self) -> TrainParams:
+        self.model_settings = check_model_settings(self.model, self.preset, self.model_settings)
+        return self
 
     @model_validator(mode="after")
     def _elastic_start(self) -> TrainParams:
@@ -230,6 +241,7 @@ class TrainParams(BaseModel):
                 # only when set: a training image from before eval_every (or models) still takes every other setting
                 **({"eval_every": str(self.eval_every)} if self.eval_every else {}),
                 **({"model": self.model} if self.model != "scnn" else {}),
+                **{f"model.{name}": str(value) for name, value in sorted(self.model_settings.items())},
                 **{name: getattr(self, name) for name in ("precision", "memory_format", "compile")
                    if getattr(self, name) != "auto"},
                 **({"elastic": "1", "commit_every": str(self.elastic.commit_every),
@@ -262,7 +274,8 @@ class SweepError(ValueError):
 
 
 def expand_sweep(base: TrainParams, grid: dict[str, list[Any]], runs: list[dict[str, Any]]) -> list[TrainParams]:
-    """Every parameter set of a sweep: the grid's cartesian product, then the listed runs, each on top of ``base``."""
+    """Every parameter set of a sweep: the grid's cartesian product, then the listed runs, each on top of ``base``;
+    a ``model_settings.<name>`` key sets that one model setting."""
     sets: list[dict[str, Any]] = []
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
@@ -276,7 +289,7 @@ def expand_sweep(base: TrainParams, grid: dict[str, list[Any]], runs: list[dict[
     expanded = []
     for index, changes in enumerate(sets):
         try:
-            expanded.append(TrainParams.model_validate({**base.model_dump(), **changes}))
+            expanded.append(TrainParams.model_validate(with_changes(base.model_dump(), changes)))
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise SweepError(f"sweep run {index} ({changes}) is invalid: {problems}") from None

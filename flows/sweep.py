@@ -35,6 +35,7 @@ from prefect.runtime import flow_run as current_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field, TypeAdapter, ValidationError
 
+from flows.model_settings import flat
 from flows.params import SweepError, TrainParams, expand_sweep, takes_train_params
 from flows.search import (
     SearchChoices,
@@ -201,12 +202,15 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
     the base parameters; rank them by val accuracy and score the best on test.
 
     Args:
-        grid: parameter name -> values; every combination is one run, e.g. {"lr": [0.02, 0.05]} (search=grid)
-        runs: further runs, each a dict of the parameters it changes, e.g. [{"lr": 0.1, "batch_size": 4}]
+        grid: parameter name -> values; every combination is one run, e.g. {"lr": [0.02, 0.05]} (search=grid);
+            model_settings.<name> varies one setting of the model, e.g. {"model_settings.cells": [50, 100]}
+        runs: further runs, each a dict of the parameters it changes, e.g. [{"lr": 0.1, "batch_size": 4}] or
+            [{"model": "ufld", "model_settings.backbone": "resnet34"}]
         max_concurrent: at most this many of this sweep's runs at once (the sweep's own bound; the operator's
             'gpu' concurrency limit still bounds all training, this sweep's and everyone else's)
         search: grid (grid and runs as given), random or tpe (Optuna's samplers over space)
-        space: for random/tpe, parameter name -> {"low", "high", "log", "step"} or {"choices": [...]}
+        space: for random/tpe, parameter name (or model_settings.<name>) -> {"low", "high", "log", "step"} or
+            {"choices": [...]}
         trials: for random/tpe, how many runs to sample
         seed: for random/tpe, the sampler's seed (the same seed asks the same first trials)
         study: for random/tpe, the study to continue, kept on the volume as studies/<study>.journal
@@ -233,8 +237,9 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
         if pruner != "none":
             raise SweepError(f"pruner={pruner!r} stops trials of a search: use search='random' or 'tpe'")
         param_sets = [p.model_copy(update={"eval_split": "val"}) for p in expand_sweep(params, grid or {}, runs or [])]
-        varied = sorted({key for key in TrainParams.model_fields if key not in ("source", "eval_split")
-                         and len({repr(getattr(p, key)) for p in param_sets}) > 1})
+        values = [flat(p.model_dump()) for p in param_sets]  # a model setting is a column of its own
+        varied = sorted({key for row in values for key in row if key not in ("source", "eval_split")
+                         and len({repr(row_values.get(key)) for row_values in values}) > 1})
         planned = len(param_sets)
     else:
         if grid or runs:
@@ -288,7 +293,7 @@ def _run_sweep(params: TrainParams, search: str, param_sets: list[TrainParams], 
     is the kept study's name, held by ``lease``, or None)."""
     searched: SweepStudy | None = None
     if search == "grid":
-        rows = [{**row, "params": {key: getattr(child, key) for key in varied}}
+        rows = [{**row, "params": {key: flat(child.model_dump()).get(key) for key in varied}}
                 for row, child in zip(_run_grid(param_sets, max_concurrent, str(current_run.name)), param_sets,
                                       strict=True)]
     else:
