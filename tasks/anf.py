@@ -72,8 +72,8 @@ class AnfVolume(Block):
     _block_type_slug: ClassVar[str] = "laneflow-anf-volume"
     _description: ClassVar[str] = "An Azure NetApp Files volume whose service level laneflow changes around training."
 
-    subscription_id: str
-    resource_group: str
+    subscription_id: str = Field(description="Azure subscription of the NetApp account")
+    resource_group: str = Field(description="resource group of the NetApp account")
     account: str = Field(description="NetApp account name")
     volume: str | None = Field(None, description="the ANF volume; leave empty in a cluster platform's block: each "
                                                   "claim's own volume is read from its PV")
@@ -81,7 +81,8 @@ class AnfVolume(Block):
     pool_ids: dict[Level, str] = Field(description="capacity pool resource id per service level")
     ceiling: Level = Field("Ultra", description="never promote above this level")
     tenant_id: str | None = Field(None, description="service principal tenant (with client_id and client_secret)")
-    client_id: str | None = None
+    client_id: str | None = Field(None, description="service principal (application) id, with tenant_id and "
+                                                     "client_secret")
     client_secret: SecretStr | None = Field(None, description="service principal secret; empty: "
                                                               "DefaultAzureCredential")
     authority_host: str = Field(DEFAULT_AUTHORITY, description="Entra ID host (sovereign clouds differ)")

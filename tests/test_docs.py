@@ -75,3 +75,24 @@ def test_the_parameter_reference_names_every_field_with_its_description() -> Non
             assert any(row.startswith(f"| `{name}` |") and description in row for row in rows), (
                 f"{model.__name__}.{name} is not documented in docs/reference/parameters.md: "
                 f"run {gen_reference.REGENERATE}")
+
+
+def test_the_blocks_reference_matches_the_code_and_describes_every_field() -> None:
+    """The platform and ANF blocks' forms, field by field: generated, and checked here without the generator."""
+    import tasks.platforms  # noqa: F401  first: it imports tasks.anf on the way, which alone meets a cycle
+    from tasks.anf import AnfVolume
+    from tasks.platforms.cluster import ClusterPlatform
+    from tasks.platforms.local import LocalPlatform
+
+    page = gen_reference.BLOCKS_PAGE.read_text()
+    assert gen_reference.render(page, gen_reference.block_tables, gen_reference.BLOCKS_PAGE) == page, (
+        f"docs/reference/blocks.md is out of date with the blocks: run {gen_reference.REGENERATE}")
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    for block in (LocalPlatform, ClusterPlatform, AnfVolume):
+        section = page.split(f"## `{block.__name__}`", 1)[1].split("\n## ", 1)[0]
+        for name, field in block.model_fields.items():
+            description = " ".join((field.description or "").split()).replace("|", "\\|")
+            assert description, f"{block.__name__}.{name} has no description: the UI's form shows it"
+            assert f"| `{name}` |" in section and description in section, (
+                f"{block.__name__}.{name} is not documented in docs/reference/blocks.md")
+    assert rows
