@@ -9,7 +9,8 @@ fp16 with a gradient scaler, times the trainer's own step (``training.step.train
 moved without blocking and normalised on the device) with contiguous and channels-last tensors. Per
 configuration: img/s after warm-up, the input stall (the share of wall time spent waiting for the
 loader), the peak GPU memory, and the step against the GPU's own limit: the step's FLOPs (PyTorch's flop
-counter) over its time, as a share of the GPU's matrix-product rate in that dtype measured in the same run.
+counter) over its time, as a share of the GPU's matrix-product rate in that dtype measured in the same run
+(sampled before and after the loops, the best sample counting; a share above 100 % exits 3, ``"valid": false``).
 ``--compile`` also times each configuration through ``torch.compile`` (and reports its compile time): the
 measurement ``compile: auto`` waits for on GPUs. Prints one JSON line per configuration and a table;
 ``--json`` also writes them to a file.
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.limits import FlopsByDtype, gemm_tflops
+from bench.limits import FlopsByDtype, GemmLimit, over_limit
 from training.data.preprocess import preprocess
 from training.data.synthetic import generate
 from training.dataset import LaneDataset, make_loader
@@ -93,8 +94,8 @@ def measure(preset: str, loader, device: torch.device, precision: str, layout: s
             if device.type == "cuda" else None, "final_loss": round(float(loss), 4)}
 
 
-def limits(preset: str, device: torch.device, batch_size: int, found: Device, dry_run: bool) -> tuple[float, dict]:
-    """The step's GFLOP (fp32 forward and backward) and the device's GEMM rate per dtype measured (TFLOP/s)."""
+def step_gflop(preset: str, device: torch.device, batch_size: int) -> float:
+    """The step's GFLOP (fp32 forward and backward, PyTorch's flop counter)."""
     config = model_config(preset)
     model = SCNN(config).to(device).train()
     images = torch.randint(0, 256, (batch_size, config.input_height, config.input_width, 3), dtype=torch.uint8)
@@ -105,10 +106,13 @@ def limits(preset: str, device: torch.device, batch_size: int, found: Device, dr
         train_step(model, images, masks, exist, get_model("scnn").criterion(config),
                    torch.optim.SGD(model.parameters(), lr=1e-3), MixedPrecision("fp32", device.type),
                    torch.contiguous_format, distributed=False)
-    sizes = (256,) if dry_run else (4096, 8192)
-    dtypes = ["fp32", *(["bf16"] if found.bf16 or device.type == "cpu" else []), "fp16"]
-    return (sum(counter.flops.values()) / 1e9,
-            {dtype: round(gemm_tflops(dtype, device, sizes, repeats=2 if dry_run else 5)[0], 3) for dtype in dtypes})
+    return sum(counter.flops.values()) / 1e9
+
+
+def gemm_limit(device: torch.device, found: Device, dry_run: bool) -> GemmLimit:
+    """The device's GEMM rate per dtype, sampled before and after the timed loops (the best sample is the limit)."""
+    dtypes = ("fp32", *(("bf16",) if found.bf16 or device.type == "cpu" else ()), "fp16")
+    return GemmLimit(dtypes, device, (256,) if dry_run else (4096, 8192), repeats=2 if dry_run else 5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "batch_size": args.batch_size, "preset": preset}
     print(json.dumps(header), flush=True)
     results = []
+    limit = gemm_limit(device, found, args.dry_run)
+    limit.sample()
     with tempfile.TemporaryDirectory(prefix="laneflow-gpu-") as tmp:
         root = Path(tmp) / "tusimple"
         generate(root, train=args.images, val=0, test=0, seed=0, width=size[0], height=size[1])
@@ -151,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                 result = measure(preset, loader, device, precision_name, layout, args.warmup, args.steps, compiled)
                 results.append(result)
                 print(json.dumps(result), flush=True)
-    header["step_gflop"], header["gemm_tflops"] = limits(preset, device, args.batch_size, found, args.dry_run)
+    limit.sample()
+    header["step_gflop"] = step_gflop(preset, device, args.batch_size)
+    header["gemm_tflops"] = {dtype: round(rate, 3) for dtype, rate in limit.best().items()}
+    header["gemm_samples"] = limit.record()
     for result in results:
         result["tflops"] = round(header["step_gflop"] / 1000 / result["step_s"], 3)
         result["share_of_gemm"] = round(result["tflops"] / header["gemm_tflops"][result["precision"]], 3)
@@ -168,8 +177,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['img_per_s']:>9.1f}{r['img_per_s'] / fp32:>8.2f}x{r['tflops']:>9.2f}"
               f"{100 * r['share_of_gemm']:>8.0f}%"
               f"{100 * r['input_stall']:>12.1f}%{memory:>10}{r['first_step_s']:>12.1f}")
+    # The dry run's tiny GEMMs measure nothing like a limit: its shares are not checked.
+    problems = [] if args.dry_run else over_limit(
+        {f"{r['precision']}/{r['memory_format']}{' compiled' if r['compiled'] else ''}": r["share_of_gemm"]
+         for r in results}, limit)
+    header["valid"], header["problems"] = not problems, problems
     if args.json:
         args.json.write_text(json.dumps({**header, "results": results}, indent=2))
+    if problems:
+        print("\nINVALID: a figure claims more than this GPU's limit:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 3
     return 0
 
 
