@@ -304,7 +304,8 @@ def _field_parameter(name: str) -> inspect.Parameter:
     Prefect's schema and validation see them), its default as the default."""
     info = TrainParams.model_fields[name]
     annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
-    default = inspect.Parameter.empty if info.is_required() else info.default
+    # A factory's default (model_settings' {}) as its value: the form shows it, a run without it is valid.
+    default = inspect.Parameter.empty if info.is_required() else info.get_default(call_default_factory=True)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 

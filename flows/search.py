@@ -8,6 +8,10 @@ A range fits a number field (an integer field takes whole bounds and steps); cho
 field and are each validated as a value of it (strictly: ``"4"`` is not a batch size). Fields that say
 where or what a run trains on rather than how (the dataset, platform, volume, the split scored, what is
 kept afterwards) are not searched: a trial that changes them is not comparable with the others.
+
+A model's own setting is searched as ``model_settings.<name>`` (``{"model_settings.cells": {"low": 25,
+"high": 100, "step": 25}}``), checked against the model of every trial: the base run's, or each of the
+``model`` choices when the space searches the model too (the setting must then be one of each of them).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import math
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 
+from flows.model_settings import NAME_PATTERN, PREFIX, check_model_settings, is_setting_key, overridable
 from flows.params import TrainParams
 
 #: Fields a sweep never searches: each trial must train on the same data, be scored the same way and keep the
@@ -50,13 +55,16 @@ class SearchChoices(BaseModel):
 
 
 def searchable_fields() -> list[str]:
-    return [name for name in TrainParams.model_fields if name not in NOT_SEARCHABLE]
+    """TrainParams fields a space may name (the model's settings are searched one by one: ``model_settings.<name>``)."""
+    return [name for name in TrainParams.model_fields if name not in NOT_SEARCHABLE and name != "model_settings"]
 
 
 SearchDimension = SearchRange | SearchChoices
 #: A searchable field's name: as a Literal, the deployment's schema refuses any other key when a run is created.
 SearchableField = Literal[tuple(searchable_fields())]  # type: ignore[valid-type]
-SearchSpace = dict[SearchableField, SearchDimension]  # type: ignore[valid-type]
+#: One of the model's own settings (checked against the model by ``check_space``).
+ModelSettingField = Annotated[str, StringConstraints(pattern=rf"^{PREFIX.replace('.', '[.]')}{NAME_PATTERN}$")]
+SearchSpace = dict[SearchableField | ModelSettingField, SearchDimension]  # type: ignore[valid-type]
 SearchStrategy = Literal["grid", "random", "tpe"]
 
 
@@ -66,7 +74,68 @@ def _field_adapter(name: str) -> TypeAdapter:
     return TypeAdapter(annotation)
 
 
-def _number_kind(name: str) -> type | None:
+def _trial_models(space: dict[str, Any], base: TrainParams | None) -> list[str]:
+    """The models the trials may train: the space's ``model`` choices, else the base run's."""
+    dimension = space.get("model")
+    choices = dimension.choices if isinstance(dimension, SearchChoices) else \
+        dimension.get("choices") if isinstance(dimension, dict) else None
+    if isinstance(choices, list) and choices and all(isinstance(choice, str) for choice in choices):
+        return list(choices)
+    return [base.model if base is not None else TrainParams.model_fields["model"].default]
+
+
+def _setting_kind(where: str, key: str, models: list[str]) -> str | None:
+    """A model setting's type (``int``, ``float``, ``str``), the same in every model of ``models`` that this process
+    knows; None when it knows none of them (the trainer checks). A setting one of them lacks is refused."""
+    name, kinds = key[len(PREFIX):], set()
+    for model in models:
+        known = overridable(model)
+        if known is None:
+            continue
+        if name not in known:
+            raise SearchSpaceError(f"{where}: model '{model}' has no setting '{name}'; its settings: "
+                                   + ", ".join(sorted(known)))
+        kinds.add(known[name])
+    if len(kinds) > 1:
+        raise SearchSpaceError(f"{where}: '{name}' is a setting of other types in models {', '.join(models)}")
+    return kinds.pop() if kinds else None
+
+
+def _check_setting_value(where: str, key: str, value: Any, kind: str | None, models: list[str],
+                         base: TrainParams | None) -> None:
+    """One value a model setting may take: of its type (strictly), and accepted by each model."""
+    name = key[len(PREFIX):]
+    strict = {"int": int, "float": int | float, "str": str}.get(kind or "")
+    if isinstance(value, bool) or (strict is not None and not isinstance(value, strict)):
+        raise SearchSpaceError(f"{where}: {value!r} is not a valid {name}: it is {'an' if kind == 'int' else 'a'} "
+                               f"{kind} setting")
+    preset = base.preset if base is not None else "cpu-demo"
+    for model in models:
+        try:
+            check_model_settings(model, preset, {**(base.model_settings if base else {}), name: value})
+        except ValueError as exc:
+            raise SearchSpaceError(f"{where}: {value!r} is not a valid {name}: {exc}") from None
+
+
+def _check_setting(where: str, key: str, dimension: SearchDimension, space: dict[str, Any],
+                   base: TrainParams | None) -> None:
+    models = _trial_models(space, base)
+    kind = _setting_kind(where, key, models)
+    if isinstance(dimension, SearchChoices):
+        values = dimension.choices
+    else:
+        if kind not in ("int", "float"):
+            raise SearchSpaceError(f"{where}: {key[len(PREFIX):]} is not a number setting of "
+                                   f"{', '.join(models)}: give its values as choices, not a range")
+        _check_bounds(where, key, dimension, int if kind == "int" else float)
+        values = [int(dimension.low), int(dimension.high)] if kind == "int" else [dimension.low, dimension.high]
+    for value in values:
+        _check_setting_value(where, key, value, kind, models, base)
+
+
+def _number_kind(name: str, kind: str | None = None) -> type | None:
+    if is_setting_key(name):
+        return {"int": int, "float": float}.get(kind or "")
     annotation = TrainParams.model_fields[name].annotation
     if annotation is bool or typing.get_origin(annotation) is Literal:
         return None
@@ -77,17 +146,25 @@ def _limits_error(exc: ValidationError) -> str:
     return "; ".join(error["msg"] for error in exc.errors())
 
 
-def check_space(space: dict[str, Any]) -> dict[str, SearchDimension]:
-    """``space`` as dimensions, or ``SearchSpaceError`` naming the first key that cannot be searched."""
+def check_space(space: dict[str, Any], base: TrainParams | None = None) -> dict[str, SearchDimension]:
+    """``space`` as dimensions, or ``SearchSpaceError`` naming the first key that cannot be searched; model
+    settings are checked against the models of ``base`` (the sweep's base run) or of the space's ``model``."""
     if not space:
         raise SearchSpaceError("space is empty: name the TrainParams fields to search, e.g. "
                                '{"lr": {"low": 0.001, "high": 0.3, "log": true}}')
     dimensions: dict[str, SearchDimension] = {}
     for key, raw in space.items():
         where = f"space[{key!r}]"
+        if is_setting_key(key):
+            dimensions[key] = _parse(where, raw)
+            _check_setting(where, key, dimensions[key], space, base)
+            continue
+        if key == "model_settings":
+            raise SearchSpaceError(f"{where}: search the model's settings one by one, as {PREFIX}<name> (e.g. "
+                                   f"{PREFIX}cells for ufld)")
         if key not in TrainParams.model_fields:
             raise SearchSpaceError(f"{where}: TrainParams has no field {key!r}; searchable: "
-                                   + ", ".join(searchable_fields()))
+                                   + ", ".join(searchable_fields()) + f", {PREFIX}<name> (a setting of the model)")
         if key in NOT_SEARCHABLE:
             raise SearchSpaceError(f"{where}: {key} is the same for every trial of a sweep (set it on the sweep "
                                    "itself); searchable: " + ", ".join(searchable_fields()))
@@ -126,6 +203,17 @@ def _check_range(where: str, key: str, dimension: SearchRange, adapter: TypeAdap
     kind = _number_kind(key)
     if kind is None:
         raise SearchSpaceError(f"{where}: {key} is not a number: give its values as choices, not a range")
+    _check_bounds(where, key, dimension, kind)
+    for name, bound in (("low", dimension.low), ("high", dimension.high)):
+        try:
+            adapter.validate_python(int(bound) if kind is int else bound)
+        except ValidationError as exc:
+            raise SearchSpaceError(f"{where}: {name} {bound:g} is outside what {key} allows: "
+                                   f"{_limits_error(exc)}") from None
+
+
+def _check_bounds(where: str, key: str, dimension: SearchRange, kind: type) -> None:
+    """A range's own sense: finite, low below high, log above 0 and without a step, whole for a whole number."""
     low, high, step = dimension.low, dimension.high, dimension.step
     if not (math.isfinite(low) and math.isfinite(high)):
         raise SearchSpaceError(f"{where}: low and high must be finite numbers")
@@ -139,23 +227,19 @@ def _check_range(where: str, key: str, dimension: SearchRange, adapter: TypeAdap
         raise SearchSpaceError(f"{where}: {key} is a whole number: low, high and step must be whole numbers")
     if step is not None and step > high - low:
         raise SearchSpaceError(f"{where}: step ({step:g}) is larger than the range ({low:g} to {high:g})")
-    for name, bound in (("low", low), ("high", high)):
-        try:
-            adapter.validate_python(int(bound) if kind is int else bound)
-        except ValidationError as exc:
-            raise SearchSpaceError(f"{where}: {name} {bound:g} is outside what {key} allows: "
-                                   f"{_limits_error(exc)}") from None
 
 
-def distributions(dimensions: dict[str, SearchDimension]) -> dict[str, Any]:
-    """The dimensions as Optuna distributions (for ``study.ask``)."""
+def distributions(dimensions: dict[str, SearchDimension], base: TrainParams | None = None) -> dict[str, Any]:
+    """The dimensions (``check_space``'s, over the same ``base``) as Optuna distributions (for ``study.ask``)."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     found: dict[str, Any] = {}
     for key, dimension in dimensions.items():
+        kind = _setting_kind(f"space[{key!r}]", key, _trial_models(dimensions, base)) if is_setting_key(key) \
+            else None
         if isinstance(dimension, SearchChoices):
             found[key] = CategoricalDistribution(dimension.choices)
-        elif _number_kind(key) is int:
+        elif _number_kind(key, kind) is int:
             found[key] = IntDistribution(int(dimension.low), int(dimension.high), log=dimension.log,
                                          step=int(dimension.step or 1))
         else:

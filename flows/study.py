@@ -29,6 +29,7 @@ from optuna.distributions import BaseDistribution, distribution_to_json
 from optuna.storages.journal import BaseJournalBackend
 from optuna.trial import TrialState
 
+from flows.model_settings import with_changes
 from flows.params import TrainParams
 from tasks.platforms import Platform, VolumeRef
 from tasks.study_lock import StudyLease
@@ -267,7 +268,8 @@ class SweepStudy:
         run starts: a sweep stopped from then on leaves it RUNNING, to be resumed by the next."""
         with self.lock:
             trial = self.optuna_study.ask(self.space)
-            child = TrainParams.model_validate({**self.base.model_dump(), **trial.params, "eval_split": "val"})
+            child = TrainParams.model_validate(with_changes(self.base.model_dump(),
+                                                            {**trial.params, "eval_split": "val"}))
             key = trial.user_attrs.get("run_key") or self._run_key(trial.number)
             trial.set_user_attr("run_key", key)
         self._write()
@@ -372,7 +374,8 @@ def _check_same_study(study: optuna.Study, name: str, space: dict[str, BaseDistr
     if recorded_space != wanted_space:
         raise ValueError(f"study {name!r} searched {sorted(recorded_space)} with other ranges or choices: give "
                          f"the same space to continue it, or name a new study")
-    defaults = {name: field.default for name, field in type(params).model_fields.items()}
+    defaults = {name: field.get_default(call_default_factory=True)
+                for name, field in type(params).model_fields.items()}
     # A setting recorded before it existed was its default then.
     changed = sorted(key for key in (set(recorded_base) | set(wanted_base)) - NOT_COMPARED
                      if recorded_base.get(key, defaults.get(key)) != wanted_base.get(key, defaults.get(key)))

@@ -247,7 +247,7 @@ def sweep(params: TrainParams, grid: dict[str, list[Any]] | None = None, runs: l
         if pruner != "none" and not params.eval_every:
             raise SweepError(f"pruner={pruner!r} judges trials on their val scores during training: set eval_every "
                              "(score val every that many steps, e.g. a tenth of a trial's steps)")
-        dimensions = check_space(space or {})
+        dimensions = check_space(space or {}, params)
         varied, planned, param_sets = sorted(dimensions), trials, [params]
     logger.info("%s sweep of %d runs varying %s; at most %d at once (and within the '%s' limit); every run scored "
                 "on val", search, planned, ", ".join(varied) or "nothing", max_concurrent, GPU_LIMIT)
@@ -415,7 +415,7 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
     ``max_concurrent`` in flight. With a ``study_name`` the study is kept on the volume (flows/study.py),
     continued where an earlier sweep left it; without, it is this sweep's own, in memory."""
     logger = get_run_logger()
-    space = distributions(dimensions)
+    space = distributions(dimensions, params)
     if study_name is None:
         study = SweepStudy.of_sweep(sweep_id, space, params)
     else:

@@ -1,0 +1,139 @@
+"""A run's model settings (``TrainParams.model_settings``): checked against the chosen model before anything runs,
+given to the trainer the same way on both platforms, kept in the record, and varied by sweeps as
+``model_settings.<name>`` (grids, listed runs and search spaces)."""
+
+from __future__ import annotations
+
+import shlex
+
+import optuna
+import pytest
+from pydantic import TypeAdapter, ValidationError
+
+from flows.params import SweepError, TrainParams, expand_sweep, params_from_record
+from flows.search import SearchSpace, SearchSpaceError, check_space, distributions
+from flows.study import _check_same_study
+from tasks.k8s.manifests import ClusterLayout, render_mpijob
+from tasks.launch import horovodrun_command
+from tasks.platforms.base import TrainingSpec, VolumeRef
+from tests.unit_helpers import source
+from training.config import parse_overrides
+from training.models import get_model
+
+
+def ufld(**changes: object) -> TrainParams:
+    return TrainParams(source=source(), model="ufld", **changes)
+
+
+def test_model_settings_are_typed_and_a_bad_one_is_refused_naming_the_model_and_its_settings() -> None:
+    params = ufld(model_settings={"cells": "32", "backbone": "resnet34", "similarity_weight": 0})
+    assert params.model_settings == {"cells": 32, "backbone": "resnet34", "similarity_weight": 0.0}
+    refused = {
+        "unknown": ({"cellz": 32}, r"model 'ufld' has no setting 'cellz'; its settings: .*backbone \(str\), "
+                                   r"cells \(int\)"),
+        "bool for an int": ({"cells": True}, r"model setting 'cells' of model 'ufld' needs an int, got True"),
+        "fraction for an int": ({"cells": 1.5}, "needs an int, got 1.5"),
+        "text that is no number": ({"hidden": "wide"}, "model setting 'hidden' of model 'ufld' needs an int"),
+        "number for text": ({"backbone": 34}, "model setting 'backbone' of model 'ufld' needs a str"),
+        "the model refuses it": ({"backbone": "resnet50"}, "unknown backbone 'resnet50'; choose one of resnet18, "
+                                                           "resnet34"),
+        "size off the stride": ({"input_width": 100}, "must be a multiple of 32"),
+    }
+    for case, (settings, message) in refused.items():
+        with pytest.raises(ValidationError, match=message):
+            ufld(model_settings=settings)
+            pytest.fail(f"{case}: accepted")
+    # A setting of one model is not one of another's.
+    with pytest.raises(ValidationError, match=r"model 'scnn' has no setting 'cells'; its settings: .*mp_kernel"):
+        TrainParams(source=source(), model_settings={"cells": 32})
+    # A model this process cannot load (registered only where training runs) is left to the trainer to check.
+    assert TrainParams(source=source(), model="elsewhere", model_settings={"depth": 3}).model_settings == {"depth": 3}
+
+
+def test_model_settings_reach_the_trainer_the_same_on_both_platforms_and_stay_in_the_record() -> None:
+    params = ufld(model_settings={"cells": 32, "backbone": "resnet34", "aux_weight": 0.5})
+    settings = params.trainer_settings()
+    assert {key: value for key, value in settings.items() if key.startswith("model.")} == {
+        "model.aux_weight": "0.5", "model.backbone": "resnet34", "model.cells": "32"}
+    spec = TrainingSpec(job_name="train-1", volume=VolumeRef(name="v", location="/v"),
+                        data_dir="datasets/x", run_dir="runs/train-1", preset=params.preset, workers=2,
+                        settings=settings)
+    local = horovodrun_command("horovodrun", "python", spec, "/data", "/run")
+    layout = ClusterLayout(namespace="lanes", image="train:1", data_image="data:1", storage_class="anf",
+                           snapshot_class="snap")
+    job = render_mpijob("train-1", layout, "data", params.preset, 2, "datasets/x", "runs/train-1", settings, {})
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    cluster = " ".join([*launcher.get("command", []), *launcher.get("args", [])])
+    for argv in (local, shlex.split(cluster)):
+        pairs = [argv[index + 1] for index, arg in enumerate(argv) if arg == "--set"]
+        assert {"model=ufld", "model.cells=32", "model.backbone=resnet34", "model.aux_weight=0.5"} <= set(pairs)
+        # What the trainer makes of them: the same settings, so the network it builds has them.
+        config = parse_overrides(params.preset, pairs)
+        trained = get_model(config.model).settings(config.preset, **config.model_overrides)
+        assert (trained.cells, trained.backbone, trained.aux_weight) == (32, "resnet34", 0.5)
+    again = params_from_record(params.for_record())
+    assert again.model_settings == params.model_settings
+    before = {key: value for key, value in params.for_record().items() if key != "model_settings"}
+    assert params_from_record(before).model_settings == {}  # a record from before model settings
+
+
+def test_a_grid_or_a_run_varies_one_model_setting_by_its_dotted_name() -> None:
+    base = ufld(model_settings={"backbone": "resnet34"})
+    sets = expand_sweep(base, {"model_settings.cells": [20, 40]}, [{"model": "scnn", "model_settings": {}}])
+    assert [(p.model, p.model_settings) for p in sets] == [
+        ("ufld", {"backbone": "resnet34", "cells": 20}), ("ufld", {"backbone": "resnet34", "cells": 40}),
+        ("scnn", {})]
+    with pytest.raises(SweepError, match=r"sweep run 1 .*model 'ufld' has no setting 'cellz'"):
+        expand_sweep(base, {}, [{"model_settings.cells": 20}, {"model_settings.cellz": 20}])
+    # scnn has no cells: a grid that gives them to it says so.
+    with pytest.raises(SweepError, match=r"sweep run 0 .*model 'scnn' has no setting 'cells'"):
+        expand_sweep(TrainParams(source=source()), {"model": ["scnn", "ufld"], "model_settings.cells": [20]}, [])
+
+
+def test_a_search_space_searches_a_model_setting_checked_against_the_trials_models() -> None:
+    base = ufld()
+    dimensions = check_space({"model_settings.cells": {"low": 20, "high": 60, "step": 20},
+                              "model_settings.similarity_weight": {"low": 0.0, "high": 1.0},
+                              "model_settings.backbone": {"choices": ["resnet18", "resnet34"]}}, base)
+    found = distributions(dimensions, base)
+    assert type(found["model_settings.cells"]).__name__ == "IntDistribution"
+    assert (found["model_settings.cells"].low, found["model_settings.cells"].step) == (20, 20)
+    assert type(found["model_settings.similarity_weight"]).__name__ == "FloatDistribution"
+    assert found["model_settings.backbone"].choices == ("resnet18", "resnet34")
+    # What a trial asked of that space trains with.
+    asked = expand_sweep(base, {}, [{"model_settings.cells": 40, "model_settings.backbone": "resnet34"}])[0]
+    assert asked.trainer_settings()["model.cells"] == "40" and asked.model_settings["backbone"] == "resnet34"
+    refused = {
+        "unknown": ({"model_settings.cellz": {"choices": [1, 2]}}, base, r"model 'ufld' has no setting 'cellz'"),
+        "text for an int": ({"model_settings.cells": {"choices": [20, "40"]}}, base,
+                            r"'40' is not a valid cells: it is an int setting"),
+        "past what the model takes": ({"model_settings.cells": {"low": 1, "high": 5}}, base,
+                                      r"1 is not a valid cells: .*must be at least 2"),
+        "range of text": ({"model_settings.backbone": {"low": 1, "high": 2}}, base,
+                          "backbone is not a number setting of ufld: give its values as choices"),
+        "a model without it": ({"model": {"choices": ["scnn", "ufld"]}, "model_settings.cells": {"choices": [20]}},
+                               base, r"model 'scnn' has no setting 'cells'"),
+        "the whole dict": ({"model_settings": {"choices": [{"cells": 20}]}}, base,
+                           r"search the model's settings one by one, as model_settings.<name>"),
+    }
+    for case, (space, params, message) in refused.items():
+        with pytest.raises(SearchSpaceError, match=message):
+            check_space(space, params)
+            pytest.fail(f"{case}: accepted")
+    # The deployment's schema takes a model setting's dotted name, and no other unknown key.
+    adapter = TypeAdapter(SearchSpace)
+    assert "model_settings.cells" in adapter.validate_python({"model_settings.cells": {"choices": [20]}})
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"model_settingscells": {"choices": [20]}})
+
+
+def test_a_study_kept_before_model_settings_existed_continues() -> None:
+    study = optuna.create_study(study_name="kept", direction="maximize")
+    params = TrainParams(source=source())
+    space = {"lr": optuna.distributions.FloatDistribution(0.01, 0.1)}
+    _check_same_study(study, "kept", space, params)
+    recorded = {key: value for key, value in study.user_attrs["base"].items() if key != "model_settings"}
+    study.set_user_attr("base", recorded)  # as a study's first sweep recorded it before model settings
+    _check_same_study(study, "kept", space, params)
+    with pytest.raises(ValueError, match="was run with other model_settings"):
+        _check_same_study(study, "kept", space, TrainParams(source=source(), model_settings={"mp_kernel": 3}))
