@@ -125,10 +125,27 @@ def flatten_params(parameters: Mapping[str, Any], prefix: str = "") -> dict[str,
 
 
 def run_params(lineage: Mapping[str, Any]) -> dict[str, str]:
-    """The MLflow parameters of a run: what it was asked (``parameters``) and the numerics it resolved them to."""
-    numerics = (lineage.get("training") or {}).get("numerics") or {}
+    """The MLflow parameters of a run: what it was asked (``parameters``), the numerics it resolved them to, and
+    the model it trained — its name and every one of its settings (``model.name``, ``model.settings.<name>``),
+    as the trainer built them from the preset and the run's ``model_settings``, so runs of different models
+    or settings compare in MLflow's table."""
+    training = lineage.get("training") or {}
+    numerics, model = training.get("numerics") or {}, training.get("model") or {}
     return {**flatten_params(lineage.get("parameters") or {}),
-            **flatten_params({"numerics": numerics} if numerics else {})}
+            **flatten_params({"numerics": numerics} if numerics else {}),
+            **flatten_params({"model": {"name": model.get("name"), "settings": model.get("settings") or {}}}
+                             if model.get("name") else {})}
+
+
+def dataset_of(lineage: Mapping[str, Any]) -> str | None:
+    """Which dataset the run trained on (``tusimple`` or ``culane``): the lineage's own word, else — a record from
+    before it kept one — the evaluation's metric, chosen from the prepared dataset's manifest; None unscored."""
+    if lineage.get("dataset"):
+        return str(lineage["dataset"])
+    metric = (lineage.get("metrics") or {}).get("metric")
+    if not lineage.get("metrics"):
+        return None
+    return "culane" if metric == "culane" else "tusimple"
 
 
 def _number(value: Any) -> float | None:
@@ -169,13 +186,14 @@ def training_metrics(training: Mapping[str, Any]) -> list[tuple[str, float, int]
 
 
 def run_tags(lineage: Mapping[str, Any], prefect_ui_url: str | None = None) -> dict[str, str]:
-    """What finds an MLflow run from laneflow and Prefect (and back): the run, volume, dataset version, code,
+    """What finds an MLflow run from laneflow and Prefect (and back): the run, volume, dataset and its version, code,
     the flow run; the lineage markdown as the run's description (``mlflow.note.content``)."""
     flow_run_id = lineage.get("flow_run_id")
     tags = {
         "laneflow.run": lineage.get("run"),
         "laneflow.volume": lineage.get("volume"),
         "laneflow.platform": lineage.get("platform"),
+        "laneflow.dataset": dataset_of(lineage),
         "laneflow.dataset_version": lineage.get("dataset_version"),
         "laneflow.code_version": lineage.get("code_version"),
         "laneflow.snapshot": lineage.get("snapshot"),

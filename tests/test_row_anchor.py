@@ -87,7 +87,8 @@ def test_known_lanes_encoded_into_row_targets_decode_back_within_one_cell(preset
 def test_a_sweep_over_the_model_trains_scores_ranks_and_packages_both_and_the_row_anchor_package_runs_on_video(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
     base = params_for(synthetic_archive, volume="models", max_steps=4, snapshot=False, package=True)
-    table = sweep(**base, grid={"model": ["scnn", "ufld"]}, max_concurrent=1)
+    # The model, and one of ufld's own settings (scnn has no cells: each run names its model and settings).
+    table = sweep(**base, runs=[{"model": "scnn"}, {"model": "ufld", "model_settings.cells": 32}], max_concurrent=1)
     assert sorted(row["model"] for row in table) == ["scnn", "ufld"]
     assert all(row["state"] == "Completed" and row["val accuracy"] is not None for row in table)
     assert [row["val accuracy"] for row in table] == sorted((row["val accuracy"] for row in table), reverse=True)
@@ -95,11 +96,16 @@ def test_a_sweep_over_the_model_trains_scores_ranks_and_packages_both_and_the_ro
     run_dir = laneflow_home / "volumes" / "models" / "runs" / ufld["run"]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model_name"] == "ufld" and config["world_size"] == 2  # horovodrun -np 2
+    assert config["model"]["cells"] == 32 != get_model("ufld").settings("cpu-demo").cells
     lineage = json.loads((run_dir / "lineage.json").read_text())
     assert lineage["parameters"]["model"] == "ufld" and lineage["training"]["model"]["name"] == "ufld"
-    assert lineage["training"]["model"]["settings"]["cells"] == get_model("ufld").settings("cpu-demo").cells
+    assert lineage["parameters"]["model_settings"] == {"cells": 32}
+    assert lineage["training"]["model"]["settings"]["cells"] == 32
+    (scnn,) = [row for row in table if row["model"] == "scnn"]
+    scnn_config = json.loads((laneflow_home / "volumes" / "models" / "runs" / scnn["run"] / "config.json").read_text())
+    assert scnn_config["model_name"] == "scnn" and scnn_config["train"]["model_overrides"] == {}
     package = load_package(run_dir / "package")
-    assert package.model_name == "ufld" and package.manifest["parity"]["passed"]
+    assert package.model_name == "ufld" and package.manifest["parity"]["passed"] and package.config.cells == 32
     assert set(package.manifest["parity"]["backends"]["onnx"]) >= {"max_abs_diff_columns", "max_abs_diff_existence"}
     # The demo's video (scripts/demo.py): the test frames as a clip.
     video = tmp_path / "drive.avi"

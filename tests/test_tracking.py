@@ -3,6 +3,7 @@ server and registered as champion, and a tracking server that is down costing on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -22,6 +23,7 @@ from tasks.tracking import (
     flatten_params,
     model_version_url,
     registered_model_name,
+    run_params,
     run_tags,
     run_url,
     step_metrics,
@@ -52,6 +54,21 @@ def test_parameters_flatten_to_mlflow_strings_as_the_lineage_reads_them() -> Non
     # MLflow's limits: keys of its alphabet and at most 250 characters, values at most 6000.
     odd = flatten_params({"what?*": "x" * 7000, "k" * 300: 1})
     assert odd["what__"] == "x" * 6000 and "k" * 250 in odd
+
+
+def test_the_model_trained_and_its_settings_are_parameters_of_the_run() -> None:
+    lineage = {"parameters": {"model": "ufld", "model_settings": {"cells": 32}, "lr": 0.05},
+               "training": {"model": {"name": "ufld", "settings": {"cells": 32, "backbone": "resnet18",
+                                                                    "anchor_top": 0.25}},
+                            "numerics": {"precision": "fp32"}}}
+    params = run_params(lineage)
+    assert params["model"] == "ufld" and params["model_settings.cells"] == "32"  # what the run asked
+    assert {key: value for key, value in params.items() if key.startswith("model.")} == {  # what it trained
+        "model.name": "ufld", "model.settings.cells": "32", "model.settings.backbone": "resnet18",
+        "model.settings.anchor_top": "0.25"}
+    assert params["numerics.precision"] == "fp32"
+    # A record from before the trainer named its model has no model parameters beyond what the run asked.
+    assert not any(key.startswith("model.") for key in run_params({"parameters": {"model": "scnn"}}))
 
 
 def test_step_metrics_follow_the_events_at_their_steps_and_a_resumed_step_counts_once() -> None:
@@ -103,7 +120,13 @@ def test_tags_and_links_find_the_run_from_laneflow_prefect_and_mlflow() -> None:
     lineage = {"run": "train-abc", "flow_run_id": "f1", "flow_run_name": "brave-fox", "volume": "v",
                "platform": "local", "dataset_version": "d1", "code_version": "git:1", "snapshot": None,
                "package": "runs/train-abc/package", "metrics": {"accuracy": 0.5}, "parameters": {"lr": 0.1}}
+    tags = run_tags({**lineage, "dataset": "culane"}, "http://127.0.0.1:4200/")
+    assert tags["laneflow.dataset"] == "culane"
+    # A record from before lineage named the dataset: the evaluation's metric says which.
+    assert run_tags({**lineage, "metrics": {"metric": "culane", "accuracy": 0.5}})["laneflow.dataset"] == "culane"
+    assert "laneflow.dataset" not in run_tags({**lineage, "metrics": {}})  # never scored: unknown
     tags = run_tags(lineage, "http://127.0.0.1:4200/")
+    assert tags["laneflow.dataset"] == "tusimple"
     assert tags["laneflow.run"] == "train-abc" and tags["prefect.flow_run_id"] == "f1"
     assert tags["laneflow.dataset_version"] == "d1" and "laneflow.snapshot" not in tags
     assert tags["laneflow.package"] == "runs/train-abc/package on volume v"
@@ -256,6 +279,13 @@ def test_nightly_tracks_the_challenger_and_makes_it_the_registered_champion(
     assert {key: params[f"numerics.{key}"] for key in ("precision", "memory_format", "compile")} == {
         "precision": start["precision"], "memory_format": start["memory_format"], "compile": "false"}
     assert params["numerics.numerics_reason"] == start["numerics_reason"]
+    # The model it trained and every one of its settings, as the trainer built them (cpu-demo's SCNN).
+    assert params["model"] == "scnn" and params["model.name"] == "scnn" and tags["laneflow.dataset"] == "tusimple"
+    from training.models import get_model
+
+    trained = dataclasses.asdict(get_model("scnn").settings("cpu-demo"))
+    assert {key: params[f"model.settings.{key}"] for key in trained} == {
+        key: json.dumps(list(value) if isinstance(value, tuple) else value) for key, value in trained.items()}
 
     # Step metrics: the run's own metrics.jsonl, value for value, step for step.
     steps = [e for e in events if e["event"] == "step"]
