@@ -144,7 +144,7 @@ def predict_command(args: argparse.Namespace) -> int:
 def champion_command(volume: str, platform_name: str) -> int:
     from prefect.variables import Variable
 
-    from tasks.champion import champion_variable
+    from tasks.champion import champion_variable, score_summary
 
     record = Variable.get(champion_variable(volume), default=None)
     if not record:
@@ -160,9 +160,8 @@ def champion_command(volume: str, platform_name: str) -> int:
     for label, scores in (("val", record.get("val_metrics")), ("reported", metrics)):
         if not scores:
             continue
-        print(f"{label:<12}: {scores.get('untimed_accuracy', scores.get('accuracy', float('nan'))):.4f} without the "
-              f"200 ms rule, {scores.get('accuracy', float('nan')):.4f} official ({scores.get('split')}, "
-              f"{scores.get('images')} images){' - decided on' if label == 'val' else ''}")
+        print(f"{label:<12}: {score_summary(scores)} ({scores.get('split')}, {scores.get('images')} images)"
+              f"{' - decided on' if label == 'val' else ''}")
     print(f"package     : {package}")
     tracked = record.get("mlflow") or {}
     if tracked.get("model_url"):
@@ -325,13 +324,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
+    from tasks.champion import score_summary
+    from tasks.lineage import dataset_label
     from tasks.platforms import load_platform
 
     for ref in load_platform(args.platform).list_snapshots():
-        metrics = ref.lineage.get("metrics") or {}
-        print(f"{ref.name:<40} {ref.lineage.get('created_at', ''):<26} dataset {ref.lineage.get('dataset_version')} "
-              f"accuracy {metrics.get('untimed_accuracy', float('nan')):.4f} "
-              f"(official {metrics.get('accuracy', float('nan')):.4f})")
+        print(f"{ref.name:<40} {ref.lineage.get('created_at', ''):<26} dataset {dataset_label(ref.lineage)} "
+              f"{score_summary(ref.lineage.get('metrics') or {})}")
     return 0
 
 

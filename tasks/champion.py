@@ -58,6 +58,19 @@ def score_name(metrics: dict[str, Any]) -> str:
     return "F1" if metrics.get("metric") == "culane" else "accuracy"
 
 
+def score_summary(metrics: dict[str, Any]) -> str:
+    """A recorded evaluation's score in words, named as its benchmark names it: CULane's F1 at IoU 0.5 (it has no
+    run-time rule), or TuSimple's accuracy without the 200 ms rule (what models are chosen by) and official."""
+    def shown(key: str) -> str:
+        value = metrics.get(key)
+        return f"{float(value):.4f}" if isinstance(value, int | float) else "?"
+
+    if metrics.get("metric") == "culane":
+        return f"F1 {shown('accuracy')} (official, IoU 0.5)"
+    untimed = "untimed_accuracy" if "untimed_accuracy" in metrics else "accuracy"
+    return f"accuracy {shown(untimed)} without the 200 ms rule, {shown('accuracy')} official"
+
+
 def decide_champion(champion_accuracy: float | None, challenger_accuracy: float,
                     min_improvement: float = 0.0, score: str = "accuracy") -> Decision:
     """Promote when there is no champion yet, or the challenger beats it by more than ``min_improvement``.

@@ -13,6 +13,8 @@ from typing import Any
 import cv2
 import numpy as np
 
+from tasks.champion import FP_ONLY_SCENARIOS
+
 
 def step_series(events: list[dict[str, Any]]) -> list[dict[str, float]]:
     """The ``step`` events of a run, one per logged step (a resumed run logs some steps twice: last wins)."""
@@ -24,16 +26,9 @@ def step_series(events: list[dict[str, Any]]) -> list[dict[str, float]]:
 
 
 def metrics_rows(training: dict[str, Any], evaluation: dict[str, Any], steps: list[dict[str, Any]]) -> list[dict]:
-    """The metrics table: TuSimple scores, then how training went."""
-    split = evaluation.get("split", "eval")
-    names = {"accuracy": "accuracy (official)", "fp": "FP (official)", "fn": "FN (official)",
-             "untimed_accuracy": "accuracy without the 200 ms rule (model selection)",
-             "untimed_fp": "FP without the 200 ms rule", "untimed_fn": "FN without the 200 ms rule"}
-    rows = [{"metric": f"{split} {label}", "value": round(float(evaluation[name]), 4)}
-            for name, label in names.items() if name in evaluation]
-    for name, label in (("images", "images"), ("over_time_limit", "images over 200 ms")):
-        if name in evaluation:
-            rows.append({"metric": f"{split} {label}", "value": evaluation[name]})
+    """The metrics table: the evaluation's scores (CULane's or TuSimple's, ``evaluation_rows``), then how
+    training went."""
+    rows = evaluation_rows(evaluation)
     if steps:
         rows += [
             {"metric": "final loss", "value": round(float(steps[-1]["loss"]), 4)},
@@ -43,6 +38,61 @@ def metrics_rows(training: dict[str, Any], evaluation: dict[str, Any], steps: li
     rows += [{"metric": key, "value": training[key]} for key in ("steps", "resumed_from", "duration_s")
              if key in training]
     return rows
+
+
+def evaluation_rows(evaluation: dict[str, Any]) -> list[dict]:
+    """An evaluation's scores as table rows, named as its benchmark names them: a CULane run's F1 is not
+    TuSimple's accuracy, and its ``fp`` (1 - precision) is not TuSimple's FP rate."""
+    if evaluation.get("metric") == "culane":
+        return culane_rows(evaluation)
+    split = evaluation.get("split", "eval")
+    names = {"accuracy": "accuracy (official)", "fp": "FP (official)", "fn": "FN (official)",
+             "untimed_accuracy": "accuracy without the 200 ms rule (model selection)",
+             "untimed_fp": "FP without the 200 ms rule", "untimed_fn": "FN without the 200 ms rule"}
+    rows = [{"metric": f"{split} {label}", "value": round(float(evaluation[name]), 4)}
+            for name, label in names.items() if name in evaluation]
+    for name, label in (("images", "images"), ("over_time_limit", "images over 200 ms")):
+        if name in evaluation:
+            rows.append({"metric": f"{split} {label}", "value": evaluation[name]})
+    return rows
+
+
+#: A CULane figure that is undefined (no lane to find and none predicted), as the table shows it.
+UNDEFINED = "undefined (nothing to count)"
+
+
+def _figure(value: Any) -> float | str:
+    return UNDEFINED if value is None else round(float(value), 4)
+
+
+def culane_rows(evaluation: dict[str, Any]) -> list[dict]:
+    """CULane's official figures over the whole split (F1, precision and recall at IoU 0.5, F1 at 0.75, the mean
+    F1 over 0.5:0.95, the lane counts), then each scenario list's F1 — the crossroads' false positives instead,
+    the only figure the official tool gives them (they have no lanes)."""
+    split = evaluation.get("split", "eval")
+    total = evaluation.get("counts") or {"f1": evaluation.get("accuracy")}
+    rows = [{"metric": f"{split} {label}", "value": _figure(total.get(key))}
+            for key, label in (("f1", "F1 (official, IoU 0.5; model selection)"), ("precision", "precision"),
+                               ("recall", "recall"), ("f1_75", "F1 at IoU 0.75"),
+                               ("mean_f1", "mean F1 (IoU 0.5:0.95)")) if key in total]
+    rows += [{"metric": f"{split} {label}", "value": int(total[key])}
+             for key, label in (("tp", "true positive lanes"), ("fp", "false positive lanes"),
+                                ("fn", "missed lanes")) if total.get(key) is not None]
+    if "images" in evaluation:
+        rows.append({"metric": f"{split} images", "value": evaluation["images"]})
+    for name, figures in (evaluation.get("scenarios") or {}).items():
+        if name in FP_ONLY_SCENARIOS:
+            rows.append({"metric": f"{split} {name} false positive lanes (no lanes to find)",
+                         "value": int(figures.get("fp") or 0)})
+        else:
+            rows.append({"metric": f"{split} {name} F1", "value": _figure(figures.get("f1"))})
+    return rows
+
+
+def metrics_description(evaluation: dict[str, Any], run: str) -> str:
+    """The metrics table's description: which benchmark's figures it holds."""
+    benchmark = "CULane" if evaluation.get("metric") == "culane" else "TuSimple"
+    return f"{benchmark} metrics and training summary of {run}"
 
 
 def eval_series(events: list[dict[str, Any]]) -> list[tuple[int, float]]:
@@ -130,8 +180,7 @@ def render_package_markdown(package: dict[str, Any], volume: str, lineage: dict[
         f"| format version | {package.get('format_version')} |",
         f"| dataset version | `{lineage.get('dataset_version')}` |",
         *(f"| {metrics.get('split', 'test')} {label} | {float(metrics[key]):.4f} |"
-          for key, label in (("accuracy", "accuracy (official)"),
-                             ("untimed_accuracy", "accuracy without the 200 ms rule")) if key in metrics),
+          for key, label in headline_scores(metrics) if key in metrics),
         f"| parity | checked on {parity.get('images')} images, tolerance {parity.get('tolerance')}: " + ", ".join(
             f"{name} max difference {r['max_abs_diff']:.1e}, lanes "
             f"{'identical' if r['identical_lanes'] else 'DIFFER'}" for name, r in backends.items()) + " |",
@@ -140,6 +189,14 @@ def render_package_markdown(package: dict[str, Any], volume: str, lineage: dict[
         f"Run it: `laneflow predict <images or video> --model {lineage.get('run')} --volume {volume}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def headline_scores(metrics: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """(key, label) of the scores a summary shows: CULane's F1 (its ``accuracy`` key), TuSimple's accuracy with
+    and without the 200 ms rule."""
+    if metrics.get("metric") == "culane":
+        return (("accuracy", "F1 (official, IoU 0.5)"),)
+    return (("accuracy", "accuracy (official)"), ("untimed_accuracy", "accuracy without the 200 ms rule"))
 
 
 def thumbnail_jpeg(image_bytes: bytes, max_width: int = 960) -> bytes:

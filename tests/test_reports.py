@@ -9,8 +9,17 @@ import numpy as np
 import pytest
 
 from flows.params import TrainParams
-from tasks.lineage import build_lineage, render_lineage_markdown
-from tasks.report import eval_series, metrics_rows, step_series, thumbnail_jpeg, training_curve_png, world_changes
+from tasks.lineage import build_lineage, dataset_label, render_lineage_markdown
+from tasks.report import (
+    eval_series,
+    metrics_description,
+    metrics_rows,
+    render_package_markdown,
+    step_series,
+    thumbnail_jpeg,
+    training_curve_png,
+    world_changes,
+)
 from tests.unit_helpers import SHA, source
 
 STEPS = [{"event": "step", "step": s, "loss": 1.0 / s, "lr": 0.01 * s, "img_per_s": 10.0, "input_stall": 0.1}
@@ -90,3 +99,74 @@ def test_an_elastic_runs_curve_marks_where_its_worker_count_changed() -> None:
                          cv2.IMREAD_COLOR)
     marked = cv2.imdecode(np.frombuffer(training_curve_png(steps, "run"), np.uint8), cv2.IMREAD_COLOR)
     assert colour_pixels(marked, (127, 127, 127)) > colour_pixels(plain, (127, 127, 127)) + 50  # the markers
+
+
+def culane_evaluation() -> dict:
+    """What the evaluation of a CULane test split returns (``training.evaluate_culane.culane_result``): normal
+    frames scored well, night frames badly, the crossroads with two false positives."""
+    from training.culane_eval import ListScore
+    from training.culane_metric import THRESHOLDS, Counts
+    from training.evaluate_culane import culane_result
+
+    def scored(images: int, at_half: Counts, strict: Counts) -> ListScore:  # strict: IoU above 0.5
+        return ListScore(images, {t: at_half if t == 0.5 else strict for t in THRESHOLDS})
+
+    normal = scored(4, Counts(tp=9, fp=1, fn=1), Counts(tp=6, fp=4, fn=4))
+    night = scored(3, Counts(tp=1, fp=3, fn=3), Counts(tp=0, fp=4, fn=4))
+    cross = scored(2, Counts(fp=2), Counts(fp=2))
+    scores = {"normal": normal, "night": night, "cross": cross}
+    return culane_result("test", {**scores, "all": normal + night + cross})
+
+
+def test_a_culane_runs_metrics_table_says_f1_precision_recall_and_each_scenario() -> None:
+    rows = metrics_rows({"steps": 30}, culane_evaluation(), STEPS)
+    table = {row["metric"]: row["value"] for row in rows}
+    # Over all lists: TP 10, FP 6, FN 4 at IoU 0.5 -> precision 10/16, recall 10/14, F1 20/30.
+    assert table["test F1 (official, IoU 0.5; model selection)"] == round(20 / 30, 4)
+    assert table["test precision"] == round(10 / 16, 4) and table["test recall"] == round(10 / 14, 4)
+    assert table["test F1 at IoU 0.75"] == round(12 / 30, 4)  # TP 6, FP 10, FN 8 above 0.5
+    assert table["test mean F1 (IoU 0.5:0.95)"] == round((20 / 30 + 9 * 12 / 30) / 10, 4)
+    assert (table["test true positive lanes"], table["test false positive lanes"], table["test missed lanes"]) == \
+        (10, 6, 4)
+    assert table["test normal F1"] == 0.9 and table["test night F1"] == 0.25
+    assert table["test cross false positive lanes (no lanes to find)"] == 2 and "test cross F1" not in table
+    assert table["test images"] == 9 and table["steps"] == 30
+    # Nothing of TuSimple's: CULane's fp is 1 - precision, not a false-positive rate, and it has no run-time rule.
+    assert not [name for name in table if "accuracy" in name or "FP" in name or "200 ms" in name]
+    assert metrics_description(culane_evaluation(), "train-1") == "CULane metrics and training summary of train-1"
+    tusimple = {"split": "test", "accuracy": 0.9, "fp": 0.1, "fn": 0.2}
+    assert metrics_description(tusimple, "train-1") == "TuSimple metrics and training summary of train-1"
+
+
+def test_a_culane_scenario_without_anything_to_count_says_so() -> None:
+    evaluation = {**culane_evaluation(), "scenarios": {"arrow": {"tp": 0, "fp": 0, "fn": 0, "f1": None}}}
+    table = {row["metric"]: row["value"] for row in metrics_rows({}, evaluation, [])}
+    assert table["test arrow F1"] == "undefined (nothing to count)"
+
+
+def test_a_culane_package_shows_its_f1_not_an_accuracy() -> None:
+    lineage = {"run": "train-1", "dataset_version": "dv1", "metrics": culane_evaluation()}
+    package = {"package": "runs/train-1/package", "parity": {"backends": {}}}
+    text = render_package_markdown(package, "culane", lineage)
+    assert f"| test F1 (official, IoU 0.5) | {20 / 30:.4f} |" in text and "accuracy" not in text
+    tusimple = render_package_markdown(package, "v", {**lineage, "metrics": {"split": "test", "accuracy": 0.9,
+                                                                            "untimed_accuracy": 0.95}})
+    assert "| test accuracy (official) | 0.9000 |" in tusimple
+    assert "| test accuracy without the 200 ms rule | 0.9500 |" in tusimple
+
+
+def test_lineage_names_the_dataset_beside_its_version() -> None:
+    common = {"run": "train-1", "flow_run_id": "f", "flow_run_name": "happy-fox", "platform": "local",
+              "volume": "v", "code": "git:abc", "parameters": {}, "training": {}, "snapshot": None}
+    dataset = {"dataset_version": "dv1", "counts": {"read": 9, "kept": 9, "quarantined": 0}}
+    culane = build_lineage(**common, dataset=dataset, evaluation=culane_evaluation())
+    assert culane["dataset"] == "culane" and culane["dataset_version"] == "dv1"
+    assert "| dataset | culane |\n| dataset version | `dv1` |" in render_lineage_markdown(culane)
+    assert dataset_label(culane) == "culane dv1"
+    tusimple = build_lineage(**common, dataset=dataset, evaluation={"split": "test", "accuracy": 0.9})
+    assert tusimple["dataset"] == "tusimple" and "| dataset | tusimple |" in render_lineage_markdown(tusimple)
+    # A preparation that names its dataset is taken at its word.
+    assert build_lineage(**common, dataset={**dataset, "dataset": "culane"}, evaluation={})["dataset"] == "culane"
+    # A record from before the name was kept renders as it did.
+    older = {key: value for key, value in tusimple.items() if key != "dataset"}
+    assert "| dataset |" not in render_lineage_markdown(older) and dataset_label(older) == "dv1"
