@@ -32,6 +32,22 @@ def code_version(root: Path = PROJECT_ROOT) -> str:
             return "unknown"
 
 
+def dataset_name(dataset: dict, evaluation: dict) -> str:
+    """Which dataset a run trained on: the preparation's own word when its summary carries the manifest's
+    ``dataset``, else the evaluation's, which chose its metric from that manifest (``training.evaluate``'s
+    ``dataset_kind``): ``culane`` when it scored by CULane's metric, ``tusimple`` otherwise."""
+    if dataset.get("dataset"):
+        return str(dataset["dataset"])
+    return "culane" if evaluation.get("metric") == "culane" else "tusimple"
+
+
+def dataset_label(lineage: dict) -> str:
+    """A run's dataset for people: its name and version (``culane dv1``); a record from before the name was
+    kept says only its version."""
+    name, version = lineage.get("dataset"), lineage.get("dataset_version")
+    return f"{name} {version}" if name else str(version)
+
+
 def build_lineage(*, run: str, flow_run_id: str, flow_run_name: str, platform: str, volume: str, dataset: dict,
                   code: str, parameters: dict, training: dict, evaluation: dict, snapshot: str | None,
                   service_level: dict | None = None) -> dict:
@@ -42,6 +58,9 @@ def build_lineage(*, run: str, flow_run_id: str, flow_run_name: str, platform: s
         "flow_run_name": flow_run_name,
         "platform": platform,
         "volume": volume,
+        # The dataset's name (``tusimple`` or ``culane``) beside its version: a version is a hash of the data,
+        # which says which data but not which benchmark it is.
+        "dataset": dataset_name(dataset, evaluation),
         "dataset_version": dataset.get("dataset_version"),
         "dataset_dir": dataset.get("dataset_dir"),
         "artifacts": dataset.get("artifacts"),
@@ -81,6 +100,7 @@ def render_lineage_markdown(lineage: dict) -> str:
         f"| run | `{lineage.get('run')}` |",
         f"| flow run | {lineage.get('flow_run_name')} (`{lineage.get('flow_run_id')}`) |",
         f"| platform / volume | {lineage.get('platform')} / `{lineage.get('volume')}` |",
+        *([f"| dataset | {lineage['dataset']} |"] if lineage.get("dataset") else []),
         f"| dataset version | `{lineage.get('dataset_version')}` |",
         *([f"| dataset index | {release.get('index')}: version `{release.get('version')}` (published "
            f"{release.get('published')}) |"] if (release := lineage.get("dataset_release")) else []),
