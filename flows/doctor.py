@@ -8,7 +8,8 @@ permissions the shipped RBAC manifests list); the MPI operator's API is served, 
 laneflow sets (an older operator's would drop them) and its controller runs (its leader Lease renewed); with CSI
 snapshots, the snapshot API is served; the block's storage class (ANF's provisioner when the block moves ANF
 service levels) and snapshot class exist; a node pool takes the training
-workers (taints tolerated, node selector matched, GPUs enough); with a Kueue LocalQueue, Kueue's API served, the
+workers (taints tolerated, node selector matched, GPUs enough), and each kind of a run's pods (workers, launcher,
+dataset Job, scoring Jobs) lands on some pool; with a Kueue LocalQueue, Kueue's API served, the
 queue and its ClusterQueue active and the priority class there; with a Run:ai project, its namespace labelled for
 it and its queue (existing, a leaf, with GPUs). The CRD, the lease, the classes, the nodes, Kueue's queues, the
 namespace and Run:ai's queues are reads the flows never need: ``deployments/doctor`` grants them, read-only. With ANF
@@ -57,6 +58,7 @@ from tasks.doctor import (
     mpijob_crd_verdict,
     operator_lease_verdict,
     permissions_verdict,
+    placement_verdict,
     priority_class_verdict,
     pull_state,
     reachable_verdict,
@@ -115,7 +117,7 @@ def cluster_checks(platform: object, pull_images: bool = False) -> list[Check]:
     checks.append(storage_class_check(client, platform))
     if snapshot_api is not None and snapshot_api.ok:  # without the API, its class cannot be read (nor be)
         checks.append(snapshot_class_check(client, platform))
-    checks.append(gpu_pool_check(client, platform))
+    checks += node_checks(client, platform)
     if platform.kueue_queue:
         checks += kueue_checks(client, platform)
     if platform.runai_project:
@@ -232,13 +234,17 @@ def snapshot_class_check(client: kubernetes.client.ApiClient, platform: object) 
     return snapshot_class_verdict(platform.snapshot_class, found)
 
 
-def gpu_pool_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
-    """The nodes (list nodes) against the workers' tolerations, node selector and GPUs."""
+def node_checks(client: kubernetes.client.ApiClient, platform: object) -> list[Check]:
+    """The nodes (list nodes) against the workers' tolerations, node selector and GPUs; then each kind of a run's
+    pods, rendered as the platform renders them, placed on the pools where the scheduler could put it."""
+    from tasks.platforms.cluster.run_pods import run_pod_specs
+
     found, error = _read(lambda: kubernetes.client.CoreV1Api(client).list_node())
     if error:
-        return unreadable_verdict(gpu_pool_check_name(platform.gpus_per_worker), error)
+        return [unreadable_verdict(gpu_pool_check_name(platform.gpus_per_worker), error)]
     nodes = client.sanitize_for_serialization(found)["items"] if found else []
-    return gpu_pool_verdict(nodes, platform.tolerations, platform.node_selector, platform.gpus_per_worker)
+    return [gpu_pool_verdict(nodes, platform.tolerations, platform.node_selector, platform.gpus_per_worker),
+            placement_verdict(nodes, run_pod_specs(platform), kueue=bool(platform.kueue_queue))]
 
 
 def kueue_checks(client: kubernetes.client.ApiClient, platform: object) -> list[Check]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from tasks.k8s.placement import landing_pools, pod_requests
+
 #: The RBAC manifests whose Roles and ClusterRoles list every call the cluster platform makes (the tests of
 #: tests/test_cluster_pipeline.py hold the code to them): the namespaced Role, the cluster-scoped read of PVs,
 #: and the opt-in patch of hand-made claims' PVs (needed only when the block adopts claims).
@@ -240,45 +242,7 @@ def snapshot_class_verdict(name: str, found: Mapping[str, Any] | None) -> Check:
                             f"driver {(found or {}).get('driver', '?')}")
 
 
-# --- GPU nodes -------------------------------------------------------------------------------------------------
-def tolerates(tolerations: Iterable[Mapping[str, Any]], taint: Mapping[str, Any]) -> bool:
-    """Whether a pod with ``tolerations`` tolerates ``taint`` (k8s.io/api core/v1 ``Toleration.ToleratesTaint``)."""
-    for toleration in tolerations:
-        if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
-            continue
-        if toleration.get("key") and toleration["key"] != taint.get("key"):
-            continue
-        operator = toleration.get("operator") or "Equal"
-        if operator == "Exists" or (operator == "Equal" and (toleration.get("value") or "") ==
-                                    (taint.get("value") or "")):
-            return True
-    return False
-
-
-def _pool(node: Mapping[str, Any]) -> str:
-    labels = node.get("metadata", {}).get("labels") or {}
-    return labels.get("kubernetes.azure.com/agentpool") or labels.get("agentpool") or node["metadata"]["name"]
-
-
-def node_unsuitability(node: Mapping[str, Any], tolerations: Iterable[Mapping[str, Any]],
-                       node_selector: Mapping[str, str], gpus_per_worker: int) -> str | None:
-    """Why a training worker cannot land on ``node`` (a v1 Node as the API serves it), or None when it can."""
-    tolerations = list(tolerations)
-    labels = node.get("metadata", {}).get("labels") or {}
-    spec, status = node.get("spec") or {}, node.get("status") or {}
-    for taint in spec.get("taints") or []:
-        if taint.get("effect") in ("NoSchedule", "NoExecute") and not tolerates(tolerations, taint):
-            value = f"={taint['value']}" if taint.get("value") else ""
-            return f"taint {taint['key']}{value}:{taint['effect']} not tolerated"
-    unmatched = {key: value for key, value in node_selector.items() if labels.get(key) != value}
-    if unmatched:
-        return "node selector " + ", ".join(f"{k}={v}" for k, v in unmatched.items()) + " not matched"
-    gpus = int(str((status.get("allocatable") or {}).get(GPU, "0")) or 0)
-    if gpus < gpus_per_worker:
-        return f"{gpus} allocatable {GPU} per node, {gpus_per_worker} asked"
-    return None
-
-
+# --- GPU nodes and where each pod lands -------------------------------------------------------------------------
 def gpu_pool_check_name(gpus_per_worker: int) -> str:
     return f"a node pool for training workers ({gpus_per_worker} {GPU} each)"
 
@@ -287,22 +251,48 @@ def gpu_pool_verdict(nodes: Iterable[Mapping[str, Any]], tolerations: Iterable[M
                      node_selector: Mapping[str, str], gpus_per_worker: int) -> Check:
     """A node pool where the training workers fit: taints tolerated, node selector matched, enough GPUs; otherwise
     each pool seen and why it is unsuitable."""
-    tolerations = list(tolerations)
-    why: dict[str, str] = {}
-    fit: list[str] = []
-    for node in nodes:
-        reason = node_unsuitability(node, tolerations, node_selector, gpus_per_worker)
-        pool = _pool(node)
-        if reason is None:
-            fit.append(pool) if pool not in fit else None
-        else:
-            why.setdefault(pool, reason)
+    worker = {"tolerations": list(tolerations), "nodeSelector": dict(node_selector),
+              "containers": [{"resources": {"limits": {GPU: str(gpus_per_worker)}}}]}
+    fit, why = landing_pools(nodes, worker)
     what = gpu_pool_check_name(gpus_per_worker)
     if fit:
         return Check(what, True, "pools " + ", ".join(fit))
     seen = "; ".join(f"{pool}: {reason}" for pool, reason in why.items()) or "no nodes"
     return Check(what, False, seen, "the block's tolerations, node_selector or gpus_per_worker, or a GPU pool "
                                     "(az aks nodepool add --node-taints sku=gpu:NoSchedule ...)")
+
+
+PLACEMENT_CHECK = "where each of a run's pods can land"
+#: The GPU pods (MPI workers, the Jobs after training) are placed by the block's scheduling fields.
+GPU_PODS_FIX = ("the block's tolerations, node_selector, affinity, worker_cpu, worker_memory or gpus_per_worker, "
+                "or a GPU pool they fit")
+#: Pods that ask for no GPU get none of the block's scheduling fields (those are the GPU pods'): they need a pool
+#: without taints, which AKS's system pool is unless it was made system-only.
+PLAIN_PODS_FIX = ("a pool without taints for the pods that ask for no GPU (an AKS system pool made with "
+                  "--node-taints CriticalAddonsOnly=true:NoSchedule takes none of them): az aks nodepool add "
+                  "--mode User ... without --node-taints")
+
+
+def placement_verdict(nodes: Iterable[Mapping[str, Any]], pods: Mapping[str, Mapping[str, Any]],
+                      kueue: bool = False) -> Check:
+    """Which pools each of a run's pods (its rendered pod spec, by what it is) can land on; ✘ naming a pod that fits
+    no pool and why each pool refuses it. With Kueue, the GPU pods also gain their flavor's node labels and
+    tolerations at admission, which no spec here has yet."""
+    nodes = list(nodes)
+    landed, stranded, fixes = [], [], []
+    for what, spec in pods.items():
+        fit, why = landing_pools(nodes, spec)
+        if fit:
+            landed.append(f"{what} → {', '.join(fit)}")
+            continue
+        reasons = "; ".join(f"{pool}: {reason}" for pool, reason in why.items()) or "no nodes"
+        stranded.append(f"{what} fits no pool ({reasons})")
+        fix = GPU_PODS_FIX if pod_requests(spec).get(GPU) else PLAIN_PODS_FIX
+        fixes += [fix] if fix not in fixes else []
+    note = " (before Kueue's flavors add their node labels and tolerations)" if kueue else ""
+    if stranded:
+        return Check(PLACEMENT_CHECK, False, "; ".join(stranded) + note, "; ".join(fixes))
+    return Check(PLACEMENT_CHECK, True, "; ".join(landed) + note)
 
 
 # --- this machine ----------------------------------------------------------------------------------------------

@@ -35,9 +35,9 @@ from tasks.doctor import (
     shipped_rbac,
     snapshot_class_verdict,
     storage_class_verdict,
-    tolerates,
     work_pool_verdict,
 )
+from tasks.k8s.placement import tolerates
 from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS, aks_nodes
 from tests.cluster.node_objects import node_object
 from tests.cluster.operator_lease import micro_time
@@ -82,6 +82,76 @@ def test_each_pool_is_named_with_why_it_is_unsuitable() -> None:
     selected_away = gpu_pool_verdict(served_nodes(), GPU_TOLERATIONS, {"agentpool": "a100"}, 1)
     assert not selected_away.ok and "gpu: node selector agentpool=a100 not matched" in selected_away.detail
     assert gpu_pool_verdict([], GPU_TOLERATIONS, {}, 1).detail == "no nodes"
+
+
+#: AKS's advice for a system-only pool (learn.microsoft.com, "Manage system node pools in AKS"): only critical
+#: add-ons tolerate it.
+CRITICAL_ADDONS_ONLY = {"key": "CriticalAddonsOnly", "value": "true", "effect": "NoSchedule"}
+LANDED = ("MPI workers → gpu, gpuspot; MPI launcher → system; dataset Job → system; "
+          "scoring and packaging Jobs → gpu, gpuspot")
+
+
+def example_block(**changes: object) -> object:
+    """The shipped example block's scheduling (tests/cluster/aks.py), made without a cluster: its pods' specs need
+    none."""
+    from tasks.platforms.cluster import ClusterPlatform
+
+    return ClusterPlatform(**{"image": "registry.example.org/laneflow-train:0.1.0", "tolerations": GPU_TOLERATIONS,
+                              "node_selector": GPU_NODE_SELECTOR, **changes})
+
+
+def test_each_of_a_runs_pods_is_placed_on_the_pools_the_scheduler_could_put_it_on() -> None:
+    """The pods as the platform renders them: the GPU pods on the tainted GPU pools, the others on the system pool;
+    a system-only pool (AKS's CriticalAddonsOnly taint) leaves the launcher and the dataset Job nowhere, and a
+    block asking more CPU per worker than a GPU node has leaves the workers nowhere."""
+    from tasks.doctor import PLACEMENT_CHECK, placement_verdict
+    from tasks.platforms.cluster.run_pods import run_pod_specs
+
+    pods = run_pod_specs(example_block())
+    assert list(pods) == ["MPI workers", "MPI launcher", "dataset Job", "scoring and packaging Jobs"]
+    landed = placement_verdict(served_nodes(), pods)
+    assert landed.ok and landed.check == PLACEMENT_CHECK and landed.detail == LANDED, landed
+    system_only = served_nodes()
+    for node in system_only:
+        if node["metadata"]["labels"]["agentpool"] == "system":
+            node.setdefault("spec", {}).setdefault("taints", []).append(CRITICAL_ADDONS_ONLY)
+    stranded = placement_verdict(system_only, pods)
+    assert not stranded.ok, stranded
+    assert ("MPI launcher fits no pool (system: taint CriticalAddonsOnly=true:NoSchedule not tolerated; gpu: taint "
+            "sku=gpu:NoSchedule not tolerated; gpuspot: taint sku=gpu:NoSchedule not tolerated)") in stranded.detail
+    assert "dataset Job fits no pool" in stranded.detail and "MPI workers fits no pool" not in stranded.detail
+    assert "az aks nodepool add --mode User" in stranded.fix
+    greedy = placement_verdict(served_nodes(), run_pod_specs(example_block(worker_cpu="200")))
+    assert not greedy.ok and "MPI workers fits no pool" in greedy.detail, greedy
+    assert "gpu: 95 allocatable cpu per node, 200 asked" in greedy.detail, greedy  # AKS reserves one core
+    assert "worker_cpu" in greedy.fix and "--mode User" not in greedy.fix, greedy
+    queued = placement_verdict(served_nodes(), pods, kueue=True)
+    assert queued.ok and queued.detail.endswith("(before Kueue's flavors add their node labels and tolerations)")
+
+
+def test_required_node_affinity_and_cordons_are_judged_as_the_scheduler_judges_them() -> None:
+    from tasks.k8s.placement import pod_unsuitability
+
+    (node,) = [n for n in served_nodes() if n["metadata"]["labels"]["agentpool"] == "gpu"]
+    spec = {"tolerations": GPU_TOLERATIONS}
+
+    def affinity(*terms: list[dict]) -> dict:
+        return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": list(term)} for term in terms]}}}
+
+    pool_in = {"key": "agentpool", "operator": "In", "values": ["gpu"]}
+    pool_not_in = {"key": "agentpool", "operator": "NotIn", "values": ["gpu"]}
+    missing = {"key": "example.org/absent", "operator": "Exists"}
+    assert pod_unsuitability(node, {**spec, "affinity": affinity([pool_in])}) is None
+    assert pod_unsuitability(node, {**spec, "affinity": affinity([pool_not_in])}) == \
+        "required node affinity not matched"
+    assert pod_unsuitability(node, {**spec, "affinity": affinity([pool_not_in], [pool_in])}) is None  # any term
+    assert pod_unsuitability(node, {**spec, "affinity": affinity([pool_in, missing])}) == \
+        "required node affinity not matched"  # every expression of a term
+    cordoned = {**node, "spec": {**node.get("spec", {}), "unschedulable": True}}
+    assert pod_unsuitability(cordoned, spec) == "cordoned"
+    assert pod_unsuitability(cordoned, {"tolerations": [*GPU_TOLERATIONS, {
+        "key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"}]}) is None
 
 
 def test_tolerations_match_taints_as_kubernetes_does() -> None:
@@ -189,6 +259,7 @@ def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests
     assert "✔ storage class azure-netapp-files (provisioner csi.trident.netapp.io)" in lines
     assert "✔ volume snapshot class csi-anf-snapclass (driver csi.trident.netapp.io)" in lines
     assert "✔ a node pool for training workers (1 nvidia.com/gpu each) (pools gpu, gpuspot)" in lines
+    assert f"✔ where each of a run's pods can land ({LANDED})" in lines, lines
     assert "✔ work pool doctor-ok-k8s with a worker online (workers prefect-worker-7d9f)" in lines
     as_json = doctor(prefect_server, "--platform", name, "--json", "--work-pool", "doctor-ok-k8s")
     assert as_json.returncode == 0 and all(item["ok"] for item in json.loads(as_json.stdout))
@@ -309,7 +380,9 @@ def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_
     untolerating = saved(emu, "doctor-untolerating", namespace="laneflow", tolerations=[])
     failed = {check.check: check for check in cluster_only(run_checks(untolerating)) if not check.ok}
     assert failed.keys() == {"storage class azure-netapp-files", "volume snapshot class csi-anf-snapclass",
-                             "a node pool for training workers (1 nvidia.com/gpu each)"}, failed
+                             "a node pool for training workers (1 nvidia.com/gpu each)",
+                             "where each of a run's pods can land"}, failed
+    assert failed["where each of a run's pods can land"].detail.startswith("MPI workers fits no pool (")
     assert failed["storage class azure-netapp-files"].detail == "not found"
     assert "storageclass-anf.yaml" in failed["storage class azure-netapp-files"].fix
     assert "volumesnapshotclass.yaml" in failed["volume snapshot class csi-anf-snapclass"].fix
@@ -322,6 +395,14 @@ def test_doctor_names_the_reads_it_lacks_missing_classes_and_a_pool_the_workers_
             node.unschedulable = node.labels.get("agentpool") == "gpu"
     (pool,) = [check for check in run_checks(name) if check.check.startswith("a node pool")]
     assert pool.ok and pool.detail == "pools gpuspot", pool
+
+    with cluster.lock:  # the system pool made system-only: nothing of a run's but its GPU pods has a pool left
+        for node in cluster.nodes.values():
+            if node.labels.get("agentpool") == "system":
+                node.taints.append(dict(CRITICAL_ADDONS_ONLY))
+    (placed,) = [check for check in run_checks(name) if check.check == "where each of a run's pods can land"]
+    assert not placed.ok and "MPI launcher fits no pool (system: taint CriticalAddonsOnly" in placed.detail, placed
+    assert "dataset Job fits no pool" in placed.detail and "--mode User" in placed.fix, placed
 
 
 def test_the_work_pool_must_exist_be_kubernetes_unpaused_and_have_a_worker_online() -> None:

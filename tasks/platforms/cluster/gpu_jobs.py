@@ -19,16 +19,14 @@ if TYPE_CHECKING:
     from tasks.platforms.cluster import ClusterPlatform
 
 
-def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, labels: dict[str, str],
-             args: list[str], event: str, log: LogSink, timeout_s: float = 6 * 3600, gpus: int = 1,
-             env: dict[str, str] | None = None) -> dict[str, Any]:
-    """``python -m <args>`` as a Job in the training image on ``gpus`` GPUs (one by default), the claim at
-    /data, ``env`` in its environment; its event. A Job on GPUs is scheduled as the training workers are (the
-    block's tolerations, node selector, affinity, priority class and requests): on AKS the GPU pools are
-    tainted, and a pod asking for a GPU without the pool's tolerations is never scheduled anywhere."""
-    name = validate_name(name[:63].rstrip("-"), "job")
-    body = render_claim_job(name, platform.layout(), volume.name, ["python", "-m", *args],
-                            platform.job_labels(run, labels))
+def render_gpu_job(platform: ClusterPlatform, name: str, claim: str, run: str, labels: dict[str, str],
+                   args: list[str], gpus: int = 1, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The Job running ``python -m <args>`` in the training image on ``gpus`` GPUs, the claim at /data, ``env`` in its
+    environment (pure). A Job on GPUs is scheduled as the training workers are (the block's tolerations, node
+    selector, affinity, priority class and requests): on AKS the GPU pools are tainted, and a pod asking for a GPU
+    without the pool's tolerations is never scheduled anywhere. ``laneflow doctor`` places it on the nodes too."""
+    body = render_claim_job(validate_name(name[:63].rstrip("-"), "job"), platform.layout(), claim,
+                            ["python", "-m", *args], platform.job_labels(run, labels))
     container = body["spec"]["template"]["spec"]["containers"][0]
     container["image"] = platform.image
     if gpus:  # on the GPU pools, as the training workers are: the block's tolerations, selector, priority, requests
@@ -39,6 +37,15 @@ def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, 
         container["env"] = [{"name": key, "value": value} for key, value in sorted(env.items())]
     if gpus:  # a GPU Job waits for Kueue's admission as the training does
         body = queued(body, platform.kueue_queue, platform.kueue_priority_class)
+    return body
+
+
+def _gpu_job(platform: ClusterPlatform, name: str, volume: VolumeRef, run: str, labels: dict[str, str],
+             args: list[str], event: str, log: LogSink, timeout_s: float = 6 * 3600, gpus: int = 1,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``render_gpu_job`` run to its end; its event."""
+    body = render_gpu_job(platform, name, volume.name, run, labels, args, gpus, env)
+    name = body["metadata"]["name"]
     lines = run_job(platform, body, log, timeout_s=timeout_s, delete_after=True)
     result = last_event(lines, event, f"job {name}")
     result.pop("event", None)
