@@ -83,6 +83,45 @@ def test_known_lanes_encoded_into_row_targets_decode_back_within_one_cell(preset
         assert (xs >= 0).sum() >= len(rows) - 3, (slot, xs)  # near the top anchors a lane may start a row late
 
 
+#: Four lanes in CULane's 1640x590 frame, as (x at the bottom row 589, x at row 230).
+CULANE_ENDS = ((40.0, 600.0), (560.0, 760.0), (1150.0, 900.0), (1620.0, 1060.0))
+
+
+def culane_x(slot: int, y: float) -> float:
+    bottom, top = CULANE_ENDS[slot]
+    return top + (bottom - top) * (y - 230) / (589 - 230)
+
+
+def test_known_lanes_decode_to_culanes_points_within_one_cell() -> None:
+    """Encoded into ufld's CULane targets and decoded by the model's CULane rule: points on CULane's rows (every
+    20 from the bottom of the 590-row frame) within one anchor cell of the true lanes, in the frame's pixels."""
+    from training.inference import culane_point_rows
+
+    model = get_model("ufld")
+    settings = model.settings("culane")
+    width, height, frame = settings.input_width, settings.input_height, (1640, 590)
+    mask = np.zeros((height, width), np.uint8)
+    for slot in range(LANES):
+        ends = [(round(culane_x(slot, y) * width / frame[0]), round(y * height / frame[1])) for y in (230, 589)]
+        cv2.line(mask, ends[0], ends[1], slot + 1, 5)
+    targets = row_targets(torch.from_numpy(mask)[None], settings)
+    logits = torch.full((1, settings.cells + 1, settings.anchors, LANES), -20.0)
+    logits.scatter_(1, targets[None], 20.0)
+    columns = columns_from_rows(logits, torch.arange(settings.cells, dtype=torch.float32).view(1, -1, 1, 1),
+                                settings.cell_width)[0].numpy()
+    lanes = dict(model.culane_lanes(settings, (columns, np.ones(LANES, np.float32)), frame))
+    _, culane_rows = culane_point_rows(frame[1])
+    cell = settings.cell_width * frame[0] / width  # one cell in the frame's pixels
+    assert sorted(lanes) == [0, 1, 2, 3]
+    for slot, points in lanes.items():
+        assert all(y in culane_rows for _, y in points), points
+        for x, y in points:
+            assert abs(x - min(max(culane_x(slot, y), 0), frame[0] - 1)) <= cell + 1, (slot, x, y)
+        # Every CULane row between the top and bottom anchors has its point (589 lies below the last anchor).
+        top, bottom = (row * frame[1] / height for row in settings.anchor_rows()[[0, -1]])
+        assert {y for _, y in points} == {int(y) for y in culane_rows if top <= y <= bottom}, (slot, points)
+
+
 @pytest.mark.slow
 def test_a_sweep_over_the_model_trains_scores_ranks_and_packages_both_and_the_row_anchor_package_runs_on_video(
         prefect_server: dict, laneflow_home: Path, synthetic_archive: tuple[Path, str], tmp_path: Path) -> None:
