@@ -1,4 +1,4 @@
-"""Train SCNN with Horovod: ``python -m training.train`` (size 1) or under ``horovodrun -np N``.
+"""Train a lane model with Horovod: ``python -m training.train`` (size 1) or under ``horovodrun -np N``.
 
 Safe to retry: rank 0 alone writes checkpoints (atomically, every N steps and at epoch end) and the run
 resumes from the newest valid one; a truncated checkpoint is skipped with a warning. SIGTERM (or SIGUSR1,
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="cpu-demo", help=f"one of {', '.join(TRAIN_PRESETS)}")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a setting, e.g. --set epochs=5 --set model.input_width=320")
-    parser.add_argument("--weights", type=Path, help="VGG16-BN backbone weights file (optional)")
+    parser.add_argument("--weights", type=Path, help="backbone weights file for the run's model (optional): SCNN "
+                        "takes VGG16-BN's, ufld torchvision's ResNet-18/34 (the model's load_backbone reads it)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s rank" + launcher_rank(os.environ) + " %(name)s %(message)s")
