@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--pull-images", action="store_true",
                         help="on a cluster, also start a short Job per image of the block to see that the nodes can "
                              "pull it (minutes for a multi-GB image the first time)")
+    doctor.add_argument("--volume", default=None,
+                        help="on a cluster with ANF settings, a claim (a run's volume parameter) whose Azure NetApp "
+                             "Files volume must be found in one of the block's capacity pools")
     return parser
 
 
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from flows.doctor import doctor_command
 
-        return doctor_command(args.platform, args.json, args.work_pool, args.pull_images)
+        return doctor_command(args.platform, args.json, args.work_pool, args.pull_images, args.volume)
     if args.command == "lineage":
         try:
             print(lineage_text(args.name, args.platform), end="")

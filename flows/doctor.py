@@ -13,7 +13,8 @@ dataset Job, scoring Jobs) lands on some pool; with a Kueue LocalQueue, Kueue's 
 queue and its ClusterQueue active and the priority class there; with a Run:ai project, its namespace labelled for
 it and its queue (existing, a leaf, with GPUs). The CRD, the lease, the classes, the nodes, Kueue's queues, the
 namespace and Run:ai's queues are reads the flows never need: ``deployments/doctor`` grants them, read-only. With ANF
-settings, each configured capacity pool is listed with the block's Azure credentials. With ``--pull-images``, a
+settings, each configured capacity pool is listed with the block's Azure credentials, and with ``--volume`` the
+claim's ANF volume is found in one of them. With ``--pull-images``, a
 probe Job per image shows whether the nodes can pull it. Then the Kubernetes work pool, when it exists or is
 named: a worker online. Locally: Horovod's build, free disk where the volumes live. Both: the Prefect server.
 """
@@ -35,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 
 from flows.local_server import DEFAULT_PORT, api_url, is_healthy
 from tasks.doctor import (
+    ANF_ROLE_FIX,
     CLUSTER_WORK_POOL,
     KUEUE_API,
     KUEUE_FIX,
@@ -47,6 +49,7 @@ from tasks.doctor import (
     Check,
     Permission,
     anf_verdict,
+    anf_volume_verdict,
     api_served_verdict,
     disk_verdict,
     exit_code,
@@ -88,7 +91,7 @@ def _error(exc: BaseException) -> str:
 
 
 # --- the cluster -----------------------------------------------------------------------------------------------
-def cluster_checks(platform: object, pull_images: bool = False) -> list[Check]:
+def cluster_checks(platform: object, pull_images: bool = False, volume: str | None = None) -> list[Check]:
     """The cluster platform's checks, read with the client the block itself makes (its credentials, else in-cluster
     config, else the default kubeconfig)."""
     from tasks.platforms.cluster.api import api_client
@@ -124,6 +127,8 @@ def cluster_checks(platform: object, pull_images: bool = False) -> list[Check]:
         checks += runai_checks(client, platform.runai_project)
     if platform.anf is not None:
         checks.append(anf_check(platform.anf))
+        if volume:
+            checks.append(anf_volume_check(platform, volume))
     if pull_images:
         checks += image_checks(client, platform)
     return checks
@@ -184,6 +189,31 @@ def anf_check(anf: object) -> Check:
     except Exception as exc:  # no Azure at the endpoint, a bad CA bundle, an incomplete block: the answer to report
         return anf_verdict(anf.account, pools, _error(exc))
     return anf_verdict(anf.account, pools)
+
+
+def anf_volume_check(platform: object, claim: str) -> Check:
+    """The claim's PV names its ANF volume (Trident's internalID); the volume is looked up in the block's pools
+    (Volumes_Get, the role's volumes/read): what a run's promotion, demotion and ANF snapshot act on."""
+    from tasks.anf import AnfError
+    from tasks.platforms.base import VolumeRef
+    from tasks.platforms.cluster.volumes import NotOnAnf, VolumeNotBound, anf_volume_of
+
+    namespace = platform.effective_namespace()
+    where = f"{namespace}/{claim}"
+    try:
+        bound = anf_volume_of(platform, VolumeRef(name=claim, location=where))
+        pool, level, quota_tib = bound.locate()
+    except ApiException as exc:
+        if exc.status == 404:
+            return anf_volume_verdict(where, None, "no such claim",
+                                      f"kubectl get pvc -n {namespace}: name a claim a run made (its volume parameter)")
+        return anf_volume_verdict(where, None, _error(exc), "the claim's namespace and the flows' Role")
+    except (NotOnAnf, VolumeNotBound, AnfError, PermissionError) as exc:
+        return anf_volume_verdict(where, None, str(exc), "the block's anf fields, or the claim's storage class "
+                                                         "(a Trident azure-netapp-files class)")
+    except Exception as exc:  # the Azure SDK's errors (refused credentials, no Azure there): the answer to report
+        return anf_volume_verdict(where, None, _error(exc), ANF_ROLE_FIX)
+    return anf_volume_verdict(where, (bound.volume, pool, level, quota_tib))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -373,9 +403,10 @@ def server_check() -> Check:
 
 
 # --- the command -----------------------------------------------------------------------------------------------
-def run_checks(platform_name: str, work_pool: str | None = None, pull_images: bool = False) -> list[Check]:
+def run_checks(platform_name: str, work_pool: str | None = None, pull_images: bool = False,
+               volume: str | None = None) -> list[Check]:
     """Every check for the platform block ``platform_name`` (and, on a cluster, the work pool ``work_pool``, else
-    the shipped deployments' pool when it exists)."""
+    the shipped deployments' pool when it exists; with ANF, the ANF volume of the claim ``volume``)."""
     from tasks.platforms import DEFAULT_PLATFORM, ClusterPlatform, LocalPlatform, load_platform
 
     checks = [server_check()]
@@ -390,14 +421,15 @@ def run_checks(platform_name: str, work_pool: str | None = None, pull_images: bo
         return [*checks, Check(f"platform block {platform_name}", False, str(exc),
                                "save the block first (docs/getting-started/cluster.md), or pass --platform")]
     if isinstance(platform, ClusterPlatform):
-        checks += cluster_checks(platform, pull_images)
+        checks += cluster_checks(platform, pull_images, volume)
         pool = work_pool_check(work_pool or CLUSTER_WORK_POOL, required=work_pool is not None)
         return checks + ([pool] if pool is not None else [])
     return checks + local_checks(platform)
 
 
-def doctor_command(platform_name: str, as_json: bool, work_pool: str | None = None, pull_images: bool = False) -> int:
-    checks = run_checks(platform_name, work_pool, pull_images)
+def doctor_command(platform_name: str, as_json: bool, work_pool: str | None = None, pull_images: bool = False,
+                   volume: str | None = None) -> int:
+    checks = run_checks(platform_name, work_pool, pull_images, volume)
     if as_json:
         print(json.dumps([check.as_dict() for check in checks], indent=2))
     else:

@@ -445,6 +445,17 @@ def anf_verdict(account: str, pools: Mapping[str, tuple[str, int | None]], error
     return Check(what, True, ", ".join(f"{level} {name}: {count} volumes" for level, (name, count) in pools.items()))
 
 
+def anf_volume_verdict(where: str, located: tuple[str, str, str, float] | None, error: str | None = None,
+                       fix: str = "") -> Check:
+    """The ANF volume behind a claim (``where``: namespace/claim), found in one of the block's pools: ``located`` is
+    (ANF volume, pool, service level, quota in TiB); ``error`` and ``fix`` what kept it from being found."""
+    what = f"Azure NetApp Files volume of claim {where} in one of the block's pools"
+    if located is None:
+        return Check(what, False, error or "not found", fix)
+    volume, pool, level, quota_tib = located
+    return Check(what, True, f"{volume} in {pool}, {level}, {quota_tib:g} TiB")
+
+
 #: A container waiting for these never gets its image (kubelet pkg/kubelet/images: ErrImagePull, then
 #: ImagePullBackOff; InvalidImageName for a reference it cannot parse; ErrImageNeverPull under pullPolicy Never).
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")

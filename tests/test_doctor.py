@@ -474,6 +474,38 @@ def test_doctor_lists_the_anf_pools_with_the_blocks_azure_credentials(
     assert not nowhere.ok and "arm_endpoint" in nowhere.fix, nowhere
 
 
+@pytest.mark.slow
+def test_doctor_finds_a_claims_anf_volume_in_the_blocks_pools(
+        prefect_server: dict, emulator: tuple, arm: tuple) -> None:
+    """``--volume``: the claim's PV names its ANF volume (Trident's internalID), found in one of the block's pools
+    with its level and quota — what a run's promotion acts on; a claim that does not exist, and a volume moved to a
+    pool the block does not name, each turn the line with what to do."""
+    from tasks.platforms import ClusterPlatform
+    from tests.test_anf import anf_volume, on_anf
+
+    emu, _ = emulator
+    arm_emulator, state = arm
+    on_anf(emu, state)
+    name = saved(emu, "doctor-anf-volume", anf=anf_volume(arm_emulator, volume=None))
+    ClusterPlatform.load(name).ensure_volume("tusimple")
+
+    def volume_line(claim: str) -> Check:
+        (line,) = [check for check in run_checks(name, volume=claim) if "volume of claim" in check.check]
+        return line
+
+    found = wait_until("the claim bound and its ANF volume found", lambda: (line := volume_line("tusimple")).ok
+                       and line, timeout_s=60)
+    assert found.check == "Azure NetApp Files volume of claim lanes/tusimple in one of the block's pools"
+    assert re.fullmatch(r"tusimple in pool-standard, Standard, [0-9.]+ TiB", found.detail), found
+    missing = volume_line("no-such-claim")
+    assert not missing.ok and missing.detail == "no such claim" and "kubectl get pvc -n lanes" in missing.fix
+    with state.lock:  # moved by hand to a pool the block does not list
+        state.volumes["tusimple"]["pool"] = "pool-archive"
+    moved = volume_line("tusimple")
+    assert not moved.ok and "in none of the configured capacity pools" in moved.detail, moved
+    assert "anf" in moved.fix
+
+
 def test_anf_refusals_point_at_the_shipped_azure_role() -> None:
     refused = anf_verdict("anf-lanes", {}, "403 AuthorizationFailed: the client does not have authorization", 403)
     assert not refused.ok and "deployments/azure/laneflow-anf-role.json" in refused.fix
