@@ -184,6 +184,39 @@ def test_local_verdicts_name_what_is_missing() -> None:
     assert not full.ok and full.detail == "1.0 GiB free, 10 GiB wanted"
 
 
+def test_doctor_on_this_machine_names_a_server_that_does_not_answer_and_a_horovod_that_does_not_load(
+        tmp_path: Path) -> None:
+    """The command as a user types it on a machine where the Prefect server is down and Horovod's install is broken
+    (a package on the path whose import fails, as a missing libmpi makes it): both lines ✘ with their fix, exit 1."""
+    broken = tmp_path / "site" / "horovod"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("libmpi.so.40: cannot open shared object file")\n')
+    env = {"PREFECT_API_URL": "http://127.0.0.1:9/api", "LANEFLOW_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(tmp_path / "site")}
+    result = doctor(env)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ("✘ Prefect server http://127.0.0.1:9/api reachable: no answer at /health — laneflow serve (the local "
+            "server), or set PREFECT_API_URL to your server") in lines, lines
+    assert ("✘ Horovod built with Gloo and MPI: ImportError: libmpi.so.40: cannot open shared object file — make "
+            "install (pip install horovod with HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1)") in lines, lines
+    assert any(line.startswith(f"✔ free disk at {tmp_path / 'home'}") for line in lines), lines
+
+
+def test_the_disk_check_reads_the_free_space_where_the_volumes_live(tmp_path: Path) -> None:
+    """The real filesystem's free space, against a need above it and below it; a home not made yet is judged by
+    the nearest folder that exists."""
+    import shutil
+
+    from flows.doctor import disk_check
+
+    free = shutil.disk_usage(tmp_path).free
+    short = disk_check(tmp_path / "not-yet" / "home", min_free_bytes=free + 2**40)
+    assert not short.ok and short.check == f"free disk at {tmp_path / 'not-yet' / 'home'}", short
+    assert short.detail.endswith(f"GiB free, {(free + 2**40) / 2**30:.0f} GiB wanted") and "LANEFLOW_HOME" in short.fix
+    assert disk_check(tmp_path, min_free_bytes=1).ok
+
+
 @needs_kubectl
 def test_the_permissions_asked_are_exactly_those_the_shipped_manifests_grant_the_flows() -> None:
     """The same list the pipeline's RBAC test holds the code to (tests/test_cluster_pipeline.py ``granted``)."""
