@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from flows.local_server import AUTH_FILE, ServerNotOurs, ensure_server, server_env, take_pid_file, ui_url
-from flows.run_progress import OverrideError, Progress, advance, metrics_summary, parse_overrides, render
+from flows.run_progress import (
+    OverrideError,
+    Progress,
+    advance,
+    metrics_summary,
+    parse_overrides,
+    render,
+    unknown_parameters,
+)
 from flows.serving import PROJECT_ROOT, deploy, deployment_environment
 from tasks.processes import PREFECT_WORKER_SIGNALS, group_alive, stop_group, stop_process
 
@@ -108,6 +116,9 @@ def _start_and_follow(name: str, deployment_name: str, overrides: dict[str, Any]
             print(f"{name}: applying prefect.yaml's deployments to the local server...", file=out, flush=True)
             deploy(deployment_environment(home, env))
             deployment = client.read_deployment_by_name(deployment_name)
+        if why := unknown_parameters(overrides, deployment.parameter_openapi_schema):
+            print(f"{name}: {why}", file=sys.stderr)
+            return 2
         try:
             flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=overrides)
         except httpx.HTTPStatusError as exc:  # the deployment's parameter schema refused a value

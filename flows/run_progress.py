@@ -39,6 +39,25 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return parameters
 
 
+def unknown_parameters(overrides: dict[str, Any], schema: dict[str, Any]) -> str | None:
+    """Why ``overrides`` cannot be a run of a deployment whose parameter schema is ``schema`` (the server's
+    ``parameter_openapi_schema``): the keys it has no parameter for, each with the nearest names it has. None when
+    every key is a parameter. The server's schema check passes an unknown key (Prefect's flow schema allows extra
+    properties), and the run would only fail once a worker started it."""
+    import difflib
+
+    known = sorted((schema or {}).get("properties") or {})
+    unknown = [key for key in overrides if key not in known]
+    if not known or not unknown:
+        return None
+    said = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, known, n=3)
+        said.append(f"{key!r}" + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+    return (f"no parameter {', '.join(said)}: the deployment's parameters are {', '.join(known)} "
+            "(docs/reference/parameters.md)")
+
+
 @dataclass(frozen=True)
 class Progress:
     """Where a run is: its state, the stage running now, and training's latest figures."""

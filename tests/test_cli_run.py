@@ -61,7 +61,10 @@ def test_a_value_the_form_refuses_is_named_and_nothing_runs(deployed: dict, tmp_
     assert "epochs" in refused.stderr, refused.stderr
     malformed = laneflow(["run", "--set", "epochs"], deployed, tmp_path, timeout_s=120)
     assert malformed.returncode == 2 and "expected KEY=VALUE" in malformed.stderr, malformed.stderr
-    assert "flow run" not in refused.stdout + malformed.stdout
+    misspelt = laneflow(["run", "--set", "epoch=2"], deployed, tmp_path, timeout_s=120)
+    assert misspelt.returncode == 2, misspelt.stdout + misspelt.stderr
+    assert "no parameter 'epoch' (did you mean epochs?)" in misspelt.stderr, misspelt.stderr
+    assert "flow run" not in refused.stdout + malformed.stdout + misspelt.stdout
 
 
 def test_sweep_runs_a_two_trial_grid_to_its_leaderboard(deployed: dict, tmp_path: Path) -> None:  # noqa: F811

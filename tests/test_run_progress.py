@@ -37,3 +37,14 @@ def test_progress_follows_the_stage_and_the_training_lines() -> None:
 def test_the_summary_lists_the_metrics_table_rows() -> None:
     rows = [{"metric": "test accuracy (official)", "value": 0.8123}, {"metric": "steps", "value": 40}]
     assert metrics_summary(rows) == ["test accuracy (official): 0.8123", "steps: 40"]
+
+
+def test_a_key_the_deployment_has_no_parameter_for_is_named_with_the_nearest_ones() -> None:
+    from flows.run_progress import unknown_parameters
+
+    schema = {"properties": {"epochs": {}, "lr": {}, "max_steps": {}, "workers": {}}}
+    assert unknown_parameters({"epochs": 2, "lr": 0.1}, schema) is None
+    said = unknown_parameters({"epoch": 2, "max_step": 3, "zzz": 1}, schema)
+    assert said.startswith("no parameter 'epoch' (did you mean epochs?), 'max_step' (did you mean max_steps?), "
+                           "'zzz': the deployment's parameters are epochs, lr, max_steps, workers"), said
+    assert unknown_parameters({"anything": 1}, {}) is None  # no schema to judge by: the server decides
