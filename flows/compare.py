@@ -3,8 +3,9 @@ charts, and for ``laneflow compare`` a printed table.
 
 Each run is named the way ``predict`` names models: a run (``train-1a2b3c4d5e6f``, on a volume) or a
 snapshot, on any platform block, local and cluster in one comparison. What is read (``metrics.jsonl`` and
-``lineage.json`` of the run; a local snapshot's own copy first) and what each figure means is in
-``tasks/compare.py``. Prices come from the ``prices`` parameter or the Prefect variable ``laneflow-prices``.
+``lineage.json`` of the run, a local snapshot's own copy first; the nightly's ``champion-decision.json``
+when the run was its challenger) and what each figure means is in ``tasks/compare.py``. Prices come from the
+``prices`` parameter or the Prefect variable ``laneflow-prices``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.variables import Variable
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.champion import DECISION_FILE
 from tasks.compare import CompareError, Comparison, Prices, RunRecords, compare, parse_events
 from tasks.compare_report import accuracy_chart_png, render_markdown, throughput_chart_png
 from tasks.names import DNS_LABEL, MAX_NAME, validate_name
@@ -90,7 +92,28 @@ def read_run_records(ref: RunRef) -> RunRecords:
                                "it ran before laneflow recorded one") from None
         except json.JSONDecodeError as exc:
             raise CompareError(f"{ref.label()}: runs/{run}/lineage.json is not JSON ({exc.msg})") from None
-    return RunRecords(name=ref.label(), lineage=lineage, events=parse_events(metrics, ref.label()))
+    return RunRecords(name=ref.label(), lineage=lineage, events=parse_events(metrics, ref.label()),
+                      decision=read_decision(platform, snapshot, volume, run, ref.label()))
+
+
+def read_decision(platform: Platform, snapshot: str | None, volume: str, run: str, label: str
+                  ) -> dict[str, Any] | None:
+    """The nightly's decision on the run when it was a nightly's challenger (``runs/<run>/champion-decision.json``,
+    written after its snapshot, so read on the volume), else None."""
+    try:
+        text = _read(platform, snapshot, volume, f"runs/{run}/{DECISION_FILE}")
+    except FileNotFoundError:
+        return None
+    try:
+        decision = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CompareError(f"{label}: runs/{run}/{DECISION_FILE} is not JSON ({exc.msg}): the nightly writes it whole, "
+                           "so the file was changed by hand; remove it to compare the run without its decision"
+                           ) from None
+    if not isinstance(decision, dict) or "promoted" not in decision:
+        raise CompareError(f"{label}: runs/{run}/{DECISION_FILE} is not a nightly's decision (no 'promoted'): "
+                           "remove it to compare the run without one")
+    return decision
 
 
 @task(name="read_run_records", task_run_name="records-{ref.name}", cache_policy=NO_CACHE, **RETRY_POLICY)

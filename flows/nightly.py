@@ -10,7 +10,9 @@ A challenger that wins on val must also pass the release gates before it is crow
 reported (test, by default), scored beside the champion on the same images, it may fall no more than
 ``gate_margin`` behind on any CULane scenario's F1 (on the crossroads' false positives per frame), or on
 TuSimple's accuracy, FP and FN. The gates only refuse; they never choose. Every gate's figures are a table
-artifact (``champion-gates-<volume>``), and a refusal names each gate that failed.
+artifact (``champion-gates-<volume>``), and a refusal names each gate that failed. The decision, with every
+gate's figures, is also written beside the challenger's run (``runs/<run>/champion-decision.json``), where
+``laneflow compare`` reads it with the run's other records, MLflow or not.
 
 With MLflow tracking on (``tasks.tracking``), every nightly brings registered model ``laneflow-<volume>``
 in line with the champion it leaves, promoted or kept: the champion's MLflow run (logged then if the server
@@ -20,6 +22,7 @@ its link. A registry that fails costs a warning, never the promotion; the next n
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -30,12 +33,15 @@ from prefect.variables import Variable
 from flows.params import TrainParams, takes_train_params
 from flows.train import evaluate_on_a_gpu, train_pipeline
 from tasks.champion import (
+    DECISION_FILE,
     DECISION_SPLIT,
     Gate,
     champion_record,
     champion_variable,
     decide_champion,
+    decision_record,
     gated,
+    gates_summary,
     gates_table,
     mlflow_record,
     release_gates,
@@ -67,6 +73,21 @@ def champion_scored_like(platform: Platform, volume: VolumeRef, champion: dict[s
                              rescored_dir(challenger, champion)), ""
 
 
+def record_decision(platform: Platform, volume: VolumeRef, challenger: dict[str, Any], decision: dict[str, Any]
+                    ) -> None:
+    """The nightly's ``decision`` kept with the challenger: ``champion-decision.json`` in its run folder (what
+    ``laneflow compare`` shows) and on its MLflow run when it was tracked. Neither fails the nightly: the
+    champion is decided and crowned in Prefect whatever the volume or MLflow say; a write that failed costs a
+    warning (compare then shows the run without its decision)."""
+    path = f"{challenger['run_dir']}/{DECISION_FILE}"
+    try:
+        platform.write_text(volume, path, json.dumps(decision, indent=1, sort_keys=True) + "\n")
+    except Exception as exc:  # the volume's own failure (a cluster API blip): the decision stands
+        get_run_logger().warning("the decision on %s is not in %s (%s: %s): laneflow compare will not show it",
+                                 challenger["run"], path, type(exc).__name__, exc)
+    record_decision_in_mlflow(challenger.get("mlflow"), decision)
+
+
 def rescored_dir(challenger: dict[str, Any], champion: dict[str, Any]) -> str:
     """Where the champion's scores on the challenger's images go: the challenger's run folder, beside the decision
     they were made for. The champion's own evaluation files, of its own dataset, stay as they were."""
@@ -96,17 +117,17 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
     challenger = train_pipeline(**params.flow_parameters())
     name = champion_variable(params.volume)
     champion = Variable.get(name, default=None)
+    platform = load_platform(params.platform)
+    volume = VolumeRef(name=params.volume, location="")
     if challenger.get("stopped") is not None:  # its training honoured a stop request: there is no model to judge
         reason = (f"challenger {challenger['run']} was stopped at step {challenger['steps']} of "
                   f"{challenger['total_steps']} ({challenger['stopped'].get('reason', 'on request')}): not scored")
         logger.info("champion kept: %s", reason)
-        record_decision_in_mlflow(challenger.get("mlflow"), {
+        record_decision(platform, volume, challenger, {
             "promoted": False, "reason": reason, "champion": champion["run"] if champion else None,
             "challenger": challenger["run"], "gates_summary": "not scored: the challenger was stopped", "gates": []})
         return {"champion": champion["run"] if champion else None, "promoted": False, "reason": reason,
                 "challenger": challenger, "gates": []}
-    platform = load_platform(params.platform)
-    volume = VolumeRef(name=params.volume, location="")
     challenger["val_metrics"] = (challenger["metrics"] if challenger["metrics"].get("split") == DECISION_SPLIT else
                                  evaluate_on_a_gpu(platform, volume, challenger["run_dir"], challenger["data_dir"],
                                                    DECISION_SPLIT))
@@ -160,14 +181,11 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
         create_table_artifact(key=f"champion-gates-{params.volume}", table=gates_table(gates),
                               description=f"release gates on {gate_split}: challenger {challenger['run']} against "
                                           f"champion {champion['run']}, margin {gate_margin:g}")
-    gates_summary = (f"{len(gates) - len(failed)} of {len(gates)} passed on {gate_split} (margin {gate_margin:g})"
-                     + (f"; failed: {', '.join(failed)}" if failed else "") if gates else no_gates)
-    record_decision_in_mlflow(challenger.get("mlflow"), {
-        "promoted": decision.promote, "reason": decision.reason, "champion": champion["run"] if champion else None,
-        "challenger": challenger["run"], "champion_val": decision.champion_accuracy,
-        "challenger_val": decision.challenger_accuracy, "split": gate_split, "gate_margin": gate_margin,
-        "cross_fp_margin": cross_fp_margin, "gates_summary": gates_summary, "gates": gates_table(gates)})
-    gates_row = gates_summary + (f" — table `champion-gates-{params.volume}`" if gates else "")
+    summary = gates_summary(gates, gate_split, gate_margin, no_gates)
+    record_decision(platform, volume, challenger, decision_record(
+        decision, champion["run"] if champion else None, challenger["run"], score_name(challenger["val_metrics"]),
+        gate_split, gate_margin, cross_fp_margin, gates, summary))
+    gates_row = summary + (f" — table `champion-gates-{params.volume}`" if gates else "")
     culane = challenger["metrics"].get("metric") == "culane"
     scores = ("Scores are CULane's F1 at IoU 0.5 (the official metric). " if culane else
               "Accuracies are TuSimple accuracy without the benchmark's 200 ms run-time rule, so the decision "

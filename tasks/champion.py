@@ -19,6 +19,10 @@ def champion_variable(volume: str) -> str:
     return f"laneflow-champion-{volume}"
 
 
+#: The nightly's decision on a challenger, in its run folder (``runs/<run>/champion-decision.json``) and as the
+#: artifact of its MLflow run: promoted or kept, why, against which champion, and every release gate's figures.
+DECISION_FILE = "champion-decision.json"
+
 #: The split champions are decided on; the evaluate stage's own split (``eval_split``) is reported.
 DECISION_SPLIT = "val"
 
@@ -174,6 +178,26 @@ def gates_table(gates: list[Gate]) -> list[dict[str, Any]]:
     """The gates as rows of a table artifact (Prefect's ``create_table_artifact``)."""
     return [{"figure": gate.name, "champion": round(gate.champion, 4), "challenger": round(gate.challenger, 4),
              "worse by": round(gate.loss, 4), "margin": gate.margin, "passed": gate.passed} for gate in gates]
+
+
+def gates_summary(gates: list[Gate], split: str, margin: float, not_scored: str) -> str:
+    """The release gates in one line: how many passed on ``split``, which failed; ``not_scored`` (why) if none."""
+    if not gates:
+        return not_scored
+    failed = [gate.name for gate in gates if not gate.passed]
+    return (f"{len(gates) - len(failed)} of {len(gates)} passed on {split} (margin {margin:g})"
+            + (f"; failed: {', '.join(failed)}" if failed else ""))
+
+
+def decision_record(decision: Decision, champion: str | None, challenger: str, score: str, split: str,
+                    gate_margin: float, cross_fp_margin: float, gates: list[Gate], summary: str) -> dict[str, Any]:
+    """What the nightly keeps of a decision (``DECISION_FILE``, MLflow's tags and artifact, ``laneflow compare``):
+    promoted or kept, why, against which champion (None: there was none), both val scores (``score`` names
+    them), the margins and every release gate's figures (``gates_table``), with ``summary`` (``gates_summary``)."""
+    return {"promoted": decision.promote, "reason": decision.reason, "champion": champion, "challenger": challenger,
+            "score": score, "champion_val": decision.champion_accuracy, "challenger_val": decision.challenger_accuracy,
+            "split": split, "gate_margin": gate_margin, "cross_fp_margin": cross_fp_margin,
+            "gates_summary": summary, "gates": gates_table(gates)}
 
 
 def champion_record(result: dict[str, Any], mlflow: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -68,6 +68,8 @@ class RunRecords:
     name: str
     lineage: dict[str, Any]
     events: list[dict[str, Any]]
+    #: The nightly's decision when the run was its challenger (``champion-decision.json``), else None.
+    decision: dict[str, Any] | None = None
 
 
 @dataclass
@@ -108,6 +110,10 @@ class RunFigures:
     #: A CULane run's test figures per scenario list, as its evaluation gives them (``tp``, ``fp``, ``fn``,
     #: ``precision``, ``recall``, ``f1``, ``f1_75``, ``mean_f1``; None where a figure is undefined).
     test_scenarios: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The nightly's champion decision when the run was its challenger: ``promoted``, ``reason``, ``champion``
+    #: (against which; None for the first), ``gates_summary`` and ``gates`` (each release gate's figures,
+    #: ``tasks.champion.gates_table``). None for a run no nightly judged.
+    champion_decision: dict[str, Any] | None = None
 
 
 def parse_events(metrics_jsonl: str, name: str) -> list[dict[str, Any]]:
@@ -223,7 +229,7 @@ def run_figures(records: RunRecords, target_accuracy: float) -> RunFigures:
         service_level=level.get("training"), quota_tib=_number(level.get("quota_tib")),
         val_curve=[(at, untimed) for at, untimed, _ in points], metric=str(metrics.get("metric") or "tusimple"),
         test_scenarios=dict(metrics.get("scenarios") or {}) if on_test else {},
-        model=str(params.get("model") or "scnn"))
+        model=str(params.get("model") or "scnn"), champion_decision=records.decision)
 
 
 def _number(value: Any) -> float | None:
@@ -327,6 +333,7 @@ def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: s
         raise CompareError(f"target accuracy {target_accuracy:g} is not a fraction: give one in (0, 1], e.g. 0.9")
     figures = [run_figures(item, target_accuracy) for item in records]
     base = choose_baseline(figures, baseline)
+    judged = any(row.champion_decision is not None for row in figures)  # the decision's columns, for every row
     rows = []
     for row in figures:
         scaled = scaling(row, base)
@@ -350,10 +357,23 @@ def compare(records: list[RunRecords], target_accuracy: float = 0.9, baseline: s
             "cost": _round(cost, 4) if cost is not None else how, "cost basis": how if cost is not None else "",
             "dataset version": row.dataset_version,
             "comparable": "baseline" if row is base else ("yes" if not flags else "NO: " + "; ".join(flags)),
+            **(decision_cells(row.champion_decision) if judged else {}),
         })
     return Comparison(baseline=base.name, target_accuracy=target_accuracy,
                       currency=prices.currency if prices else "", rows=rows, figures=figures,
                       scalings={row.name: scaling(row, base) for row in figures if row is not base})
+
+
+def decision_cells(decision: dict[str, Any] | None) -> dict[str, str]:
+    """The table's nightly columns of one run: what the nightly decided on it as a challenger and against whom,
+    and its release gates in one line (how many passed, which failed, or why none were scored); empty for a run
+    no nightly judged."""
+    if decision is None:
+        return {"nightly decision": "", "release gates": ""}
+    against = decision.get("champion")
+    verdict = "promoted" if decision.get("promoted") else "kept"
+    return {"nightly decision": f"{verdict} against {against}" if against else f"{verdict} (no champion before)",
+            "release gates": str(decision.get("gates_summary") or "")}
 
 
 def _round(value: float | None, digits: int) -> float | None:

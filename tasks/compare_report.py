@@ -1,5 +1,6 @@
 """The comparison for people and for tools: the markdown table with the scaling headline, the flags, the
-per-scenario figures of CULane runs, the two charts, and the raw figures (``laneflow compare --json``).
+per-scenario figures of CULane runs, the nightly's decision on runs that were its challengers, the two charts,
+and the raw figures (``figures.json`` of ``laneflow compare --out``).
 ``tasks.compare`` computes what these show."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def render_markdown(comparison: Comparison, charts: dict[str, str] | None = None
         lines += ["", "## Not like for like", ""]
         lines += [f"- `{row['run']}`: {row['comparable'].removeprefix('NO: ')}" for row in flagged]
     lines += scenario_table(comparison.figures)
+    lines += decision_sections(comparison.figures)
     for title, uri in (charts or {}).items():
         lines += ["", f"## {title}", "", f"![{title}]({uri})"]
     return "\n".join(lines) + "\n"
@@ -55,6 +57,38 @@ def scenario_table(figures: list[RunFigures]) -> list[str]:
             else:
                 cells.append(_cell(_percent(figures_of.get("f1"))))
         lines.append(f"| {_cell(row.name)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def decision_sections(figures: list[RunFigures]) -> list[str]:
+    """What the nightly decided on each run that was its challenger: promoted or kept, against which champion,
+    why, both val scores, and every release gate's figures (a CULane scenario's F1, the crossroads' false
+    positives per frame, TuSimple's accuracy, FP and FN). Nothing when no run was a nightly's challenger."""
+    judged = [row for row in figures if row.champion_decision is not None]
+    if not judged:
+        return []
+    lines = ["", "## Nightly champion decisions", "",
+             "Decided on val (both models scored on the challenger's val images); the release gates, scored on the "
+             "split the challenger's run reported, can only refuse a challenger that won on val."]
+    for row in judged:
+        decision = row.champion_decision or {}
+        against = decision.get("champion")
+        verdict = "promoted" if decision.get("promoted") else "kept"
+        lines += ["", f"### `{_cell(row.name)}`: {verdict}"
+                  + (f" against champion `{_cell(against)}`" if against else " (no champion before)"), "",
+                  f"{_cell(decision.get('reason'))}", ""]
+        score = decision.get("score") or "score"
+        if decision.get("challenger_val") is not None:
+            champion_val = decision.get("champion_val")
+            lines.append(f"- val {score}: challenger {float(decision['challenger_val']):.4f}, champion "
+                         + (f"{float(champion_val):.4f}" if champion_val is not None else "none"))
+        lines.append(f"- release gates: {_cell(decision.get('gates_summary'))}")
+        gates = decision.get("gates") or []
+        if gates:
+            columns = ("figure", "champion", "challenger", "worse by", "margin")
+            lines += ["", "| " + " | ".join(columns) + " | passed |", "|---|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_cell(gate.get(column)) for column in columns)
+                      + f" | {'yes' if gate.get('passed') else '**NO**'} |" for gate in gates]
     return lines
 
 

@@ -8,6 +8,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from tasks.champion import decide_champion, decision_record, gated, gates_summary, scenario_gates
 from tasks.compare import CompareError, Prices, RunRecords, compare, parse_events, run_figures
 from tasks.compare_report import figures_record, render_markdown
 
@@ -194,3 +195,44 @@ def test_a_culane_runs_scenarios_are_a_table_of_their_own_and_the_crossroads_sho
     assert [row["test_scenarios"]["night"]["f1"] for row in figures_record(comparison) if row["metric"] == "culane"] \
         == [0.25]
     assert "## Test per scenario" not in render_markdown(compare([records("tusimple-run")]))
+
+
+def test_a_nightly_challenger_shows_the_decision_its_reason_and_every_gate() -> None:
+    """The decision as the nightly records it (``tasks.champion``'s own functions): a CULane challenger better on
+    val but three points down at night is kept out; a first champion was promoted with nothing to gate."""
+    champion = {"normal": {"f1": 0.90, "fp": 1, "images": 4}, "night": {"f1": 0.60, "fp": 2, "images": 3},
+                "cross": {"f1": None, "fp": 2, "images": 2}}
+    challenger = {"normal": {"f1": 0.93, "fp": 1, "images": 4}, "night": {"f1": 0.57, "fp": 2, "images": 3},
+                  "cross": {"f1": None, "fp": 2, "images": 2}}
+    gates = scenario_gates(champion, challenger, margin=0.02)
+    decision = gated(decide_champion(0.70, 0.72, score="F1"), gates)
+    refused = records("challenger")
+    refused = RunRecords(refused.name, refused.lineage, refused.events, decision_record(
+        decision, "train-champion", "challenger", "F1", "test", 0.02, 0.1, gates,
+        gates_summary(gates, "test", 0.02, "")))
+    first = records("first")
+    first = RunRecords(first.name, first.lineage, first.events, decision_record(
+        decide_champion(None, 0.70, score="F1"), None, "first", "F1", "test", 0.02, 0.1, [],
+        gates_summary([], "test", 0.02, "not scored: no champion yet")))
+    comparison = compare([records("trained-by-hand"), first, refused])
+    cells = {row["run"]: (row["nightly decision"], row["release gates"]) for row in comparison.rows}
+    assert cells == {"trained-by-hand": ("", ""), "first": ("promoted (no champion before)",
+                                                            "not scored: no champion yet"),
+                     "challenger": ("kept against train-champion",
+                                    "2 of 3 passed on test (margin 0.02); failed: night F1")}
+    text = render_markdown(comparison)
+    section = text[text.index("## Nightly champion decisions"):]
+    assert "### `challenger`: kept against champion `train-champion`" in section
+    assert "F1 improved by +0.0200" in section and "night F1 0.6000 -> 0.5700" in section
+    assert "- val F1: challenger 0.7200, champion 0.7000\n- release gates: 2 of 3 passed" in section
+    assert "| night F1 | 0.6 | 0.57 | 0.03 | 0.02 | **NO** |" in section
+    assert "| normal F1 | 0.9 | 0.93 | -0.03 | 0.02 | yes |" in section
+    assert "| cross FP/frame | 1.0 | 1.0 | 0.0 | 0.5 | yes |" in section  # 2 FP over 2 frames; one more allowed
+    assert "### `first`: promoted (no champion before)" in section and "no champion yet" in section
+    assert "trained-by-hand" not in section
+    recorded = {row["name"]: row["champion_decision"] for row in figures_record(comparison)}
+    assert recorded["trained-by-hand"] is None and recorded["challenger"]["promoted"] is False
+    assert [gate["figure"] for gate in recorded["challenger"]["gates"] if not gate["passed"]] == ["night F1"]
+    # Runs no nightly judged: no decision columns, no section.
+    plain = compare([records("a"), records("b")])
+    assert "nightly decision" not in plain.rows[0] and "## Nightly" not in render_markdown(plain)
