@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,15 +162,17 @@ class LaneDataset(Dataset):
                 torch.tensor(self.samples[index].existence, dtype=torch.float32))
 
 
-def normalize(images: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """uint8 NHWC BGR batch (as OpenCV decodes) -> float NCHW RGB normalized with ImageNet statistics.
+def normalize(images: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format,
+              mean_rgb: Sequence[float] = IMAGENET_MEAN, std_rgb: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
+    """uint8 NHWC BGR batch (as OpenCV decodes) -> float NCHW RGB normalized with the model's statistics
+    (``LaneModel.mean_rgb``/``std_rgb``; ImageNet's by default).
 
     One fused pass per channel (convert, reorder, scale, shift) on the batch's device, written straight into
     the layout the network runs in (no second copy for channels-last).
     """
     n, h, w, _ = images.shape
     out = torch.empty((n, 3, h, w), dtype=torch.float32, device=images.device, memory_format=memory_format)
-    for rgb, (mean, std) in enumerate(zip(IMAGENET_MEAN, IMAGENET_STD, strict=True)):
+    for rgb, (mean, std) in enumerate(zip(mean_rgb, std_rgb, strict=True)):
         torch.add(torch.tensor(-mean / std, device=images.device), images[..., 2 - rgb],
                   alpha=1.0 / (255.0 * std), out=out[:, rgb])
     return out

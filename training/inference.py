@@ -6,7 +6,8 @@ and ONNX models — so they agree to the pixel:
 - **Input contract.** A batch of BGR ``uint8`` images as OpenCV decodes them (NHWC), each resized from
   the full decoded frame to the model's input size with ``cv2.INTER_LINEAR``.
 - **Deployable module** (``DeployedSCNN``). Converts that batch to RGB float, normalises it with the
-  ImageNet statistics the network was trained with, and returns softmax probabilities ``(N, 5, H, W)``
+  statistics the network was trained with (the model's ``mean_rgb``/``std_rgb``: ImageNet's for SCNN), and
+  returns softmax probabilities ``(N, 5, H, W)``
   (background + 4 lane slots) and lane existence ``(N, 4)``. This is what the package exports.
 - **Lanes** (``lanes_from_probabilities``, pure). For each slot whose existence is over 0.5, at each
   h_sample row the column of the slot's (3x3-smoothed) probability peak when it is over 0.3, mapped back
@@ -21,6 +22,8 @@ and ONNX models — so they agree to the pixel:
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import cv2
 import numpy as np
@@ -39,14 +42,16 @@ ABSENT = -2
 SLOT_COLOURS = ((255, 80, 80), (80, 255, 80), (80, 160, 255), (255, 220, 60))  # BGR per slot
 
 
-def input_contract(width: int, height: int) -> dict:
-    """What a consumer of an exported model must feed it and what it gets back (recorded in packages)."""
+def input_contract(width: int, height: int, mean_rgb: Sequence[float] = IMAGENET_MEAN,
+                   std_rgb: Sequence[float] = IMAGENET_STD) -> dict:
+    """What a consumer of an exported model must feed it and what it gets back (recorded in packages); the
+    normalisation inside it is the model's (``LaneModel.mean_rgb``/``std_rgb``)."""
     return {
         "input": {"shape": ["batch", height, width, 3], "dtype": "uint8", "layout": "NHWC",
                   "colour_order": "BGR (as OpenCV decodes)",
                   "resize": "cv2.resize(full decoded image, (width, height), interpolation=cv2.INTER_LINEAR)",
-                  "normalisation": {"inside_the_model": True, "scale": "1/255", "mean_rgb": list(IMAGENET_MEAN),
-                                    "std_rgb": list(IMAGENET_STD)}},
+                  "normalisation": {"inside_the_model": True, "scale": "1/255", "mean_rgb": list(mean_rgb),
+                                    "std_rgb": list(std_rgb)}},
         "outputs": {"probabilities": ["batch", 5, height, width], "existence": ["batch", 4],
                     "classes": ["background", "lane slot 1 (left outer)", "lane slot 2 (left ego)",
                                 "lane slot 3 (right ego)", "lane slot 4 (right outer)"]},
@@ -65,13 +70,15 @@ def resize_for_model(image: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 class DeployedSCNN(nn.Module):
-    """SCNN behind the input contract: uint8 BGR NHWC in, (probabilities, existence) out."""
+    """SCNN behind the input contract: uint8 BGR NHWC in, normalised with the model's RGB statistics (ImageNet's
+    for SCNN), (probabilities, existence) out."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, mean_rgb: Sequence[float] = IMAGENET_MEAN,
+                 std_rgb: Sequence[float] = IMAGENET_STD) -> None:
         super().__init__()
         self.model = model
-        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN, dtype=torch.float32).view(1, 3, 1, 1))
-        self.register_buffer("std", torch.tensor(IMAGENET_STD, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("mean", torch.tensor(mean_rgb, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(std_rgb, dtype=torch.float32).view(1, 3, 1, 1))
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rgb = images.permute(0, 3, 1, 2)[:, [2, 1, 0]].float()

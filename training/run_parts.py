@@ -263,7 +263,8 @@ class RunParts:
             distributed = optimizer is not self.optimizer  # Horovod's
             network = self.model if self.forward is None else self.forward
             return train_step(network, images, masks, exist, self.criterion, optimizer, self.mixed,
-                              self.numerics.torch_memory_format, distributed=distributed)
+                              self.numerics.torch_memory_format, distributed=distributed,
+                              normalisation=self.lane_model.normalisation())
         except TrainingDiverged as exc:
             raise TrainingDiverged(f"{exc} at step {step + 1}, learning rate {optimizer.param_groups[0]['lr']:.4g} "
                                    f"(lr {self.config.lr} x {self.dist.size} worker(s), poly schedule): lower lr") \

@@ -57,12 +57,16 @@ def get_model(name: str) -> LaneModel:
 
 
 def model_for(settings: ModelSettings) -> LaneModel:
-    """The model whose settings these are (the settings' type says which)."""
+    """The model whose settings these are (the settings' type says which): the model of exactly that type first —
+    a team's model whose settings subclass a built-in one's (``class Mine(ModelConfig)``) is its own, not SCNN —
+    else one whose settings type it subclasses."""
+    models = []
     for name in model_names():
         try:
-            model = get_model(name)
+            models.append(get_model(name))
         except ValueError:  # another package's broken registration is not this model's business
             continue
-        if isinstance(settings, model.settings_type):
-            return model
+    for model in [m for m in models if type(settings) is m.settings_type] + \
+            [m for m in models if isinstance(settings, m.settings_type)]:
+        return model
     raise ValueError(f"no registered model has settings of type {type(settings).__name__}")

@@ -3,6 +3,9 @@ exports, prediction and the Horovod paths use, so a model is a choice and not a 
 
 A model (``LaneModel``) gives:
 
+- its input normalisation: the RGB mean and standard deviation (of values scaled to 0..1) its network's input is
+  normalised with — the trainer's batches, the evaluation's and the deployed module's alike (ImageNet's unless
+  the model says otherwise: a backbone pretrained on other statistics);
 - its settings: a frozen dataclass with at least ``input_width`` and ``input_height`` (the size every image
   is resized to), built from a preset and ``model.<field>=value`` overrides, and read back from the record a
   checkpoint, ``model.pt`` or a package keeps;
@@ -30,6 +33,8 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 from torch import nn
+
+from training.dataset import IMAGENET_MEAN, IMAGENET_STD
 
 
 class ModelSettings(Protocol):
@@ -60,6 +65,14 @@ class LaneModel(abc.ABC):
     settings_type: ClassVar[type]
     #: The deployed module's outputs, in order (the exported models' output names).
     output_names: ClassVar[tuple[str, ...]]
+    #: The RGB mean and standard deviation the network's input is normalised with, after scaling to 0..1: in
+    #: training (``training.step``), and inside the deployed module that evaluation, export and predict run.
+    mean_rgb: ClassVar[tuple[float, float, float]] = IMAGENET_MEAN
+    std_rgb: ClassVar[tuple[float, float, float]] = IMAGENET_STD
+
+    def normalisation(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        """``(mean_rgb, std_rgb)``: what the trainer normalises its batches with."""
+        return self.mean_rgb, self.std_rgb
 
     @abc.abstractmethod
     def settings(self, preset: str, **overrides: object) -> ModelSettings:
@@ -90,7 +103,8 @@ class LaneModel(abc.ABC):
 
     @abc.abstractmethod
     def deployed(self, network: nn.Module) -> nn.Module:
-        """The network behind the input contract: uint8 BGR NHWC in, ``output_names`` out."""
+        """The network behind the input contract: uint8 BGR NHWC in, normalised with ``mean_rgb``/``std_rgb``
+        inside, ``output_names`` out."""
 
     @abc.abstractmethod
     def contract(self, settings: ModelSettings) -> dict[str, Any]:

@@ -26,6 +26,7 @@ the two anchors around the row, absent outside the anchors or next to an absent 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.dataset import IMAGENET_MEAN, IMAGENET_STD
 from training.inference import ABSENT, EXIST_THRESHOLD, culane_point_rows, input_contract
 from training.models.base import Criterion, LaneModel, Outputs, PointLanes, RowLanes, TrainingDiverged
 from training.models.resnet import DEPTHS, STAGE_CHANNELS, ResNet, load_torchvision_weights
@@ -191,16 +191,16 @@ class RowAnchorLoss:
 
 
 class DeployedRowAnchor(nn.Module):
-    """The input contract (uint8 BGR NHWC) in; each slot's column on each anchor in input pixels ``(N, 4, anchors)``
-    (-1: no lane) and existence ``(N, 4)`` out."""
+    """The input contract (uint8 BGR NHWC) in, normalised with the model's statistics; each slot's column on
+    each anchor in input pixels ``(N, 4, anchors)`` (-1: no lane) and existence ``(N, 4)`` out."""
 
-    def __init__(self, network: RowAnchorNet) -> None:
+    def __init__(self, network: RowAnchorNet, mean_rgb: Sequence[float], std_rgb: Sequence[float]) -> None:
         super().__init__()
         self.network = network
         settings = network.settings
         self.cells, self.cell_width = settings.cells, settings.cell_width
-        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN, dtype=torch.float32).view(1, 3, 1, 1))
-        self.register_buffer("std", torch.tensor(IMAGENET_STD, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("mean", torch.tensor(mean_rgb, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(std_rgb, dtype=torch.float32).view(1, 3, 1, 1))
         self.register_buffer("cell_index", torch.arange(settings.cells, dtype=torch.float32).view(1, -1, 1, 1))
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,10 +263,10 @@ class RowAnchorModel(LaneModel):
         return RowAnchorLoss(settings, check_finite)
 
     def deployed(self, network: nn.Module) -> nn.Module:
-        return DeployedRowAnchor(network)
+        return DeployedRowAnchor(network, self.mean_rgb, self.std_rgb)
 
     def contract(self, settings: Any) -> dict[str, Any]:
-        contract = input_contract(settings.input_width, settings.input_height)
+        contract = input_contract(settings.input_width, settings.input_height, self.mean_rgb, self.std_rgb)
         contract["outputs"] = {"columns": ["batch", LANES, settings.anchors], "existence": ["batch", LANES],
                                "anchor_rows": settings.anchor_rows().tolist(), "absent_column": -1}
         contract["lanes"] = {"existence_threshold": EXIST_THRESHOLD, "rows": "linear between the two anchors "

@@ -20,10 +20,10 @@ class SegmentationLaneModel(LaneModel):
     output_names = ("probabilities", "existence")
 
     def deployed(self, network: nn.Module) -> nn.Module:
-        return DeployedSCNN(network)
+        return DeployedSCNN(network, self.mean_rgb, self.std_rgb)
 
     def contract(self, settings: Any) -> dict[str, Any]:
-        return input_contract(settings.input_width, settings.input_height)
+        return input_contract(settings.input_width, settings.input_height, self.mean_rgb, self.std_rgb)
 
     def row_lanes(self, settings: Any, outputs: Outputs, rows: list[int], image_size: tuple[int, int]) -> RowLanes:
         probabilities, existence = outputs
