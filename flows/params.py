@@ -160,7 +160,7 @@ class TrainParams(BaseModel):
                                    "a package registers in the entry-point group laneflow.models, installed where "
                                    "training runs (docs: Add your model)")
     model_settings: dict[str, ModelSettingValue] = Field(
-        default_factory=dict, description="the model's own settings over its preset's (the trainer's "
+        {}, description="the model's own settings over its preset's (the trainer's "
                                           "model.<name>=value), e.g. {\"cells\": 100, \"backbone\": \"resnet34\"} "
                                           "for ufld; an unknown name or a bad value is refused before anything runs, "
                                           "naming the model's settings; a sweep varies one as model_settings.<name>")
