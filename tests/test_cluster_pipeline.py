@@ -266,3 +266,36 @@ def test_runai_project_runs_with_the_per_project_rbac_and_both_queue_labels(
         assert template["spec"]["serviceAccountName"] == "laneflow-training"  # exists in runai-perception
     assert list(cluster.objects["persistentvolumeclaims"]) == [("runai-perception", "tusimple")]
     assert cluster.permissions_used("runai-perception") <= granted(project, "runai-perception")
+
+
+@needs_kubectl
+def test_a_culane_release_trains_on_the_cluster_and_is_judged_per_scenario(
+        prefect_server: dict, laneflow_home: Path, emulator: tuple, tmp_path: Path) -> None:
+    """CULane's archives as it ships them, served to the pods over HTTP: prepared by the dataset Job, trained by
+    an MPIJob, scored by the evaluation Job per scenario list with the official metric, its `.lines.txt`
+    predictions and lineage on the claim — the run a local CULane run is, on the cluster platform."""
+    from flows.params import TrainParams
+    from tests.cluster.network import node_address
+    from tests.http_server import RunningServer
+    from tests.test_pipeline import served_culane
+    from training.culane_metric import SCENARIOS
+
+    emu, cluster = emulator
+    base = rendered("base")
+    cluster.load(base)
+    name = saved(emu, "emu-culane", namespace="laneflow")
+    with RunningServer(host=node_address()) as served:
+        params = TrainParams(source=served_culane(served, tmp_path), platform=name, volume="culane", epochs=1,
+                             batch_size=2, workers=2, loader_workers=0, snapshot=False, package=False)
+        result = train_pipeline(**params.flow_parameters())
+    metrics = result["metrics"]
+    ((namespace, _), job), = cluster.objects["mpijobs"].items()  # trained by the cluster's MPI operator
+    assert namespace == "laneflow" and job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 2
+    assert metrics["metric"] == "culane" and metrics["split"] == "test" and metrics["images"] == 9
+    assert list(metrics["scenarios"]) == list(SCENARIOS)
+    assert metrics["accuracy"] == (metrics["counts"]["f1"] or 0.0)
+    claim = cluster.claim_dir("laneflow", "culane")
+    assert len(list((claim / result["run_dir"] / "culane_test").rglob("*.lines.txt"))) == 9
+    lineage = json.loads((claim / result["run_dir"] / "lineage.json").read_text())
+    assert lineage["dataset"] == "culane" and lineage["metrics"]["scenarios"] == metrics["scenarios"]
+    assert cluster.permissions_used("laneflow") <= granted(base, "laneflow")
