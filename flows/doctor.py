@@ -26,48 +26,39 @@ import json
 import secrets
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from flows.doctor_queues import kueue_checks, runai_checks
+from flows.doctor_reads import ask, error_text, first_line, served_check
 from flows.local_server import DEFAULT_PORT, api_url, is_healthy
 from tasks.doctor import (
     ANF_ROLE_FIX,
     CLUSTER_WORK_POOL,
-    KUEUE_API,
-    KUEUE_FIX,
     MPI_OPERATOR_FIX,
     MPIJOB_CRD,
     OPERATOR_LEASE,
-    RUNAI_FIX,
-    RUNAI_QUEUES,
     SNAPSHOT_API_FIX,
     Check,
     Permission,
     anf_verdict,
     anf_volume_verdict,
-    api_served_verdict,
     disk_verdict,
     exit_code,
     gpu_pool_check_name,
     gpu_pool_verdict,
     horovod_verdict,
     image_verdict,
-    local_queue_verdict,
     mpijob_crd_verdict,
     operator_lease_verdict,
     permissions_verdict,
     placement_verdict,
-    priority_class_verdict,
     pull_state,
     reachable_verdict,
     required_permissions,
-    runai_namespace_verdict,
-    runai_queue_verdict,
     server_verdict,
     shipped_rbac,
     snapshot_class_verdict,
@@ -80,16 +71,6 @@ from tasks.doctor import (
 MIN_FREE_BYTES = 10 * 2**30
 
 
-def _error(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        try:
-            message = json.loads(exc.body or "{}").get("message")
-        except (TypeError, ValueError, AttributeError):
-            message = None
-        return f"{exc.status} {exc.reason}" + (f": {message}" if message else "")
-    return f"{type(exc).__name__}: {exc}"
-
-
 # --- the cluster -----------------------------------------------------------------------------------------------
 def cluster_checks(platform: object, pull_images: bool = False, volume: str | None = None) -> list[Check]:
     """The cluster platform's checks, read with the client the block itself makes (its credentials, else in-cluster
@@ -99,13 +80,13 @@ def cluster_checks(platform: object, pull_images: bool = False, volume: str | No
     try:
         client = api_client(platform)
     except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
-        return [reachable_verdict("(none)", None, _error(exc))]
+        return [reachable_verdict("(none)", None, error_text(exc))]
     server = client.configuration.host
     try:
         version = kubernetes.client.VersionApi(client).get_code()
         first = reachable_verdict(server, {"gitVersion": version.git_version}, None)
     except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
-        return [reachable_verdict(server, None, _error(exc))]
+        return [reachable_verdict(server, None, error_text(exc))]
     checks = [first, permission_check(client, platform)]
     mpi_api = served_check(client, "the MPI operator's API", "kubeflow.org", "v2beta1", "mpijobs", MPI_OPERATOR_FIX)
     checks.append(mpi_api)
@@ -147,7 +128,7 @@ def image_checks(client: kubernetes.client.ApiClient, platform: object, timeout_
         try:
             batch.create_namespaced_job(namespace, probe)
         except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
-            checks.append(image_verdict(image, False, f"cannot start a pull probe: {_error(exc)}"))
+            checks.append(image_verdict(image, False, f"cannot start a pull probe: {error_text(exc)}"))
             continue
         pulled, detail = None, ""
         try:
@@ -183,11 +164,11 @@ def anf_check(anf: object) -> Check:
             except ResourceNotFoundError:
                 pools[level] = (name, None)
     except ClientAuthenticationError as exc:
-        return anf_verdict(anf.account, pools, f"the credentials were refused: {_first_line(exc)}", 401)
+        return anf_verdict(anf.account, pools, f"the credentials were refused: {first_line(exc)}", 401)
     except HttpResponseError as exc:
-        return anf_verdict(anf.account, pools, f"{exc.status_code} {_first_line(exc)}", exc.status_code)
+        return anf_verdict(anf.account, pools, f"{exc.status_code} {first_line(exc)}", exc.status_code)
     except Exception as exc:  # no Azure at the endpoint, a bad CA bundle, an incomplete block: the answer to report
-        return anf_verdict(anf.account, pools, _error(exc))
+        return anf_verdict(anf.account, pools, error_text(exc))
     return anf_verdict(anf.account, pools)
 
 
@@ -207,39 +188,25 @@ def anf_volume_check(platform: object, claim: str) -> Check:
         if exc.status == 404:
             return anf_volume_verdict(where, None, "no such claim",
                                       f"kubectl get pvc -n {namespace}: name a claim a run made (its volume parameter)")
-        return anf_volume_verdict(where, None, _error(exc), "the claim's namespace and the flows' Role")
+        return anf_volume_verdict(where, None, error_text(exc), "the claim's namespace and the flows' Role")
     except (NotOnAnf, VolumeNotBound, AnfError, PermissionError) as exc:
         return anf_volume_verdict(where, None, str(exc), "the block's anf fields, or the claim's storage class "
                                                          "(a Trident azure-netapp-files class)")
     except Exception as exc:  # the Azure SDK's errors (refused credentials, no Azure there): the answer to report
-        return anf_volume_verdict(where, None, _error(exc), ANF_ROLE_FIX)
+        return anf_volume_verdict(where, None, error_text(exc), ANF_ROLE_FIX)
     return anf_volume_verdict(where, (bound.volume, pool, level, quota_tib))
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(getattr(exc, "message", None) or exc).splitlines() or [""])[0]
-
-
-def _read(call: Callable[[], Any]) -> tuple[Any, str | None]:
-    """What ``call`` read (None when the API says 404), or the error that kept it from reading."""
-    try:
-        return call(), None
-    except ApiException as exc:
-        return (None, None) if exc.status == 404 else (None, _error(exc))
-    except (urllib3.exceptions.HTTPError, OSError) as exc:
-        return None, _error(exc)
 
 
 def operator_check(client: kubernetes.client.ApiClient) -> Check:
     """The MPI operator's leader Lease (GET leases/mpi-operator in its namespace)."""
     namespace, name = OPERATOR_LEASE
-    found, error = _read(lambda: kubernetes.client.CoordinationV1Api(client).read_namespaced_lease(name, namespace))
+    found, error = ask(lambda: kubernetes.client.CoordinationV1Api(client).read_namespaced_lease(name, namespace))
     return operator_lease_verdict(client.sanitize_for_serialization(found) if found else None, time.time(), error)
 
 
 def mpijob_crd_check(client: kubernetes.client.ApiClient) -> Check:
     """The MPIJob CRD (GET customresourcedefinitions/mpijobs.kubeflow.org): the operator's release, by its fields."""
-    found, error = _read(lambda: kubernetes.client.ApiextensionsV1Api(client).read_custom_resource_definition(
+    found, error = ask(lambda: kubernetes.client.ApiextensionsV1Api(client).read_custom_resource_definition(
         MPIJOB_CRD))
     if error:
         return unreadable_verdict(f"the MPI operator's CRD {MPIJOB_CRD}", error)
@@ -248,7 +215,7 @@ def mpijob_crd_check(client: kubernetes.client.ApiClient) -> Check:
 
 def storage_class_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
     """The block's StorageClass (GET storageclasses/<name>, cluster-scoped)."""
-    found, error = _read(lambda: kubernetes.client.StorageV1Api(client).read_storage_class(platform.storage_class))
+    found, error = ask(lambda: kubernetes.client.StorageV1Api(client).read_storage_class(platform.storage_class))
     if error:
         return unreadable_verdict(f"storage class {platform.storage_class}", error)
     return storage_class_verdict(platform.storage_class, client.sanitize_for_serialization(found) if found else None,
@@ -257,7 +224,7 @@ def storage_class_check(client: kubernetes.client.ApiClient, platform: object) -
 
 def snapshot_class_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
     """The block's VolumeSnapshotClass (cluster-scoped custom object)."""
-    found, error = _read(lambda: kubernetes.client.CustomObjectsApi(client).get_cluster_custom_object(
+    found, error = ask(lambda: kubernetes.client.CustomObjectsApi(client).get_cluster_custom_object(
         "snapshot.storage.k8s.io", "v1", "volumesnapshotclasses", platform.snapshot_class))
     if error:
         return unreadable_verdict(f"volume snapshot class {platform.snapshot_class}", error)
@@ -269,55 +236,12 @@ def node_checks(client: kubernetes.client.ApiClient, platform: object) -> list[C
     pods, rendered as the platform renders them, placed on the pools where the scheduler could put it."""
     from tasks.platforms.cluster.run_pods import run_pod_specs
 
-    found, error = _read(lambda: kubernetes.client.CoreV1Api(client).list_node())
+    found, error = ask(lambda: kubernetes.client.CoreV1Api(client).list_node())
     if error:
         return [unreadable_verdict(gpu_pool_check_name(platform.gpus_per_worker), error)]
     nodes = client.sanitize_for_serialization(found)["items"] if found else []
     return [gpu_pool_verdict(nodes, platform.tolerations, platform.node_selector, platform.gpus_per_worker),
             placement_verdict(nodes, run_pod_specs(platform), kueue=bool(platform.kueue_queue))]
-
-
-def kueue_checks(client: kubernetes.client.ApiClient, platform: object) -> list[Check]:
-    """Kueue's API served, the block's LocalQueue and its ClusterQueue active, the priority class there."""
-    group, version = KUEUE_API
-    served = served_check(client, "Kueue's API", group, version, "workloads", KUEUE_FIX)
-    if not served.ok:
-        return [served]
-    custom = kubernetes.client.CustomObjectsApi(client)
-    namespace, name = platform.effective_namespace(), platform.kueue_queue
-    local, error = _read(lambda: custom.get_namespaced_custom_object(group, version, namespace, "localqueues", name))
-    if error:
-        checks = [unreadable_verdict(f"Kueue LocalQueue {namespace}/{name}", error)]
-    else:
-        target = ((local or {}).get("spec") or {}).get("clusterQueue")
-        queue, error = _read(lambda: custom.get_cluster_custom_object(group, version, "clusterqueues", target)) \
-            if target else (None, None)
-        checks = [unreadable_verdict(f"Kueue ClusterQueue {target}", error) if error
-                  else local_queue_verdict(namespace, name, local, queue)]
-    if platform.kueue_priority_class:
-        found, error = _read(lambda: custom.get_cluster_custom_object(group, version, "workloadpriorityclasses",
-                                                                      platform.kueue_priority_class))
-        checks.append(unreadable_verdict(f"Kueue WorkloadPriorityClass {platform.kueue_priority_class}", error)
-                      if error else priority_class_verdict(platform.kueue_priority_class, found))
-    return [served, *checks]
-
-
-def runai_checks(client: kubernetes.client.ApiClient, project: str) -> list[Check]:
-    """The project's namespace and its label; Run:ai's Queue API served and the project's queue fit to run jobs."""
-    name = f"runai-{project}"
-    found, error = _read(lambda: kubernetes.client.CoreV1Api(client).read_namespace(name))
-    checks = [unreadable_verdict(f"Run:ai project {project}'s namespace {name}", error) if error
-              else runai_namespace_verdict(project, client.sanitize_for_serialization(found) if found else None)]
-    group, version, plural = RUNAI_QUEUES
-    served = served_check(client, "Run:ai's scheduling API", group, version, plural, RUNAI_FIX)
-    if not served.ok:
-        return [*checks, served]
-    listed, error = _read(lambda: kubernetes.client.CustomObjectsApi(client).list_cluster_custom_object(
-        group, version, plural))
-    checks.append(served)
-    checks.append(unreadable_verdict(f"Run:ai queue {project}", error) if error
-                  else runai_queue_verdict(project, (listed or {}).get("items") or []))
-    return checks
 
 
 def permission_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
@@ -337,25 +261,12 @@ def permission_check(client: kubernetes.client.ApiClient, platform: object) -> C
             answer = authorization.create_self_subject_access_review(review)
         except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
             return Check(f"every verb laneflow uses granted (namespace {namespace})", False,
-                         f"cannot ask the API server (SelfSubjectAccessReview): {_error(exc)}",
+                         f"cannot ask the API server (SelfSubjectAccessReview): {error_text(exc)}",
                          "the block's identity must be authenticated (the bootstrap ClusterRole system:basic-user "
                          "lets every authenticated user ask)")
         answers.append((permission, bool(answer.status and answer.status.allowed)))
     return permissions_verdict(answers, f"the block's identity (namespace {namespace})",
                                runai=platform.runai_project is not None)
-
-
-def served_check(client: kubernetes.client.ApiClient, what: str, group: str, version: str, resource: str,
-                 fix: str) -> Check:
-    """Whether API discovery lists ``resource`` in ``group/version`` (GET /apis/<group>/<version>)."""
-    try:
-        listed = kubernetes.client.CustomObjectsApi(client).get_api_resources(group, version)
-        served: list[str] | None = [item.name for item in listed.resources or []]
-    except ApiException as exc:
-        if exc.status != 404:
-            return Check(f"{what} ({resource}.{group}/{version}) served", False, _error(exc), fix)
-        served = None
-    return api_served_verdict(what, f"{group}/{version}", resource, served, fix)
 
 
 # --- this machine ----------------------------------------------------------------------------------------------
@@ -369,7 +280,7 @@ def horovod_check() -> Check:
 
         return horovod_verdict(recorded_build(), None)
     except Exception as exc:  # an import or extension failure is the answer to report
-        return horovod_verdict(None, _error(exc))
+        return horovod_verdict(None, error_text(exc))
 
 
 def disk_check(home: Path, min_free_bytes: int = MIN_FREE_BYTES) -> Check:

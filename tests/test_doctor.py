@@ -28,14 +28,16 @@ from tasks.doctor import (
     exit_code,
     gpu_pool_verdict,
     horovod_verdict,
-    local_queue_verdict,
     operator_lease_verdict,
-    priority_class_verdict,
     required_permissions,
     shipped_rbac,
     snapshot_class_verdict,
     storage_class_verdict,
     work_pool_verdict,
+)
+from tasks.doctor_queues import (
+    local_queue_verdict,
+    priority_class_verdict,
 )
 from tasks.k8s.placement import tolerates
 from tests.cluster.aks import GPU_NODE_SELECTOR, GPU_TOLERATIONS, aks_nodes
@@ -272,11 +274,22 @@ def shipped(emulator: tuple) -> tuple:
 
 @pytest.mark.slow
 def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests(
-        prefect_server: dict, shipped: tuple) -> None:
+        prefect_server: dict, shipped: tuple, arm: tuple) -> None:
+    """Every check there is, the opt-in ones included: ANF's pools and a claim's ANF volume (the emulated Azure
+    behind Trident), and the images pulled by the nodes through probe Jobs."""
+    from tasks.platforms import ClusterPlatform
+    from tests.test_anf import anf_volume, on_anf
+
     emu, _ = shipped
-    name = saved(emu, "doctor-ok", namespace="laneflow")
+    arm_emulator, state = arm
+    on_anf(emu, state)
+    name = saved(emu, "doctor-ok", namespace="laneflow", anf=anf_volume(arm_emulator, volume=None))
+    ClusterPlatform.load(name).ensure_volume("tusimple")
+    wait_until("the claim bound", lambda: admin_core(emu).read_namespaced_persistent_volume_claim(
+        "tusimple", "laneflow").spec.volume_name, timeout_s=60)
     kubernetes_pool("doctor-ok-k8s", worker="prefect-worker-7d9f")
-    result = doctor(prefect_server, "--platform", name, "--work-pool", "doctor-ok-k8s")
+    result = doctor(prefect_server, "--platform", name, "--work-pool", "doctor-ok-k8s", "--pull-images",
+                    "--volume", "tusimple")
     lines = result.stdout.splitlines()
     assert result.returncode == 0, result.stdout + result.stderr
     assert all(line.startswith("✔ ") for line in lines), lines
@@ -294,6 +307,12 @@ def test_doctor_passes_every_check_on_the_aks_cluster_with_the_shipped_manifests
     assert "✔ a node pool for training workers (1 nvidia.com/gpu each) (pools gpu, gpuspot)" in lines
     assert f"✔ where each of a run's pods can land ({LANDED})" in lines, lines
     assert "✔ work pool doctor-ok-k8s with a worker online (workers prefect-worker-7d9f)" in lines
+    assert any(line.startswith("✔ Azure NetApp Files account ") for line in lines), lines
+    assert any(line.startswith("✔ Azure NetApp Files volume of claim laneflow/tusimple in one of the block's pools "
+                               "(tusimple in pool-standard, Standard, ") for line in lines), lines
+    assert [line for line in lines if line.startswith("✔ image ")] == [
+        "✔ image registry.example.org/laneflow-data:0.1.0 pullable by the nodes",
+        "✔ image registry.example.org/laneflow-train:0.1.0 pullable by the nodes"], lines
     as_json = doctor(prefect_server, "--platform", name, "--json", "--work-pool", "doctor-ok-k8s")
     assert as_json.returncode == 0 and all(item["ok"] for item in json.loads(as_json.stdout))
 
