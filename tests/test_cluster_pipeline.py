@@ -29,6 +29,7 @@ from tests.cluster_platform_helpers import create_rwo_claim, saved
 from tests.conftest import PROJECT_ROOT
 from tests.test_pipeline import params_for
 from training.data.sources import Artifact
+from training.package import load_package
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parent / "golden"
@@ -98,7 +99,6 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
     from tasks.registry import register_model_version
     from tests.cluster.network import node_address
     from tests.mlflow_server import mlflow_server, server_missing
-    from training.package import load_package
 
     if server_missing() is not None:
         pytest.skip(server_missing())
@@ -227,14 +227,20 @@ def test_train_pipeline_runs_green_under_the_shipped_rbac_and_puts_its_package_i
     assert {(r.verb, r.resource) for r in cluster.requests if r.namespace is None} == granted(base + rwo, None)
 
     # restore: a new claim whose dataSource is the snapshot; nothing downloaded, the snapshot's run is there.
-    # (One worker for a step, no package, snapshot or tracking: what is asserted here is the restore; and the
-    # row-anchor model, so the snapshot's data trains another model through train_pipeline on the cluster.)
+    # (Two workers for a step, no snapshot or tracking: what is asserted here is the restore; and the row-anchor
+    # model, so the snapshot's data trains another model through train_pipeline on the cluster, MPIJob of two
+    # workers, scored by the official metric and packaged with its export parity in the package Job.)
     monkeypatch.delenv(tracking.TRACKING_URI_ENV)  # its server stopped with the block above
     restored = restore(result["snapshot"], volume="restored", platform=name,
-                       changes={"max_steps": 1, "workers": 1, "package": False, "snapshot": False, "model": "ufld"})
+                       changes={"max_steps": 1, "workers": 2, "package": True, "snapshot": False, "model": "ufld"})
     assert restored["metrics"]["split"] == "test" and restored["metrics"]["images"] == 3
-    ufld_run = json.loads((cluster.claim_dir("laneflow", "restored") / restored["run_dir"] / "config.json").read_text())
-    assert ufld_run["model_name"] == "ufld"
+    restored_claim = cluster.claim_dir("laneflow", "restored")
+    ufld_run = json.loads((restored_claim / restored["run_dir"] / "config.json").read_text())
+    assert (ufld_run["model_name"], ufld_run["world_size"]) == ("ufld", 2), ufld_run
+    ufld_package = load_package(restored_claim / restored["package"])
+    assert ufld_package.model_name == "ufld" and ufld_package.manifest["parity"]["passed"], ufld_package.manifest
+    assert set(ufld_package.manifest["parity"]["backends"]["onnx"]) >= {"max_abs_diff_columns",
+                                                                       "max_abs_diff_existence"}
     claim = cluster.objects["persistentvolumeclaims"][("laneflow", "restored")]
     assert claim["spec"]["dataSource"] == {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot",
                                            "name": result["snapshot"]}
