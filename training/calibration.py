@@ -106,10 +106,12 @@ def write_cached(path: Path, inputs: dict[str, Any], seconds: dict[Combo, float]
 
 
 def step_seconds(lane_model: LaneModel, settings: ModelSettings, candidates: list[Combo], batch: int,
-                 timed: int = TIMED_STEPS) -> dict[Combo, float]:
-    """The median time of a training step (uint8 batch in, SGD step out) of a fresh network in each candidate:
-    the loop's own step, so the calibration times what training runs (bench/train_step.py times it too). The
-    candidates take turns step by step, so a load that comes and goes on the machine falls on all of them."""
+                 timed: int = TIMED_STEPS,
+                 summary: Callable[[list[float]], float] = statistics.median) -> dict[Combo, float]:
+    """The median (or ``summary``) time of a training step (uint8 batch in, SGD step out) of a fresh network in each
+    candidate: the loop's own step, so the calibration times what training runs (bench/train_step.py times it too,
+    taking each candidate's best turn). The candidates take turns step by step, so a load that comes and goes on
+    the machine falls on all of them."""
     height, width = settings.input_height, settings.input_width
     images = torch.randint(0, 256, (batch, height, width, 3), dtype=torch.uint8)
     masks = torch.randint(0, 5, (batch, height, width), dtype=torch.uint8)
@@ -128,7 +130,7 @@ def step_seconds(lane_model: LaneModel, settings: ModelSettings, candidates: lis
             train_step(network, images, masks, exist, criterion, optimizer, mixed, memory_format, distributed=False)
             if step >= WARMUP_STEPS:  # the first steps pick kernels and grow the allocator's pools
                 timings[combo].append(time.perf_counter() - started)
-    return {combo: statistics.median(times) for combo, times in timings.items()}
+    return {combo: summary(times) for combo, times in timings.items()}
 
 
 def calibrate(cpu: CpuFeatures, lane_model: LaneModel, settings: ModelSettings, batch_size: int,
