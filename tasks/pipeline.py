@@ -47,11 +47,13 @@ from tasks.pruning import judge_of, stop_request_path
 from tasks.report import (
     data_uri,
     eval_series,
+    metrics_description,
     metrics_rows,
     render_package_markdown,
     step_series,
     thumbnail_jpeg,
     training_curve_png,
+    validation_score_name,
 )
 from tasks.retry import RETRY_POLICY
 from tasks.service_level import SERVICE_LEVELS, ThroughputNeed, choose_service_level, render_tier_markdown
@@ -391,13 +393,15 @@ def publish_artifacts(platform: Platform, volume: VolumeRef, run_dir: str, outco
               if line.strip()]
     steps = step_series(events)
     training = {"steps": outcome.steps, "resumed_from": outcome.resumed_from, "duration_s": outcome.duration_s}
-    curve = training_curve_png(steps, f"{run} (dataset {lineage.get('dataset_version')})", eval_series(events))
+    score = validation_score_name(evaluation)
+    curve = training_curve_png(steps, f"{run} (dataset {lineage.get('dataset_version')})", eval_series(events),
+                               score)
     ids = {
         "metrics": create_table_artifact(table=metrics_rows(training, evaluation, steps), key=f"metrics-{run}",
-                                         description=f"TuSimple metrics and training summary of {run}"),
+                                         description=metrics_description(evaluation, run)),
         "curve": create_markdown_artifact(
             markdown=f"# Training curve of `{run}`\n\n![training curve]({data_uri(curve, 'image/png')})\n",
-            key=f"curve-{run}", description=f"loss, learning rate and validation accuracy of {run}"),
+            key=f"curve-{run}", description=f"loss, learning rate and {score} of {run}"),
         "lineage": create_markdown_artifact(markdown=render_lineage_markdown(lineage), key=f"lineage-{run}",
                                             description=f"what {run} was made from"),
     }

@@ -89,6 +89,11 @@ def culane_rows(evaluation: dict[str, Any]) -> list[dict]:
     return rows
 
 
+def validation_score_name(evaluation: dict[str, Any]) -> str:
+    """What the trainer's validation scores are: CULane's F1 (IoU 0.5) or TuSimple's untimed accuracy."""
+    return "validation F1" if evaluation.get("metric") == "culane" else "validation accuracy"
+
+
 def metrics_description(evaluation: dict[str, Any], run: str) -> str:
     """The metrics table's description: which benchmark's figures it holds."""
     benchmark = "CULane" if evaluation.get("metric") == "culane" else "TuSimple"
@@ -119,8 +124,10 @@ def world_changes(steps: list[dict[str, Any]]) -> list[tuple[int, int]]:
 
 
 def training_curve_png(steps: list[dict[str, Any]], title: str,
-                       validation: list[tuple[int, float]] | None = None) -> bytes:
-    """Loss and learning rate on their own axes, per-epoch validation accuracy below when known (PNG)."""
+                       validation: list[tuple[int, float]] | None = None,
+                       score_name: str = "validation accuracy") -> bytes:
+    """Loss and learning rate on their own axes, per-epoch validation score (``score_name``: TuSimple's accuracy,
+    CULane's F1) below when known (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: render to memory only
@@ -152,7 +159,7 @@ def training_curve_png(steps: list[dict[str, Any]], title: str,
     if validation:
         axis = axes[1]
         axis.plot([s for s, _ in validation], [a for _, a in validation], color="tab:blue", marker="o")
-        axis.set_ylabel("validation accuracy")
+        axis.set_ylabel(score_name)
         axis.set_ylim(0, 1)
         axis.grid(alpha=0.3)
     axes[-1].set_xlabel("step")

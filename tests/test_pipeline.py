@@ -180,6 +180,19 @@ def test_a_culane_release_trains_and_is_judged_per_scenario_by_the_official_metr
     assert (volume / result["package"] / "model.onnx").is_file()
     assert json.loads((laneflow_home / "snapshots" / result["snapshot"] / "lineage.json").read_text())[
         "metrics"]["scenarios"] == metrics["scenarios"]
+    # The run's page in the UI says which benchmark its tables are: CULane's, with its F1 and scenarios.
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        artifacts = {str(a.key).split("-", 1)[0]: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))}
+    assert artifacts["metrics"].description == f"CULane metrics and training summary of {result['run']}"
+    assert artifacts["curve"].description == f"loss, learning rate and validation F1 of {result['run']}"
+    table = artifacts["metrics"].data
+    rows = {row["metric"] for row in (json.loads(table) if isinstance(table, str) else table)}
+    assert {f"test {name} F1" for name in SCENARIOS if name != "cross"} <= rows, rows
+    assert not [name for name in rows if "accuracy" in name], rows
 
 
 def test_transient_launcher_failure_is_retried_and_resumes_from_checkpoint(
