@@ -20,7 +20,15 @@ import math
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
 
 from flows.model_settings import NAME_PATTERN, PREFIX, check_model_settings, is_setting_key, overridable
 from flows.params import TrainParams
@@ -60,11 +68,23 @@ def searchable_fields() -> list[str]:
 
 
 SearchDimension = SearchRange | SearchChoices
-#: A searchable field's name: as a Literal, the deployment's schema refuses any other key when a run is created.
-SearchableField = Literal[tuple(searchable_fields())]  # type: ignore[valid-type]
-#: One of the model's own settings (checked against the model by ``check_space``).
-ModelSettingField = Annotated[str, StringConstraints(pattern=rf"^{PREFIX.replace('.', '[.]')}{NAME_PATTERN}$")]
-SearchSpace = dict[SearchableField | ModelSettingField, SearchDimension]  # type: ignore[valid-type]
+#: A space's key: a searchable field, or one of the model's own settings (checked against the model by
+#: ``check_space``). One pattern (a union of key types leaves the schema no rule on keys at all): with
+#: ``_NoOtherKeys`` the deployment's schema refuses any other key when a run is created.
+SearchKey = Annotated[str, StringConstraints(
+    pattern=rf"^(?:{'|'.join(searchable_fields())}|{PREFIX.replace('.', '[.]')}{NAME_PATTERN})$")]
+
+
+class _NoOtherKeys:
+    """The schema of a space refuses keys its pattern does not match (pydantic gives the pattern alone)."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        schema = handler(core_schema)
+        return {**schema, "additionalProperties": False} if "patternProperties" in schema else schema
+
+
+SearchSpace = Annotated[dict[SearchKey, SearchDimension], _NoOtherKeys]
 SearchStrategy = Literal["grid", "random", "tpe"]
 
 

@@ -4,15 +4,19 @@ given to the trainer the same way on both platforms, kept in the record, and var
 
 from __future__ import annotations
 
+import json
 import shlex
 
 import optuna
 import pytest
+from prefect.utilities.schema_tools.validation import ValidationError as SchemaRefusal
+from prefect.utilities.schema_tools.validation import validate
 from pydantic import TypeAdapter, ValidationError
 
 from flows.params import SweepError, TrainParams, expand_sweep, params_from_record
 from flows.search import SearchSpace, SearchSpaceError, check_space, distributions
 from flows.study import _check_same_study
+from flows.sweep import sweep
 from tasks.k8s.manifests import ClusterLayout, render_mpijob
 from tasks.launch import horovodrun_command
 from tasks.platforms.base import TrainingSpec, VolumeRef
@@ -120,11 +124,19 @@ def test_a_search_space_searches_a_model_setting_checked_against_the_trials_mode
         with pytest.raises(SearchSpaceError, match=message):
             check_space(space, params)
             pytest.fail(f"{case}: accepted")
-    # The deployment's schema takes a model setting's dotted name, and no other unknown key.
+    # The sweep flow's parameters take a model setting's dotted name, and no other unknown key: in Python and in
+    # the deployment's schema, which the server checks a run's parameters against when the run is created.
     adapter = TypeAdapter(SearchSpace)
     assert "model_settings.cells" in adapter.validate_python({"model_settings.cells": {"choices": [20]}})
     with pytest.raises(ValidationError):
         adapter.validate_python({"model_settingscells": {"choices": [20]}})
+    schema = sweep.parameters.model_dump_for_openapi()
+    form = {"source": json.loads(source().model_dump_json())}
+    validate({**form, "space": {"model_settings.cells": {"choices": [20]}, "lr": {"low": 0.1, "high": 0.2}}},
+             schema, raise_on_error=True, ignore_required=True)
+    for key in ("model_settingscells", "learning_rate", "volume"):
+        with pytest.raises(SchemaRefusal, match=f"'{key}' does not match any of the regexes"):
+            validate({**form, "space": {key: {"choices": [20]}}}, schema, raise_on_error=True, ignore_required=True)
 
 
 def test_a_study_kept_before_model_settings_existed_continues() -> None:
