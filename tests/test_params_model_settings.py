@@ -15,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from flows.params import SweepError, TrainParams, expand_sweep, params_from_record
 from flows.search import SearchSpace, SearchSpaceError, check_space, distributions
-from flows.study import _check_same_study
+from flows.study import SweepStudy, _check_same_study
 from flows.sweep import sweep
 from tasks.k8s.manifests import ClusterLayout, render_mpijob
 from tasks.launch import horovodrun_command
@@ -149,3 +149,16 @@ def test_a_study_kept_before_model_settings_existed_continues() -> None:
     _check_same_study(study, "kept", space, params)
     with pytest.raises(ValueError, match="was run with other model_settings"):
         _check_same_study(study, "kept", space, TrainParams(source=source(), model_settings={"mp_kernel": 3}))
+
+
+def test_a_searched_trial_trains_with_the_model_setting_optuna_asked_for() -> None:
+    base = ufld(model_settings={"backbone": "resnet34"})
+    dimensions = check_space({"model_settings.cells": {"low": 20, "high": 60, "step": 20}, "lr": {"choices": [0.1]}},
+                             base)
+    study = SweepStudy.of_sweep("0123456789abcdef0123456789abcdef", distributions(dimensions, base), base)
+    study.search_with("random", 3, trials=4, max_concurrent=1, pruner=optuna.pruners.NopPruner())
+    asked = [study.ask() for _ in range(4)]
+    for trial in asked:
+        cells = trial.optuna_trial.params["model_settings.cells"]
+        assert cells in (20, 40, 60) and trial.params.model_settings == {"backbone": "resnet34", "cells": cells}
+        assert trial.params.trainer_settings()["model.cells"] == str(cells) and trial.params.eval_split == "val"
