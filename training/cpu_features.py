@@ -4,12 +4,17 @@ bf16 is native where the CPU has bf16 instructions: Intel AMX (``amx_bf16``, Xeo
 AVX512-BF16 (``avx512_bf16``: AMD since Zen 4, Intel since Cooper Lake) or Arm's BF16 extension (``bf16`` in
 an aarch64 ``Features`` line: Neoverse V1/N2, Graviton 3). Elsewhere oneDNN emulates bf16 with fp32
 arithmetic plus conversions, which is slower than fp32 alone: such a CPU keeps fp32.
+
+``LANEFLOW_CPUINFO=/path/to/cpuinfo`` makes laneflow read another machine's /proc/cpuinfo text instead of this
+one's: what ``auto`` would choose on that CPU, tried anywhere without root (the test suite runs a trainer as a
+Zen 3 this way). It changes what laneflow believes about the CPU, not the kernels PyTorch runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,9 +67,22 @@ def parse_cpuinfo(text: str) -> CpuFeatures:
     return CpuFeatures(model or "unknown", flags, count)
 
 
-def this_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
-    """This machine's CPU (no /proc/cpuinfo, as on macOS: unknown, no flags, so bf16 counts as emulated)."""
+#: Names a file read instead of /proc/cpuinfo (another machine's text): see the module's docstring.
+CPUINFO_ENV = "LANEFLOW_CPUINFO"
+
+
+def this_cpu(cpuinfo: Path | None = None) -> CpuFeatures:
+    """This machine's CPU, from ``cpuinfo`` (default: ``$LANEFLOW_CPUINFO``, else /proc/cpuinfo). Without
+    /proc/cpuinfo, as on macOS: unknown, no flags, so bf16 counts as emulated. A ``$LANEFLOW_CPUINFO`` that cannot be
+    read is an error: the run would otherwise decide for a CPU it was not asked about."""
+    override = os.environ.get(CPUINFO_ENV)
+    if cpuinfo is None and override:
+        try:
+            return parse_cpuinfo(Path(override).read_text())
+        except OSError as exc:
+            raise ValueError(f"{CPUINFO_ENV}={override} cannot be read ({exc.strerror or exc}): point it at a file "
+                             f"with a machine's /proc/cpuinfo text, or unset it to read this machine's") from exc
     try:
-        return parse_cpuinfo(cpuinfo.read_text())
+        return parse_cpuinfo((cpuinfo or Path("/proc/cpuinfo")).read_text())
     except OSError:
         return CpuFeatures(platform.processor() or "unknown", frozenset(), 0)

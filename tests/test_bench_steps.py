@@ -1,6 +1,6 @@
-"""bench/train_step.py runs and keeps its promises: every figure against this machine's own limit (never above
-it), bf16 steps computing every convolution and matrix product in bf16 (no silent fp32 fallback in the hot loop),
-and the profiler's top ops in its output."""
+"""The step benches run and keep their promises: bench/train_step.py gives every figure against this machine's own
+limit (never above it), bf16 steps compute every convolution and matrix product in bf16 (no silent fp32 fallback in
+the hot loop) and the profiler's top ops are in its output; bench/gpu.py's dry run exercises every configuration."""
 
 from __future__ import annotations
 
@@ -60,3 +60,13 @@ def test_a_share_above_the_machines_limit_is_refused_with_the_reason() -> None:
         GemmLimit(("fp32",)).best()
     with pytest.raises(ValueError, match="no GEMM rate for dtype fp8: use fp32, bf16, fp16"):
         GemmLimit(("fp32", "fp8"))
+
+
+def test_the_gpu_bench_dry_run_exercises_every_configuration_on_cpu(tmp_path: Path) -> None:
+    bench = REPO / "bench" / "gpu.py"
+    done = run_to_end([sys.executable, str(bench), "--dry-run", "--json", str(tmp_path / "gpu.json")], 600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu.json").read_text())["results"]
+    assert [(r["precision"], r["memory_format"]) for r in results] == [
+        (p, m) for p in ("fp32", "bf16", "fp16") for m in ("contiguous", "channels_last")]
+    assert all(r["img_per_s"] > 0 and 0 <= r["input_stall"] <= 1 for r in results)
