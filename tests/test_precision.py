@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -137,8 +138,19 @@ def test_settings_are_checked_and_compile_on_is_refused_with_elastic() -> None:
         parse_overrides("cpu-demo", ["compile=yes"])
     with pytest.raises(ValueError, match="'compile=on' cannot be used with elastic=1"):
         parse_overrides("cpu-demo", ["compile=on", "elastic=1"])
-    assert resolve_compile("auto", "cpu", elastic=False)[0] is False
     assert resolve_compile("on", "cpu", elastic=False) == (True, "compile=on: set")
+
+
+def test_compile_auto_on_cpus_is_off_for_the_figures_it_cites() -> None:
+    """auto's CPU answer cites a recorded bench run; those figures say the compile never pays back."""
+    compiled, why = resolve_compile("auto", "cpu", elastic=False)
+    assert compiled is False and why.startswith("compile=auto: off, the compiled step measured slower than eager")
+    [cited] = re.findall(r"bench/results/[\w.-]+\.json", why)
+    figures = json.loads((Path(__file__).resolve().parents[1] / cited).read_text())
+    measured = figures["compile"]
+    assert figures["valid"] and measured["pays"] is False and measured["compiled_ms"] > measured["eager_ms"]
+    assert f"compiled {measured['compiled_ms']:.0f} ms a step against eager {measured['eager_ms']:.0f} ms after " \
+           f"{measured['compile_s']:.0f} s of compiling" in why
 
 
 def test_a_flow_run_refuses_compile_on_with_elastic_workers() -> None:

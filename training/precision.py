@@ -148,11 +148,19 @@ def resolve(precision: str, memory_format: str, device: Device,
     return Numerics(*chosen_combo, reason=why)
 
 
+#: What ``compile: auto`` answers on CPUs from: ``bench/train_step.py --compile`` on a 2-core Intel Xeon with AMX,
+#: torch 2.13, 2026-12-06 (bench/results/compile-cpu-demo-2026-12-06.json, docs/performance.md). The compiled step
+#: was slower than eager, so compiling never pays back, whatever the run's length. Measure again with the bench
+#: (``--compile --preset P``) before turning ``auto`` on for a CPU.
+CPU_COMPILE_MEASURED = ("cpu-demo, bf16/channels_last, batch 4: compiled 94 ms a step against eager 58 ms after 127 s "
+                        "of compiling (bench/results/compile-cpu-demo-2026-12-06.json)")
+
+
 def resolve_compile(setting: str, device_type: str, elastic: bool) -> tuple[bool, str]:
     """Whether the network runs through ``torch.compile``, and why.
 
-    ``auto`` is off: on CPUs the compiled SCNN and UFLD steps measured slower than eager after minutes of
-    compiling (bench/train_step.py, docs/performance.md); on GPUs it is not measured yet. ``on`` is refused in
+    ``auto`` is off: on CPUs the compiled step measured slower than eager (``CPU_COMPILE_MEASURED``; SCNN and UFLD
+    alike in earlier runs), so the compile never pays back; on GPUs it is not measured yet. ``on`` is refused in
     elastic runs: a rank that joins would compile (minutes) while the others wait in the reset.
     """
     _choice("compile", setting, COMPILES)
@@ -165,7 +173,7 @@ def resolve_compile(setting: str, device_type: str, elastic: bool) -> tuple[bool
         return False, "compile=off: set"
     if device_type == "cuda":
         return False, "compile=auto: off, not yet measured on GPUs (bench/gpu.py --compile measures it; set on to try)"
-    return False, "compile=auto: off, compiled steps measured no faster than eager on CPUs (docs/performance.md)"
+    return False, f"compile=auto: off, the compiled step measured slower than eager on a CPU ({CPU_COMPILE_MEASURED})"
 
 
 def validate(precision: str, memory_format: str, compression: str, compile_setting: str = "auto") -> None:
