@@ -7,8 +7,9 @@ In one run, on this machine:
 2. the step's FLOPs (forward and backward), by PyTorch's flop counter's formulas, and the share of them each
    dtype computed: under bf16 every convolution and matrix product should be bf16 (an fp32 share is a
    silent fallback in the hot loop);
-3. each precision x memory format: ms/step (the trainer's own step, ``training.step.train_step``), the
-   achieved TFLOP/s and its share of that dtype's GEMM rate, and the ratio to fp32/contiguous;
+3. each precision x memory format: ms/step (the trainer's own step, ``training.step.train_step``; the
+   configurations take turns, each one's best turn of two rounds counting), the achieved TFLOP/s and its
+   share of that dtype's GEMM rate, and the ratio to fp32/contiguous;
 4. what ``precision: auto`` / ``memory_format: auto`` resolve to here (the trainer's own calibration) and
    that step's ratio to fp32/contiguous (target >= 3x on CPUs with native bf16);
 5. the profiler's top ops of the ``auto`` step;
