@@ -104,9 +104,21 @@ def _trial_models(space: dict[str, Any], base: TrainParams | None) -> list[str]:
     return [base.model if base is not None else TrainParams.model_fields["model"].default]
 
 
-def _setting_kind(where: str, key: str, models: list[str]) -> str | None:
+def _unknown_kind(dimension: Any) -> str | None:
+    """The type of a setting no model here knows, as its range gives it: whole bounds and step make an ``int``,
+    any other bound a ``float``; choices name no type (the trainer checks them)."""
+    if isinstance(dimension, dict):
+        dimension = SearchRange.model_validate(dimension) if "low" in dimension else None
+    if not isinstance(dimension, SearchRange):
+        return None
+    numbers = [dimension.low, dimension.high, *([dimension.step] if dimension.step is not None else [])]
+    return "int" if all(float(number).is_integer() for number in numbers) else "float"
+
+
+def _setting_kind(where: str, key: str, models: list[str], dimension: Any = None) -> str | None:
     """A model setting's type (``int``, ``float``, ``str``), the same in every model of ``models`` that this process
-    knows; None when it knows none of them (the trainer checks). A setting one of them lacks is refused."""
+    knows; when it knows none of them (a model installed only in the training image: the trainer checks), the
+    type ``dimension``'s range gives. A setting one of them lacks is refused."""
     name, kinds = key[len(PREFIX):], set()
     for model in models:
         known = overridable(model)
@@ -118,7 +130,7 @@ def _setting_kind(where: str, key: str, models: list[str]) -> str | None:
         kinds.add(known[name])
     if len(kinds) > 1:
         raise SearchSpaceError(f"{where}: '{name}' is a setting of other types in models {', '.join(models)}")
-    return kinds.pop() if kinds else None
+    return kinds.pop() if kinds else _unknown_kind(dimension)
 
 
 def _check_setting_value(where: str, key: str, value: Any, kind: str | None, models: list[str],
@@ -140,7 +152,7 @@ def _check_setting_value(where: str, key: str, value: Any, kind: str | None, mod
 def _check_setting(where: str, key: str, dimension: SearchDimension, space: dict[str, Any],
                    base: TrainParams | None) -> None:
     models = _trial_models(space, base)
-    kind = _setting_kind(where, key, models)
+    kind = _setting_kind(where, key, models, dimension)
     if isinstance(dimension, SearchChoices):
         values = dimension.choices
     else:
@@ -148,9 +160,25 @@ def _check_setting(where: str, key: str, dimension: SearchDimension, space: dict
             raise SearchSpaceError(f"{where}: {key[len(PREFIX):]} is not a number setting of "
                                    f"{', '.join(models)}: give its values as choices, not a range")
         _check_bounds(where, key, dimension, int if kind == "int" else float)
-        values = [int(dimension.low), int(dimension.high)] if kind == "int" else [dimension.low, dimension.high]
+        values = _range_values(dimension, kind)
     for value in values:
         _check_setting_value(where, key, value, kind, models, base)
+
+
+#: A stepped range of a model setting is checked value by value up to this many values (a model may refuse values
+#: between its bounds: an input size its stride does not divide); beyond, its bounds only.
+MAX_CHECKED_VALUES = 1000
+
+
+def _range_values(dimension: SearchRange, kind: str) -> list[int | float]:
+    """The values of a range a model must accept: each step's when the range has steps (few enough), else its
+    bounds."""
+    low, high = (int(dimension.low), int(dimension.high)) if kind == "int" else (dimension.low, dimension.high)
+    step = dimension.step if dimension.step is not None else (1 if kind == "int" and not dimension.log else None)
+    if step is None or (high - low) / step + 1 > MAX_CHECKED_VALUES:
+        return [low, high]
+    count = int((high - low) // step) + 1
+    return [int(low + i * step) if kind == "int" else low + i * step for i in range(count)]
 
 
 def _number_kind(name: str, kind: str | None = None) -> type | None:
@@ -202,7 +230,25 @@ def check_space(space: dict[str, Any], base: TrainParams | None = None) -> dict[
             if any(a == b for i, a in enumerate(dimension.choices) for b in dimension.choices[i + 1:]):
                 raise SearchSpaceError(f"{where}: the choices repeat a value")
         dimensions[key] = dimension
+    _check_base_settings_per_model(dimensions, base)
     return dimensions
+
+
+def _check_base_settings_per_model(dimensions: dict[str, SearchDimension], base: TrainParams | None) -> None:
+    """A space choosing the model keeps the base run's model settings for every trial: each model chosen must take
+    them (a trial of another model would otherwise be refused only once Optuna asked for it)."""
+    choices = dimensions.get("model")
+    if base is None or not base.model_settings or not isinstance(choices, SearchChoices):
+        return
+    searched = {key[len(PREFIX):] for key in dimensions if is_setting_key(key)}
+    settings = {name: value for name, value in base.model_settings.items() if name not in searched}
+    for model in choices.choices:
+        try:
+            check_model_settings(model, base.preset, settings)
+        except ValueError as exc:
+            raise SearchSpaceError(f"space['model']: choice {model!r} cannot take the base run's model_settings "
+                                   f"{settings}: {exc}; give the setting in the space, or sweep the models as "
+                                   "listed runs") from None
 
 
 def _parse(where: str, raw: Any) -> SearchDimension:
@@ -255,8 +301,8 @@ def distributions(dimensions: dict[str, SearchDimension], base: TrainParams | No
 
     found: dict[str, Any] = {}
     for key, dimension in dimensions.items():
-        kind = _setting_kind(f"space[{key!r}]", key, _trial_models(dimensions, base)) if is_setting_key(key) \
-            else None
+        kind = _setting_kind(f"space[{key!r}]", key, _trial_models(dimensions, base), dimension) \
+            if is_setting_key(key) else None
         if isinstance(dimension, SearchChoices):
             found[key] = CategoricalDistribution(dimension.choices)
         elif _number_kind(key, kind) is int:

@@ -28,8 +28,9 @@ import optuna
 from optuna.distributions import BaseDistribution, distribution_to_json
 from optuna.storages.journal import BaseJournalBackend
 from optuna.trial import TrialState
+from pydantic import ValidationError
 
-from flows.model_settings import with_changes
+from flows.model_settings import PREFIX, with_changes
 from flows.params import TrainParams
 from tasks.platforms import Platform, VolumeRef
 from tasks.study_lock import StudyLease
@@ -171,6 +172,11 @@ RECORDED = ("state", "run", "flow_run_id", "metrics", "steps", "resumed_from", "
             "volume", "error", "stopped", "val")
 
 
+#: How many trials in a row the space may give that no run may have (each told failed) before the sweep stops:
+#: ``check_space`` refuses what it can see up front; this bounds what it cannot (a combination of two settings).
+MAX_REFUSED_ASKS = 20
+
+
 @dataclass(frozen=True)
 class AskedTrial:
     """A trial Optuna asked for: its child run's parameters and the run key that run trains under."""
@@ -267,9 +273,18 @@ class SweepStudy:
         """The next trial, scored on val (hyperparameters are never chosen on test), on the volume before its
         run starts: a sweep stopped from then on leaves it RUNNING, to be resumed by the next."""
         with self.lock:
-            trial = self.optuna_study.ask(self.space)
-            child = TrainParams.model_validate(with_changes(self.base.model_dump(),
-                                                            {**trial.params, "eval_split": "val"}))
+            for _ in range(MAX_REFUSED_ASKS):
+                trial = self.optuna_study.ask(self.space)
+                try:
+                    child = TrainParams.model_validate(with_changes(self.base.model_dump(),
+                                                                    {**trial.params, "eval_split": "val"}))
+                    break
+                except ValidationError as exc:  # a combination no run may have: failed, never trained or resumed
+                    trial.set_user_attr("refused", "; ".join(error["msg"] for error in exc.errors())[:500])
+                    self.optuna_study.tell(trial, state=TrialState.FAIL)
+            else:
+                raise ValueError(f"the search space gave {MAX_REFUSED_ASKS} trials in a row that no run may have "
+                                 f"(the last: {trial.user_attrs['refused']}): narrow the space")
             key = trial.user_attrs.get("run_key") or self._run_key(trial.number)
             trial.set_user_attr("run_key", key)
         self._write()
@@ -364,9 +379,18 @@ def _check_same_study(study: optuna.Study, name: str, space: dict[str, BaseDistr
     otherwise its trials do not compare and an interrupted one would resume a checkpoint of another
     setting. The first sweep records both on the study."""
     wanted_space = {key: distribution_to_json(value) for key, value in sorted(space.items())}
-    wanted_base = {key: value for key, value in params.for_record().items()
-                   if key not in space and key not in NOT_COMPARED}
-    recorded_space, recorded_base = study.user_attrs.get("space"), study.user_attrs.get("base")
+    searched = {key.removeprefix(PREFIX) for key in space if key.startswith(PREFIX)}
+
+    def unsearched(base: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The base without the model settings the space searches: every trial sets those itself."""
+        if base is None or not isinstance(base.get("model_settings"), dict):
+            return base
+        return {**base, "model_settings": {name: value for name, value in base["model_settings"].items()
+                                           if name not in searched}}
+
+    wanted_base = unsearched({key: value for key, value in params.for_record().items()
+                              if key not in space and key not in NOT_COMPARED})
+    recorded_space, recorded_base = study.user_attrs.get("space"), unsearched(study.user_attrs.get("base"))
     if recorded_space is None:
         study.set_user_attr("space", wanted_space)
         study.set_user_attr("base", wanted_base)

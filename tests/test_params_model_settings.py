@@ -162,3 +162,51 @@ def test_a_searched_trial_trains_with_the_model_setting_optuna_asked_for() -> No
         cells = trial.optuna_trial.params["model_settings.cells"]
         assert cells in (20, 40, 60) and trial.params.model_settings == {"backbone": "resnet34", "cells": cells}
         assert trial.params.trainer_settings()["model.cells"] == str(cells) and trial.params.eval_split == "val"
+
+
+def test_a_space_is_refused_up_front_where_a_trial_would_be_refused_once_asked() -> None:
+    """What Optuna may ask must be a run: the base's settings under every model the space chooses, and every step
+    of a stepped range (a model may refuse values between its bounds); a model this process cannot load (a package
+    installed only in the training image) is searched by the range's own type, and its trainer checks the values."""
+    with pytest.raises(SearchSpaceError, match=r"choice 'scnn' cannot take the base run's model_settings "
+                                               r"\{'backbone': 'resnet34'\}: model 'scnn' has no setting 'backbone'"):
+        check_space({"model": {"choices": ["scnn", "ufld"]}}, ufld(model_settings={"backbone": "resnet34"}))
+    check_space({"model": {"choices": ["scnn", "ufld"]}}, ufld())  # no base settings: nothing to carry over
+    with pytest.raises(SearchSpaceError, match=r"272 is not a valid input_width: .*multiple of 32"):
+        check_space({"model_settings.input_width": {"low": 256, "high": 512, "step": 16}}, ufld())
+    check_space({"model_settings.input_width": {"low": 256, "high": 512, "step": 32}}, ufld())
+    elsewhere = TrainParams(source=source(), model="a-model-of-the-training-image")
+    found = distributions(check_space({"model_settings.channels": {"low": 4, "high": 16},
+                                       "model_settings.weight": {"low": 0.5, "high": 2}}, elsewhere), elsewhere)
+    assert type(found["model_settings.channels"]).__name__ == "IntDistribution"
+    assert type(found["model_settings.weight"]).__name__ == "FloatDistribution"
+
+
+def test_a_trial_no_run_may_have_is_told_failed_and_the_next_one_asked() -> None:
+    """A combination ``check_space`` cannot see (distributions given straight to the study): the trial is failed
+    with the reason, never trained nor resumed, and the study asks again; a space that gives nothing else stops
+    the sweep naming the reason."""
+    base = ufld()
+    mixed = {"model_settings.cells": optuna.distributions.IntDistribution(1, 2)}  # cells 1 is refused
+    study = SweepStudy.of_sweep("0123456789abcdef0123456789abcdef", mixed, base)
+    study.search_with("random", 3, trials=2, max_concurrent=1, pruner=optuna.pruners.NopPruner())
+    study.optuna_study.enqueue_trial({"model_settings.cells": 1})  # what Optuna asks first
+    assert study.ask().params.model_settings["cells"] == 2
+    refused = [t for t in study.optuna_study.get_trials(deepcopy=False) if "refused" in t.user_attrs]
+    assert refused and all(t.state == optuna.trial.TrialState.FAIL and t.params["model_settings.cells"] == 1
+                           for t in refused), refused
+    assert "at least 2" in refused[0].user_attrs["refused"] and "interrupted" not in refused[0].user_attrs
+    never = SweepStudy.of_sweep("fedcba9876543210fedcba9876543210",
+                                {"model_settings.cells": optuna.distributions.IntDistribution(0, 1)}, base)
+    never.search_with("random", 3, trials=3, max_concurrent=1, pruner=optuna.pruners.NopPruner())
+    with pytest.raises(ValueError, match=r"20 trials in a row that no run may have .*narrow the space"):
+        never.ask()
+
+
+def test_a_kept_study_continues_when_only_a_searched_settings_base_value_changed() -> None:
+    study = optuna.create_study(study_name="kept-cells", direction="maximize")
+    space = {"model_settings.cells": optuna.distributions.IntDistribution(20, 60, step=20)}
+    _check_same_study(study, "kept-cells", space, ufld(model_settings={"cells": 20, "backbone": "resnet34"}))
+    _check_same_study(study, "kept-cells", space, ufld(model_settings={"cells": 40, "backbone": "resnet34"}))
+    with pytest.raises(ValueError, match="was run with other model_settings"):  # an unsearched one still counts
+        _check_same_study(study, "kept-cells", space, ufld(model_settings={"cells": 40, "backbone": "resnet18"}))
