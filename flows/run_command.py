@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from flows.local_server import AUTH_FILE, ServerNotOurs, ensure_server, server_env, take_pid_file, ui_url
+from flows.params import TrainParams
 from flows.run_progress import (
     OverrideError,
     Progress,
@@ -99,6 +100,19 @@ def _settings(env: dict[str, str]) -> Iterator[None]:
         yield
 
 
+def _flow_parameters(deployment_name: str) -> list[str]:
+    """The parameters this laneflow's flow of ``deployment_name`` (``<flow>/<deployment>``) takes."""
+    import inspect
+
+    from flows.nightly import nightly_retrain
+    from flows.sweep import sweep
+    from flows.train import train_pipeline
+
+    flows = {"train_pipeline": train_pipeline, "sweep": sweep, "nightly_retrain": nightly_retrain}
+    flow = flows.get(deployment_name.split("/", 1)[0])
+    return list(inspect.signature(flow.fn).parameters) if flow is not None else []
+
+
 def _start_and_follow(name: str, deployment_name: str, overrides: dict[str, Any], home: Path, env: dict[str, str],
                       local: bool, out: TextIO) -> int:
     import httpx
@@ -116,7 +130,15 @@ def _start_and_follow(name: str, deployment_name: str, overrides: dict[str, Any]
             print(f"{name}: applying prefect.yaml's deployments to the local server...", file=out, flush=True)
             deploy(deployment_environment(home, env))
             deployment = client.read_deployment_by_name(deployment_name)
-        if why := unknown_parameters(overrides, deployment.parameter_openapi_schema):
+        current = frozenset(TrainParams.model_fields) | frozenset(_flow_parameters(deployment_name))
+        why = unknown_parameters(overrides, deployment.parameter_openapi_schema, current)
+        if why and local and any(key in current for key in overrides):  # ours to bring up to date
+            print(f"{name}: {why.split(':', 1)[0]}; applying prefect.yaml's deployments again...", file=out,
+                  flush=True)
+            deploy(deployment_environment(home, env))
+            deployment = client.read_deployment_by_name(deployment_name)
+            why = unknown_parameters(overrides, deployment.parameter_openapi_schema, current)
+        if why:
             print(f"{name}: {why}", file=sys.stderr)
             return 2
         try:

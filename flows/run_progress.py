@@ -39,17 +39,23 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return parameters
 
 
-def unknown_parameters(overrides: dict[str, Any], schema: dict[str, Any]) -> str | None:
+def unknown_parameters(overrides: dict[str, Any], schema: dict[str, Any],
+                       current: frozenset[str] = frozenset()) -> str | None:
     """Why ``overrides`` cannot be a run of a deployment whose parameter schema is ``schema`` (the server's
     ``parameter_openapi_schema``): the keys it has no parameter for, each with the nearest names it has. None when
     every key is a parameter. The server's schema check passes an unknown key (Prefect's flow schema allows extra
-    properties), and the run would only fail once a worker started it."""
+    properties), and the run would only fail once a worker started it. A key among ``current`` (the parameters of
+    this laneflow's flows) is one the deployment predates: applying it again is the fix."""
     import difflib
 
     known = sorted((schema or {}).get("properties") or {})
     unknown = [key for key in overrides if key not in known]
     if not known or not unknown:
         return None
+    newer = [key for key in unknown if key in current]
+    if newer:
+        return (f"the deployment predates the parameter {', '.join(map(repr, newer))} of this laneflow: apply "
+                "prefect.yaml's deployments again (laneflow deploy) where it was applied")
     said = []
     for key in unknown:
         near = difflib.get_close_matches(key, known, n=3)

@@ -48,3 +48,16 @@ def test_a_key_the_deployment_has_no_parameter_for_is_named_with_the_nearest_one
     assert said.startswith("no parameter 'epoch' (did you mean epochs?), 'max_step' (did you mean max_steps?), "
                            "'zzz': the deployment's parameters are epochs, lr, max_steps, workers"), said
     assert unknown_parameters({"anything": 1}, {}) is None  # no schema to judge by: the server decides
+
+
+def test_a_key_of_this_laneflow_that_the_deployment_predates_says_to_apply_it_again() -> None:
+    from flows.run_command import _flow_parameters
+    from flows.run_progress import unknown_parameters
+
+    old_schema = {"properties": {"epochs": {}, "model": {}}}  # applied before model_settings existed
+    current = frozenset(_flow_parameters("train_pipeline/train"))
+    assert "model_settings" in current and "epochs" in current
+    said = unknown_parameters({"model_settings": {"cells": 50}}, old_schema, current)
+    assert said == ("the deployment predates the parameter 'model_settings' of this laneflow: apply prefect.yaml's "
+                    "deployments again (laneflow deploy) where it was applied"), said
+    assert unknown_parameters({"epoch": 2}, old_schema, current).startswith("no parameter 'epoch' (did you mean")
