@@ -67,6 +67,10 @@ from tasks.doctor import (
     work_pool_verdict,
 )
 
+#: ``--volume`` asks for a claim's ANF volume: only a cluster block with ANF settings has one to find.
+VOLUME_NEEDS_ANF = Check("--volume: a claim's Azure NetApp Files volume", False,
+                         "the block is not a cluster block with anf settings, so it has no ANF volume to find",
+                         "name a cluster block whose anf field is set (--platform), or leave out --volume")
 #: Below this much free space where the local platform keeps its volumes, a dataset and a few runs do not fit.
 MIN_FREE_BYTES = 10 * 2**30
 
@@ -108,8 +112,8 @@ def cluster_checks(platform: object, pull_images: bool = False, volume: str | No
         checks += runai_checks(client, platform.runai_project)
     if platform.anf is not None:
         checks.append(anf_check(platform.anf))
-        if volume:
-            checks.append(anf_volume_check(platform, volume))
+    if volume:
+        checks.append(anf_volume_check(platform, volume) if platform.anf is not None else VOLUME_NEEDS_ANF)
     if pull_images:
         checks += image_checks(client, platform)
     return checks
@@ -240,8 +244,9 @@ def node_checks(client: kubernetes.client.ApiClient, platform: object) -> list[C
     if error:
         return [unreadable_verdict(gpu_pool_check_name(platform.gpus_per_worker), error)]
     nodes = client.sanitize_for_serialization(found)["items"] if found else []
-    return [gpu_pool_verdict(nodes, platform.tolerations, platform.node_selector, platform.gpus_per_worker),
-            placement_verdict(nodes, run_pod_specs(platform), kueue=bool(platform.kueue_queue))]
+    kueue = bool(platform.kueue_queue)
+    return [gpu_pool_verdict(nodes, platform.tolerations, platform.node_selector, platform.gpus_per_worker, kueue),
+            placement_verdict(nodes, run_pod_specs(platform), kueue)]
 
 
 def permission_check(client: kubernetes.client.ApiClient, platform: object) -> Check:
@@ -335,7 +340,7 @@ def run_checks(platform_name: str, work_pool: str | None = None, pull_images: bo
         checks += cluster_checks(platform, pull_images, volume)
         pool = work_pool_check(work_pool or CLUSTER_WORK_POOL, required=work_pool is not None)
         return checks + ([pool] if pool is not None else [])
-    return checks + local_checks(platform)
+    return checks + local_checks(platform) + ([VOLUME_NEEDS_ANF] if volume else [])
 
 
 def doctor_command(platform_name: str, as_json: bool, work_pool: str | None = None, pull_images: bool = False,

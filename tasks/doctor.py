@@ -247,10 +247,15 @@ def gpu_pool_check_name(gpus_per_worker: int) -> str:
     return f"a node pool for training workers ({gpus_per_worker} {GPU} each)"
 
 
+#: With Kueue, a GPU pod's placement is finished at admission: the flavor Kueue admits it to adds its node labels
+#: and tolerations (the Kueue lines check the queue and its flavors), so the block need not carry them.
+KUEUE_PLACES = "Kueue's flavors add their node labels and tolerations at admission"
+
+
 def gpu_pool_verdict(nodes: Iterable[Mapping[str, Any]], tolerations: Iterable[Mapping[str, Any]],
-                     node_selector: Mapping[str, str], gpus_per_worker: int) -> Check:
+                     node_selector: Mapping[str, str], gpus_per_worker: int, kueue: bool = False) -> Check:
     """A node pool where the training workers fit: taints tolerated, node selector matched, enough GPUs; otherwise
-    each pool seen and why it is unsuitable."""
+    each pool seen and why it is unsuitable — except under Kueue, whose flavors complete the placement."""
     worker = {"tolerations": list(tolerations), "nodeSelector": dict(node_selector),
               "containers": [{"resources": {"limits": {GPU: str(gpus_per_worker)}}}]}
     fit, why = landing_pools(nodes, worker)
@@ -258,6 +263,8 @@ def gpu_pool_verdict(nodes: Iterable[Mapping[str, Any]], tolerations: Iterable[M
     if fit:
         return Check(what, True, "pools " + ", ".join(fit))
     seen = "; ".join(f"{pool}: {reason}" for pool, reason in why.items()) or "no nodes"
+    if kueue:
+        return Check(what, True, f"none by the block's own fields ({seen}); {KUEUE_PLACES}")
     return Check(what, False, seen, "the block's tolerations, node_selector or gpus_per_worker, or a GPU pool "
                                     "(az aks nodepool add --node-taints sku=gpu:NoSchedule ...)")
 
@@ -276,8 +283,8 @@ PLAIN_PODS_FIX = ("a pool without taints for the pods that ask for no GPU (an AK
 def placement_verdict(nodes: Iterable[Mapping[str, Any]], pods: Mapping[str, Mapping[str, Any]],
                       kueue: bool = False) -> Check:
     """Which pools each of a run's pods (its rendered pod spec, by what it is) can land on; ✘ naming a pod that fits
-    no pool and why each pool refuses it. With Kueue, the GPU pods also gain their flavor's node labels and
-    tolerations at admission, which no spec here has yet."""
+    no pool and why each pool refuses it. With Kueue, a GPU pod that fits no pool by its own spec is left to the
+    flavor Kueue admits it to (which adds node labels and tolerations no spec here has yet)."""
     nodes = list(nodes)
     landed, stranded, fixes = [], [], []
     for what, spec in pods.items():
@@ -285,11 +292,15 @@ def placement_verdict(nodes: Iterable[Mapping[str, Any]], pods: Mapping[str, Map
         if fit:
             landed.append(f"{what} → {', '.join(fit)}")
             continue
+        on_gpus = bool(pod_requests(spec).get(GPU))
+        if kueue and on_gpus:
+            landed.append(f"{what} → by Kueue's flavor")
+            continue
         reasons = "; ".join(f"{pool}: {reason}" for pool, reason in why.items()) or "no nodes"
         stranded.append(f"{what} fits no pool ({reasons})")
-        fix = GPU_PODS_FIX if pod_requests(spec).get(GPU) else PLAIN_PODS_FIX
+        fix = GPU_PODS_FIX if on_gpus else PLAIN_PODS_FIX
         fixes += [fix] if fix not in fixes else []
-    note = " (before Kueue's flavors add their node labels and tolerations)" if kueue else ""
+    note = f" ({KUEUE_PLACES})" if kueue else ""
     if stranded:
         return Check(PLACEMENT_CHECK, False, "; ".join(stranded) + note, "; ".join(fixes))
     return Check(PLACEMENT_CHECK, True, "; ".join(landed) + note)

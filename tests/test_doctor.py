@@ -128,7 +128,20 @@ def test_each_of_a_runs_pods_is_placed_on_the_pools_the_scheduler_could_put_it_o
     assert "gpu: 95 allocatable cpu per node, 200 asked" in greedy.detail, greedy  # AKS reserves one core
     assert "worker_cpu" in greedy.fix and "--mode User" not in greedy.fix, greedy
     queued = placement_verdict(served_nodes(), pods, kueue=True)
-    assert queued.ok and queued.detail.endswith("(before Kueue's flavors add their node labels and tolerations)")
+    assert queued.ok and queued.detail == f"{LANDED} (Kueue's flavors add their node labels and tolerations at " \
+                                          "admission)", queued
+    # A block that leaves the GPU pools' tolerations to Kueue's flavors (deployments/kueue's pattern): its GPU pods
+    # are the flavor's to place, and the others are still judged.
+    flavored = run_pod_specs(example_block(tolerations=[], node_selector={}, kueue_queue="laneflow"))
+    by_flavor = placement_verdict(served_nodes(), flavored, kueue=True)
+    assert by_flavor.ok and by_flavor.detail.startswith(
+        "MPI workers → by Kueue's flavor; MPI launcher → system; dataset Job → system; scoring and packaging Jobs "
+        "→ by Kueue's flavor"), by_flavor
+    assert not placement_verdict(system_only, flavored, kueue=True).ok  # the launcher is no flavor's
+    pool = gpu_pool_verdict(served_nodes(), [], {}, gpus_per_worker=1, kueue=True)
+    assert pool.ok and "gpu: taint sku=gpu:NoSchedule not tolerated" in pool.detail and "Kueue's flavors" in \
+        pool.detail, pool
+    assert not gpu_pool_verdict(served_nodes(), [], {}, gpus_per_worker=1).ok
 
 
 def test_required_node_affinity_and_cordons_are_judged_as_the_scheduler_judges_them() -> None:
@@ -203,6 +216,10 @@ def test_doctor_on_this_machine_names_a_server_that_does_not_answer_and_a_horovo
     assert ("✘ Horovod built with Gloo and MPI: ImportError: libmpi.so.40: cannot open shared object file — make "
             "install (pip install horovod with HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1)") in lines, lines
     assert any(line.startswith(f"✔ free disk at {tmp_path / 'home'}") for line in lines), lines
+    with_volume = doctor(env, "--volume", "tusimple").stdout.splitlines()
+    assert ("✘ --volume: a claim's Azure NetApp Files volume: the block is not a cluster block with anf settings, so "
+            "it has no ANF volume to find — name a cluster block whose anf field is set (--platform), or leave out "
+            "--volume") in with_volume, with_volume
 
 
 def test_the_disk_check_reads_the_free_space_where_the_volumes_live(tmp_path: Path) -> None:
