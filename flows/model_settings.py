@@ -11,7 +11,9 @@ registers only in the training image) is checked by the trainer instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import StringConstraints
 
 #: One model setting's value as a run's parameters hold it.
 ModelSettingValue = str | int | float | bool
@@ -19,6 +21,9 @@ ModelSettingValue = str | int | float | bool
 PREFIX = "model_settings."
 #: What a ``model_settings.<name>`` key's name part may be (a Python identifier, as a dataclass field).
 NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
+#: A setting's name in ``TrainParams.model_settings``: checked even for a model this process cannot load, as it
+#: becomes ``--set model.<name>=...`` on the trainer's command line.
+SettingName = Annotated[str, StringConstraints(pattern=rf"^{NAME_PATTERN}$")]
 
 
 def overridable(model: str) -> dict[str, str] | None:
@@ -30,7 +35,7 @@ def overridable(model: str) -> dict[str, str] | None:
         return None
     try:
         return get_model(model).overridable_settings()
-    except ValueError:
+    except Exception:  # not registered here, or a package whose import fails here: the trainer checks, loudly
         return None
 
 

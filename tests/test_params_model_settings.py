@@ -210,3 +210,12 @@ def test_a_kept_study_continues_when_only_a_searched_settings_base_value_changed
     _check_same_study(study, "kept-cells", space, ufld(model_settings={"cells": 40, "backbone": "resnet34"}))
     with pytest.raises(ValueError, match="was run with other model_settings"):  # an unsearched one still counts
         _check_same_study(study, "kept-cells", space, ufld(model_settings={"cells": 40, "backbone": "resnet18"}))
+
+
+def test_a_setting_name_is_a_name_even_for_a_model_this_process_cannot_load() -> None:
+    """It becomes ``--set model.<name>=...`` on the trainer's command line: only an identifier passes, whichever
+    model it is for."""
+    with pytest.raises(ValidationError, match="String should match pattern"):
+        TrainParams(source=source(), model="a-model-of-the-training-image", model_settings={"x; rm -rf /": 1})
+    kept = TrainParams(source=source(), model="a-model-of-the-training-image", model_settings={"channels": 8})
+    assert kept.trainer_settings()["model.channels"] == "8"
