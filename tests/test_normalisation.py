@@ -121,3 +121,30 @@ def test_the_built_in_models_keep_imagenets_statistics(name: str) -> None:
     deployed = model.deployed(model.network(model.settings("cpu-demo")))
     assert deployed.mean.flatten().tolist() == pytest.approx(IMAGENET_MEAN)
     assert deployed.std.flatten().tolist() == pytest.approx(IMAGENET_STD)
+
+
+def test_a_model_that_borrows_a_built_in_models_settings_type_is_refused(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saved settings name their model by their type: a package model whose settings type is SCNN's would be
+    evaluated and exported as SCNN (its own normalisation lost), so it is refused, saying what to do."""
+    (tmp_path / "borrowing_model.py").write_text(textwrap.dedent('''
+        from training.model import ModelConfig
+        from training.models.scnn import SCNNModel
+
+
+        class BorrowingModel(SCNNModel):
+            name = "borrowing"
+            settings_type = ModelConfig
+            mean_rgb = (0.5, 0.5, 0.5)
+    '''))
+    info = tmp_path / "borrowing-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: borrowing\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[laneflow.models]\nborrowing = borrowing_model:BorrowingModel\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=r"model 'borrowing' .* uses scnn's settings type ModelConfig: give it a "
+                                             r"settings dataclass of its own"):
+            get_model("borrowing")
+    finally:
+        get_model.cache_clear()

@@ -53,6 +53,13 @@ def get_model(name: str) -> LaneModel:
     if not isinstance(model, LaneModel) or not is_dataclass(model.settings_type) or model.name != name:
         raise ValueError(f"model '{name}' ({target}) is not a training.models.base.LaneModel whose name is "
                          f"'{name}' and whose settings_type is a dataclass")
+    if name not in BUILT_IN:  # saved settings name their model by their type (model_for): a type must be one model's
+        for built_in in BUILT_IN:
+            if get_model(built_in).settings_type is model.settings_type:
+                raise ValueError(f"model '{name}' ({target}) uses {built_in}'s settings type "
+                                 f"{model.settings_type.__name__}: give it a settings dataclass of its own (a "
+                                 f"subclass of {model.settings_type.__name__} keeps its fields), or a checkpoint of "
+                                 f"it would load as {built_in}")
     return model
 
 
