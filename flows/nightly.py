@@ -125,7 +125,8 @@ def nightly_retrain(params: TrainParams, min_improvement: float = 0.0, gate_marg
         logger.info("champion kept: %s", reason)
         record_decision(platform, volume, challenger, {
             "promoted": False, "reason": reason, "champion": champion["run"] if champion else None,
-            "challenger": challenger["run"], "gates_summary": "not scored: the challenger was stopped", "gates": []})
+            "challenger": challenger["run"], "gates_summary": "not scored: the challenger was stopped", "gates": [],
+            "stopped": True})
         return {"champion": champion["run"] if champion else None, "promoted": False, "reason": reason,
                 "challenger": challenger, "gates": []}
     challenger["val_metrics"] = (challenger["metrics"] if challenger["metrics"].get("split") == DECISION_SPLIT else

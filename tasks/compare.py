@@ -371,6 +371,10 @@ def decision_cells(decision: dict[str, Any] | None) -> dict[str, str]:
     if decision is None:
         return {"nightly decision": "", "release gates": ""}
     against = decision.get("champion")
+    if decision.get("stopped"):  # its training was stopped: nothing was judged, nothing kept in its place
+        verdict = "not scored (stopped)"
+        return {"nightly decision": f"{verdict}, champion {against}" if against else verdict,
+                "release gates": str(decision.get("gates_summary") or "")}
     verdict = "promoted" if decision.get("promoted") else "kept"
     return {"nightly decision": f"{verdict} against {against}" if against else f"{verdict} (no champion before)",
             "release gates": str(decision.get("gates_summary") or "")}

@@ -73,10 +73,12 @@ def decision_sections(figures: list[RunFigures]) -> list[str]:
     for row in judged:
         decision = row.champion_decision or {}
         against = decision.get("champion")
-        verdict = "promoted" if decision.get("promoted") else "kept"
-        lines += ["", f"### `{_cell(row.name)}`: {verdict}"
-                  + (f" against champion `{_cell(against)}`" if against else " (no champion before)"), "",
-                  f"{_cell(decision.get('reason'))}", ""]
+        if decision.get("stopped"):  # stopped before its end: nothing was judged
+            heading = "not scored (stopped)" + (f", champion `{_cell(against)}` kept" if against else "")
+        else:
+            heading = ("promoted" if decision.get("promoted") else "kept") + (
+                f" against champion `{_cell(against)}`" if against else " (no champion before)")
+        lines += ["", f"### `{_cell(row.name)}`: {heading}", "", f"{_cell(decision.get('reason'))}", ""]
         score = decision.get("score") or "score"
         if decision.get("challenger_val") is not None:
             champion_val = decision.get("champion_val")

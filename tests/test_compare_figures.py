@@ -214,12 +214,18 @@ def test_a_nightly_challenger_shows_the_decision_its_reason_and_every_gate() -> 
     first = RunRecords(first.name, first.lineage, first.events, decision_record(
         decide_champion(None, 0.70, score="F1"), None, "first", "F1", "test", 0.02, 0.1, [],
         gates_summary([], "test", 0.02, "not scored: no champion yet")))
-    comparison = compare([records("trained-by-hand"), first, refused])
+    stopped = records("stopped")  # as the nightly records a challenger whose training was stopped
+    stopped = RunRecords(stopped.name, stopped.lineage, stopped.events, {
+        "promoted": False, "reason": "challenger stopped was stopped at step 3 of 10 (on request): not scored",
+        "champion": None, "challenger": "stopped", "gates_summary": "not scored: the challenger was stopped",
+        "gates": [], "stopped": True})
+    comparison = compare([records("trained-by-hand"), first, refused, stopped])
     cells = {row["run"]: (row["nightly decision"], row["release gates"]) for row in comparison.rows}
     assert cells == {"trained-by-hand": ("", ""), "first": ("promoted (no champion before)",
                                                             "not scored: no champion yet"),
                      "challenger": ("kept against train-champion",
-                                    "2 of 3 passed on test (margin 0.02); failed: night F1")}
+                                    "2 of 3 passed on test (margin 0.02); failed: night F1"),
+                     "stopped": ("not scored (stopped)", "not scored: the challenger was stopped")}
     text = render_markdown(comparison)
     section = text[text.index("## Nightly champion decisions"):]
     assert "### `challenger`: kept against champion `train-champion`" in section
@@ -229,6 +235,7 @@ def test_a_nightly_challenger_shows_the_decision_its_reason_and_every_gate() -> 
     assert "| normal F1 | 0.9 | 0.93 | -0.03 | 0.02 | yes |" in section
     assert "| cross FP/frame | 1.0 | 1.0 | 0.0 | 0.5 | yes |" in section  # 2 FP over 2 frames; one more allowed
     assert "### `first`: promoted (no champion before)" in section and "no champion yet" in section
+    assert "### `stopped`: not scored (stopped)\n\nchallenger stopped was stopped at step 3" in section
     assert "trained-by-hand" not in section
     recorded = {row["name"]: row["champion_decision"] for row in figures_record(comparison)}
     assert recorded["trained-by-hand"] is None and recorded["challenger"]["promoted"] is False
