@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.limits import FlopsByDtype, GemmLimit, over_limit, timed
 from training.calibration import calibrate, step_seconds
 from training.config import TRAIN_PRESETS
-from training.cpu_features import this_cpu
+from training.cpu_features import CPUINFO_ENV, this_cpu
 from training.model import MessagePassing
 from training.models import get_model
 from training.precision import Device, MixedPrecision, label, resolve
@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     load_before = os.getloadavg()
+    if os.environ.get(CPUINFO_ENV):
+        raise SystemExit(f"unset {CPUINFO_ENV}: the bench measures this machine, and would record it as another CPU")
     cpu = this_cpu()
     lane_model = get_model(args.model)
     settings = lane_model.settings(args.preset)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from training.cpu_features import CpuFeatures, this_cpu
+from training.cpu_features import CPUINFO_ENV, CpuFeatures, this_cpu
 from training.models.base import LaneModel, ModelSettings
 from training.precision import (
     MEMORY_FORMATS,
@@ -65,7 +65,11 @@ def cache_dir() -> Path:
 def calibration_inputs(cpu: CpuFeatures, lane_model: LaneModel, settings: ModelSettings, candidates: list[Combo],
                        batch_size: int) -> dict[str, Any]:
     """What a calibration's figures depend on: its cache key is their digest."""
-    return {"machine": cpu.fingerprint(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    # Timings are this machine's even when its CPU is read from $LANEFLOW_CPUINFO: such figures are kept apart.
+    override = os.environ.get(CPUINFO_ENV)
+    machine = {**cpu.fingerprint(), **({"cpuinfo_from": override} if override else {})}
+    return {"machine": machine,
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
             "model": lane_model.name, "settings": json.loads(json.dumps(asdict(settings))),
             "batch": min(batch_size, CALIBRATION_BATCH), "candidates": [label(c) for c in candidates]}
 
