@@ -26,7 +26,7 @@ from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from prefect.blocks.core import Block
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 
-from tasks.platforms.base import ServiceLevelBusy
+from tasks.platform_errors import ServiceLevelBusy
 from tasks.service_level import SERVICE_LEVELS
 
 DEFAULT_AUTHORITY = "login.microsoftonline.com"

@@ -79,7 +79,6 @@ def test_the_parameter_reference_names_every_field_with_its_description() -> Non
 
 def test_the_blocks_reference_matches_the_code_and_describes_every_field() -> None:
     """The platform and ANF blocks' forms, field by field: generated, and checked here without the generator."""
-    import tasks.platforms  # noqa: F401  first: it imports tasks.anf on the way, which alone meets a cycle
     from tasks.anf import AnfVolume
     from tasks.platforms.cluster import ClusterPlatform
     from tasks.platforms.local import LocalPlatform

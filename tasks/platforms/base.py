@@ -20,14 +20,12 @@ from typing import TYPE_CHECKING, Any
 from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tasks.platform_errors import ServiceLevelBusy as ServiceLevelBusy  # exported with the other errors
+from tasks.platform_errors import TransientPlatformError
 from training.data.sources import Artifact
 
 if TYPE_CHECKING:
     from tasks.level_holds import LevelRecord
-
-
-class TransientPlatformError(RuntimeError):
-    """Worth retrying: the same call can succeed later (preemption, lost worker, 429/5xx, reset)."""
 
 
 class VolumeReadFailed(TransientPlatformError):
@@ -58,11 +56,6 @@ class NotOurJob(PermissionError):
 class NotOurClaim(PermissionError):
     """A claim of the volume's name that laneflow did not make and the platform was not told to adopt: using it
     would let a run write to, snapshot and move between service levels a volume someone else may own."""
-
-
-class ServiceLevelBusy(TransientPlatformError):
-    """The storage refused a level change because another operation on the volume is running: wait for it,
-    then decide again (the level wanted may have changed meanwhile)."""
 
 
 class NoServiceLevel(LookupError):
