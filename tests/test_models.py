@@ -106,3 +106,19 @@ def test_a_run_names_its_model_and_the_trainer_is_told_only_when_it_is_not_scnn(
     assert TrainParams(source=source(), model="tinylanes").trainer_settings()["model"] == "tinylanes"
     with pytest.raises(ValueError, match="model"):
         TrainParams(source=source(), model="Tiny Lanes")
+
+
+def test_a_models_settings_are_overridable_whether_or_not_its_module_postpones_annotations() -> None:
+    """A package's settings dataclass holds classes as field types unless its module has ``from __future__ import
+    annotations`` (then text): both say which settings a run may set."""
+    import dataclasses
+
+    real_types = dataclasses.make_dataclass("PlainSettings", [("input_width", int, 256), ("ratio", float, 0.5),
+                                                              ("name", str, "x"), ("shape", tuple, (1,))],
+                                            frozen=True)
+
+    class Plain(SCNNModel):
+        settings_type = real_types
+
+    assert Plain().overridable_settings() == {"input_width": "int", "ratio": "float", "name": "str"}
+    assert "mp_kernel" in get_model("scnn").overridable_settings()  # laneflow's own: annotations as text

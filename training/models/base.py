@@ -90,8 +90,10 @@ class LaneModel(abc.ABC):
 
     def overridable_settings(self) -> dict[str, str]:
         """The settings a run may override (``model.<name>=value``): name -> ``int``, ``float`` or ``str``."""
-        return {field.name: str(field.type) for field in fields(self.settings_type)
-                if str(field.type) in ("int", "float", "str")}
+        kinds = {int: "int", float: "float", str: "str", "int": "int", "float": "float", "str": "str"}
+        # A field's type is its annotation's text under ``from __future__ import annotations``, else the class.
+        return {field.name: kinds[field.type] for field in fields(self.settings_type)
+                if isinstance(field.type, type | str) and field.type in kinds}
 
     @abc.abstractmethod
     def network(self, settings: ModelSettings) -> nn.Module:
