@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import StringConstraints
+from pydantic import GetJsonSchemaHandler, StringConstraints
 
 #: One model setting's value as a run's parameters hold it.
 ModelSettingValue = str | int | float | bool
@@ -24,6 +24,16 @@ NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
 #: A setting's name in ``TrainParams.model_settings``: checked even for a model this process cannot load, as it
 #: becomes ``--set model.<name>=...`` on the trainer's command line.
 SettingName = Annotated[str, StringConstraints(pattern=rf"^{NAME_PATTERN}$")]
+
+
+class NoOtherKeys:
+    """A mapping's schema refuses keys its pattern does not match (pydantic gives the pattern alone, and the
+    server, checking a run's parameters against the deployment's schema, would pass any key)."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        schema = handler(core_schema)
+        return {**schema, "additionalProperties": False} if "patternProperties" in schema else schema
 
 
 def overridable(model: str) -> dict[str, str] | None:

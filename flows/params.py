@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from flows.model_settings import ModelSettingValue, SettingName, check_model_settings, with_changes
+from flows.model_settings import ModelSettingValue, NoOtherKeys, SettingName, check_model_settings, with_changes
 from tasks.dataset_index import check_index_url
 from tasks.names import DNS_LABEL, MAX_NAME, validate_name
 from tasks.platforms.base import ElasticWorkers
@@ -159,7 +159,7 @@ class TrainParams(BaseModel):
                        description="lane model: scnn (SCNN), ufld (row anchors, 5-15x faster inference), or one "
                                    "a package registers in the entry-point group laneflow.models, installed where "
                                    "training runs (docs: Add your model)")
-    model_settings: dict[SettingName, ModelSettingValue] = Field(
+    model_settings: Annotated[dict[SettingName, ModelSettingValue], NoOtherKeys] = Field(
         {}, description="the model's own settings over its preset's (the trainer's "
                                           "model.<name>=value), e.g. {\"cells\": 100, \"backbone\": \"resnet34\"} "
                                           "for ufld; an unknown name or a bad value is refused before anything runs, "

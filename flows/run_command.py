@@ -132,7 +132,8 @@ def _start_and_follow(name: str, deployment_name: str, overrides: dict[str, Any]
             deployment = client.read_deployment_by_name(deployment_name)
         current = frozenset(TrainParams.model_fields) | frozenset(_flow_parameters(deployment_name))
         why = unknown_parameters(overrides, deployment.parameter_openapi_schema, current)
-        if why and local and any(key in current for key in overrides):  # ours to bring up to date
+        known = (deployment.parameter_openapi_schema or {}).get("properties") or {}
+        if why and local and any(key in current and key not in known for key in overrides):  # ours to update
             print(f"{name}: {why.split(':', 1)[0]}; applying prefect.yaml's deployments again...", file=out,
                   flush=True)
             deploy(deployment_environment(home, env))

@@ -18,19 +18,26 @@ from __future__ import annotations
 
 import math
 import typing
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    GetJsonSchemaHandler,
     StringConstraints,
     TypeAdapter,
     ValidationError,
 )
 
-from flows.model_settings import NAME_PATTERN, PREFIX, check_model_settings, is_setting_key, overridable
+from flows.model_settings import (
+    NAME_PATTERN,
+    PREFIX,
+    NoOtherKeys,
+    check_model_settings,
+    is_setting_key,
+    overridable,
+)
 from flows.params import TrainParams
 
 #: Fields a sweep never searches: each trial must train on the same data, be scored the same way and keep the
@@ -70,21 +77,12 @@ def searchable_fields() -> list[str]:
 SearchDimension = SearchRange | SearchChoices
 #: A space's key: a searchable field, or one of the model's own settings (checked against the model by
 #: ``check_space``). One pattern (a union of key types leaves the schema no rule on keys at all): with
-#: ``_NoOtherKeys`` the deployment's schema refuses any other key when a run is created.
+#: ``NoOtherKeys`` the deployment's schema refuses any other key when a run is created.
 SearchKey = Annotated[str, StringConstraints(
     pattern=rf"^(?:{'|'.join(searchable_fields())}|{PREFIX.replace('.', '[.]')}{NAME_PATTERN})$")]
 
 
-class _NoOtherKeys:
-    """The schema of a space refuses keys its pattern does not match (pydantic gives the pattern alone)."""
-
-    @classmethod
-    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
-        schema = handler(core_schema)
-        return {**schema, "additionalProperties": False} if "patternProperties" in schema else schema
-
-
-SearchSpace = Annotated[dict[SearchKey, SearchDimension], _NoOtherKeys]
+SearchSpace = Annotated[dict[SearchKey, SearchDimension], NoOtherKeys]
 SearchStrategy = Literal["grid", "random", "tpe"]
 
 
@@ -105,13 +103,16 @@ def _trial_models(space: dict[str, Any], base: TrainParams | None) -> list[str]:
 
 
 def _unknown_kind(dimension: Any) -> str | None:
-    """The type of a setting no model here knows, as its range gives it: whole bounds and step make an ``int``,
-    any other bound a ``float``; choices name no type (the trainer checks them)."""
+    """The type of a setting no model here knows, as its range gives it: whole bounds with a whole step make an
+    ``int``, any other range a ``float`` (a range's bounds are numbers: 0.0..1.0 and 0..1 read alike); choices name no
+    type (the trainer checks them)."""
     if isinstance(dimension, dict):
         dimension = SearchRange.model_validate(dimension) if "low" in dimension else None
     if not isinstance(dimension, SearchRange):
         return None
-    numbers = [dimension.low, dimension.high, *([dimension.step] if dimension.step is not None else [])]
+    if dimension.step is None or dimension.log:  # 0.0..1.0 reads as whole numbers: only a whole step says int
+        return "float"
+    numbers = [dimension.low, dimension.high, dimension.step]
     return "int" if all(float(number).is_integer() for number in numbers) else "float"
 
 
@@ -175,10 +176,15 @@ def _range_values(dimension: SearchRange, kind: str) -> list[int | float]:
     bounds."""
     low, high = (int(dimension.low), int(dimension.high)) if kind == "int" else (dimension.low, dimension.high)
     step = dimension.step if dimension.step is not None else (1 if kind == "int" and not dimension.log else None)
-    if step is None or (high - low) / step + 1 > MAX_CHECKED_VALUES:
+    if step is None:
         return [low, high]
-    count = int((high - low) // step) + 1
-    return [int(low + i * step) if kind == "int" else low + i * step for i in range(count)]
+    # As Optuna steps a range: low + k * step up to high, in decimal (0.1 + 0.2 is 0.3 here, as in its grid).
+    first, stride = Decimal(str(low)), Decimal(str(step))
+    count = int((Decimal(str(high)) - first) // stride) + 1
+    last = first + (count - 1) * stride
+    picks = range(count) if count <= MAX_CHECKED_VALUES else (0, count - 1)
+    values = [first + i * stride if i < count - 1 else last for i in picks]
+    return [int(value) if kind == "int" else float(value) for value in values]
 
 
 def _number_kind(name: str, kind: str | None = None) -> type | None:

@@ -264,10 +264,10 @@ class SweepStudy:
 
     def counted(self) -> int:
         """Trials that count towards ``trials``: every finished one (complete, pruned or failed) but those
-        stopped by an interruption, whose retry counts instead."""
+        stopped by an interruption, whose retry counts instead, and those refused when asked (never run)."""
         finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
         return sum(1 for trial in self.optuna_study.get_trials(deepcopy=False, states=finished)
-                   if not trial.user_attrs.get("interrupted"))
+                   if not trial.user_attrs.get("interrupted") and "refused" not in trial.user_attrs)
 
     def ask(self) -> AskedTrial:
         """The next trial, scored on val (hyperparameters are never chosen on test), on the volume before its

@@ -444,10 +444,15 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
                       make_pruner(pruner, trials, params.eval_every * smallest_images_per_step(params, dimensions)))
     in_flight: dict[concurrent.futures.Future, tuple[Any, AskedTrial]] = {}
     asked = study.counted()
+    gave_up: ValueError | None = None
     with ExitStack() as judges:  # every trial's judge is let go when the sweep ends, however it ends
         while asked < trials or in_flight:
             while asked < trials and len(in_flight) < max_concurrent:
-                trial = study.ask()
+                try:
+                    trial = study.ask()
+                except ValueError as exc:  # the space gives no run any more: the trials running end and are told
+                    gave_up, asked = exc, trials
+                    break
                 if pruner != "none":
                     judges.enter_context(judged_by(run_name("", key=trial.run_key), TrialJudge(
                         trial.optuna_trial, pruner, study.lock, images_per_step(trial.params))))
@@ -464,6 +469,8 @@ def _search(params: TrainParams, dimensions: dict[str, SearchDimension], strateg
                 except Exception as exc:  # the child could not even be run: a failed trial, the sweep goes on
                     row = {"index": trial.number, "state": "Failed", "error": str(exc)[:500], "params": chosen}
                 study.tell(trial, row, val_accuracy(row))
+    if gave_up is not None:
+        raise gave_up
     return study
 
 

@@ -252,6 +252,12 @@ def gpu_pool_check_name(gpus_per_worker: int) -> str:
 KUEUE_PLACES = "Kueue's flavors add their node labels and tolerations at admission"
 
 
+def as_a_flavor_may_place(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` with what a Kueue flavor may add at admission taken as given: every taint tolerated, any node
+    labels. What is left to judge — GPUs, CPU, memory per node, cordons — no flavor changes."""
+    return {**spec, "tolerations": [{"operator": "Exists"}], "nodeSelector": {}, "affinity": None}
+
+
 def gpu_pool_verdict(nodes: Iterable[Mapping[str, Any]], tolerations: Iterable[Mapping[str, Any]],
                      node_selector: Mapping[str, str], gpus_per_worker: int, kueue: bool = False) -> Check:
     """A node pool where the training workers fit: taints tolerated, node selector matched, enough GPUs; otherwise
@@ -263,7 +269,7 @@ def gpu_pool_verdict(nodes: Iterable[Mapping[str, Any]], tolerations: Iterable[M
     if fit:
         return Check(what, True, "pools " + ", ".join(fit))
     seen = "; ".join(f"{pool}: {reason}" for pool, reason in why.items()) or "no nodes"
-    if kueue:
+    if kueue and landing_pools(nodes, as_a_flavor_may_place(worker))[0]:
         return Check(what, True, f"none by the block's own fields ({seen}); {KUEUE_PLACES}")
     return Check(what, False, seen, "the block's tolerations, node_selector or gpus_per_worker, or a GPU pool "
                                     "(az aks nodepool add --node-taints sku=gpu:NoSchedule ...)")
@@ -293,7 +299,7 @@ def placement_verdict(nodes: Iterable[Mapping[str, Any]], pods: Mapping[str, Map
             landed.append(f"{what} → {', '.join(fit)}")
             continue
         on_gpus = bool(pod_requests(spec).get(GPU))
-        if kueue and on_gpus:
+        if kueue and on_gpus and landing_pools(nodes, as_a_flavor_may_place(spec))[0]:
             landed.append(f"{what} → by Kueue's flavor")
             continue
         reasons = "; ".join(f"{pool}: {reason}" for pool, reason in why.items()) or "no nodes"

@@ -142,6 +142,11 @@ def test_each_of_a_runs_pods_is_placed_on_the_pools_the_scheduler_could_put_it_o
     assert pool.ok and "gpu: taint sku=gpu:NoSchedule not tolerated" in pool.detail and "Kueue's flavors" in \
         pool.detail, pool
     assert not gpu_pool_verdict(served_nodes(), [], {}, gpus_per_worker=1).ok
+    # No flavor adds GPUs: 8 per worker on 4-GPU nodes fits nowhere, Kueue or not.
+    assert not gpu_pool_verdict(served_nodes(), [], {}, gpus_per_worker=8, kueue=True).ok
+    greedy_flavored = run_pod_specs(example_block(tolerations=[], node_selector={}, kueue_queue="laneflow",
+                                                  gpus_per_worker=8))
+    assert not placement_verdict(served_nodes(), greedy_flavored, kueue=True).ok
 
 
 def test_required_node_affinity_and_cordons_are_judged_as_the_scheduler_judges_them() -> None:

@@ -176,10 +176,22 @@ def test_a_space_is_refused_up_front_where_a_trial_would_be_refused_once_asked()
         check_space({"model_settings.input_width": {"low": 256, "high": 512, "step": 16}}, ufld())
     check_space({"model_settings.input_width": {"low": 256, "high": 512, "step": 32}}, ufld())
     elsewhere = TrainParams(source=source(), model="a-model-of-the-training-image")
-    found = distributions(check_space({"model_settings.channels": {"low": 4, "high": 16},
-                                       "model_settings.weight": {"low": 0.5, "high": 2}}, elsewhere), elsewhere)
-    assert type(found["model_settings.channels"]).__name__ == "IntDistribution"
+    found = distributions(check_space({"model_settings.channels": {"low": 4, "high": 16, "step": 4},
+                                       "model_settings.weight": {"low": 0.0, "high": 1.0},
+                                       "model_settings.rate": {"low": 1, "high": 4, "log": True}}, elsewhere),
+                          elsewhere)
+    assert type(found["model_settings.channels"]).__name__ == "IntDistribution"  # a whole step says int
+    # 0.0..1.0 reads as 0..1 (a range's bounds are numbers): without a whole step it is searched as a float
     assert type(found["model_settings.weight"]).__name__ == "FloatDistribution"
+    assert type(found["model_settings.rate"]).__name__ == "FloatDistribution"
+
+
+def test_a_stepped_ranges_values_are_the_ones_optuna_samples() -> None:
+    from flows.search import SearchRange, _range_values
+
+    assert _range_values(SearchRange(low=0.1, high=0.3, step=0.1), "float") == [0.1, 0.2, 0.3]
+    assert _range_values(SearchRange(low=0.0, high=1.0, step=0.3), "float") == [0.0, 0.3, 0.6, 0.9]
+    assert _range_values(SearchRange(low=256, high=100_010, step=32), "int") == [256, 100_000]  # ends only
 
 
 def test_a_trial_no_run_may_have_is_told_failed_and_the_next_one_asked() -> None:
@@ -219,3 +231,25 @@ def test_a_setting_name_is_a_name_even_for_a_model_this_process_cannot_load() ->
         TrainParams(source=source(), model="a-model-of-the-training-image", model_settings={"x; rm -rf /": 1})
     kept = TrainParams(source=source(), model="a-model-of-the-training-image", model_settings={"channels": 8})
     assert kept.trainer_settings()["model.channels"] == "8"
+
+
+def test_refused_trials_do_not_count_towards_a_kept_studys_trials() -> None:
+    base = ufld()
+    study = SweepStudy.of_sweep("00112233445566778899aabbccddeeff",
+                                {"model_settings.cells": optuna.distributions.IntDistribution(1, 2)}, base)
+    study.search_with("random", 3, trials=2, max_concurrent=1, pruner=optuna.pruners.NopPruner())
+    study.optuna_study.enqueue_trial({"model_settings.cells": 1})
+    study.ask()  # one refused, one running
+    assert study.counted() == 0
+
+
+def test_the_deployments_schema_refuses_a_setting_name_that_is_not_a_name() -> None:
+    """What the server checks a run's parameters against when the run is created (every deployment enforces its
+    schema): a bad name is refused there, before a worker starts anything."""
+    from flows.train import train_pipeline
+
+    schema = train_pipeline.parameters.model_dump_for_openapi()
+    form = {"source": json.loads(source().model_dump_json())}
+    validate({**form, "model_settings": {"cells": 50}}, schema, raise_on_error=True, ignore_required=True)
+    with pytest.raises(SchemaRefusal, match="'x; rm' does not match any of the regexes"):
+        validate({**form, "model_settings": {"x; rm": 3}}, schema, raise_on_error=True, ignore_required=True)
