@@ -102,12 +102,10 @@ def _trial_models(space: dict[str, Any], base: TrainParams | None) -> list[str]:
     return [base.model if base is not None else TrainParams.model_fields["model"].default]
 
 
-def _unknown_kind(dimension: Any) -> str | None:
+def _unknown_kind(dimension: SearchDimension) -> str | None:
     """The type of a setting no model here knows, as its range gives it: whole bounds with a whole step make an
     ``int``, any other range a ``float`` (a range's bounds are numbers: 0.0..1.0 and 0..1 read alike); choices name no
     type (the trainer checks them)."""
-    if isinstance(dimension, dict):
-        dimension = SearchRange.model_validate(dimension) if "low" in dimension else None
     if not isinstance(dimension, SearchRange):
         return None
     if dimension.step is None or dimension.log:  # 0.0..1.0 reads as whole numbers: only a whole step says int
@@ -116,7 +114,7 @@ def _unknown_kind(dimension: Any) -> str | None:
     return "int" if all(float(number).is_integer() for number in numbers) else "float"
 
 
-def _setting_kind(where: str, key: str, models: list[str], dimension: Any = None) -> str | None:
+def _setting_kind(where: str, key: str, models: list[str], dimension: SearchDimension) -> str | None:
     """A model setting's type (``int``, ``float``, ``str``), the same in every model of ``models`` that this process
     knows; when it knows none of them (a model installed only in the training image: the trainer checks), the
     type ``dimension``'s range gives. A setting one of them lacks is refused."""
@@ -181,9 +179,8 @@ def _range_values(dimension: SearchRange, kind: str) -> list[int | float]:
     # As Optuna steps a range: low + k * step up to high, in decimal (0.1 + 0.2 is 0.3 here, as in its grid).
     first, stride = Decimal(str(low)), Decimal(str(step))
     count = int((Decimal(str(high)) - first) // stride) + 1
-    last = first + (count - 1) * stride
     picks = range(count) if count <= MAX_CHECKED_VALUES else (0, count - 1)
-    values = [first + i * stride if i < count - 1 else last for i in picks]
+    values = [first + i * stride for i in picks]
     return [int(value) if kind == "int" else float(value) for value in values]
 
 
